@@ -1,0 +1,193 @@
+"""Optimisation rules shared by every LightningModule: LR scaling, parameter groups, LR schedules.
+
+One place for each rule, so the SSD300 and MobileNetV2 recipes can never drift apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+LR_SCALING_RULES = ("linear", "sqrt", "none")
+SCHEDULES = ("multistep", "step", "cosine", "constant")
+
+
+def scale_lr(
+    base_lr: float,
+    *,
+    rule: str = "linear",
+    world_size: int = 1,
+    batch_size: int,
+    reference_batch_size: int = 32,
+) -> float:
+    """Scale a base learning rate to the global batch actually used.
+
+    ``linear`` is the NVIDIA SSD300 rule: ``lr = base_lr * world_size * batch_size / reference_batch_size``
+    (``batch_size`` is per device, as the reference's ``--bs``). ``sqrt`` takes the square root of that
+    ratio; ``none`` returns ``base_lr`` unchanged.
+    """
+    if rule not in LR_SCALING_RULES:
+        raise ValueError(f"lr_scaling.rule must be one of {LR_SCALING_RULES}, got {rule!r}")
+    if batch_size <= 0 or world_size <= 0 or reference_batch_size <= 0:
+        raise ValueError(
+            "lr scaling needs positive sizes, got "
+            f"batch_size={batch_size}, world_size={world_size}, reference_batch_size={reference_batch_size}"
+        )
+    ratio = world_size * batch_size / reference_batch_size
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
+
+
+def _is_depthwise(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) and module.groups > 1 and module.groups == module.in_channels
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    *,
+    norm_weight_decay: float | None = 0.0,
+    bias_weight_decay: float | None = 0.0,
+    depthwise_weight_decay: float | None = None,
+) -> list[dict]:
+    """Split parameters into weight-decay groups.
+
+    Every parameter of a normalisation layer (BatchNorm, GroupNorm, LayerNorm, ...) gets
+    ``norm_weight_decay``, every bias gets ``bias_weight_decay``, depthwise-convolution weights get
+    ``depthwise_weight_decay``; ``None`` for any of these means "same as ``weight_decay``". The NVIDIA
+    SSD300 recipe is ``weight_decay=5e-4`` with 0 on BatchNorm and biases. Frozen parameters are left out.
+    Empty groups are dropped.
+    """
+    norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+    decays = {
+        "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
+        "bias": weight_decay if bias_weight_decay is None else bias_weight_decay,
+        "depthwise": weight_decay if depthwise_weight_decay is None else depthwise_weight_decay,
+        "other": weight_decay,
+    }
+    buckets: dict[str, list[nn.Parameter]] = {k: [] for k in decays}
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if isinstance(module, norm_types):
+                kind = "norm"
+            elif name == "bias":
+                kind = "bias"
+            elif _is_depthwise(module):
+                kind = "depthwise"
+            else:
+                kind = "other"
+            buckets[kind].append(param)
+    return [
+        {"params": params, "weight_decay": decays[kind], "name": kind}
+        for kind, params in buckets.items()
+        if params
+    ]
+
+
+def build_optimizer(
+    optimizer: Callable[..., torch.optim.Optimizer],
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    norm_weight_decay: float | None = 0.0,
+    bias_weight_decay: float | None = 0.0,
+    depthwise_weight_decay: float | None = None,
+) -> torch.optim.Optimizer:
+    """Instantiate a (partial) optimizer on :func:`param_groups` of ``model`` with the effective ``lr``."""
+    groups = param_groups(
+        model,
+        weight_decay,
+        norm_weight_decay=norm_weight_decay,
+        bias_weight_decay=bias_weight_decay,
+        depthwise_weight_decay=depthwise_weight_decay,
+    )
+    return optimizer(groups, lr=lr)
+
+
+def partial_kwarg(optimizer: Callable, key: str, default: float | None = None) -> float | None:
+    """Read a keyword (``lr``, ``weight_decay``) stored in a ``functools.partial`` optimizer from config."""
+    if isinstance(optimizer, functools.partial):
+        return optimizer.keywords.get(key, default)
+    return default
+
+
+def lr_factor(
+    step: int,
+    *,
+    schedule: str,
+    steps_per_epoch: int,
+    total_steps: int,
+    warmup_steps: int = 0,
+    milestones: Iterable[int] = (),
+    gamma: float = 0.1,
+    step_size: int = 1,
+    min_factor: float = 0.0,
+) -> float:
+    """Multiplier of the peak LR at optimizer ``step`` (0-based), evaluated per iteration.
+
+    - linear warm-up over the first ``warmup_steps`` iterations, as the NVIDIA reference does
+      (``lr = peak * step / warmup_steps``, so the very first step has LR 0 when warm-up is on);
+    - then ``multistep`` (× ``gamma`` at each epoch in ``milestones``), ``step`` (× ``gamma`` every
+      ``step_size`` epochs, torchvision's MobileNetV2 recipe), ``cosine`` (to ``min_factor`` at
+      ``total_steps``, measured after warm-up) or ``constant``.
+    Epoch boundaries come from ``steps_per_epoch``; the schedule never depends on wall-clock or sync.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"scheduler.name must be one of {SCHEDULES}, got {schedule!r}")
+    warm = step / warmup_steps if warmup_steps > 0 and step < warmup_steps else 1.0
+    epoch = step // max(1, steps_per_epoch)
+    if schedule == "multistep":
+        decay = gamma ** sum(1 for m in milestones if epoch >= m)
+    elif schedule == "step":
+        decay = gamma ** (epoch // max(1, step_size))
+    elif schedule == "cosine":
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, max(0.0, (step - warmup_steps) / span))
+        decay = min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        decay = 1.0
+    return warm * decay
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    schedule: str,
+    steps_per_epoch: int,
+    max_epochs: int,
+    warmup_steps: int = 0,
+    warmup_epochs: float = 0.0,
+    milestones: Iterable[int] = (),
+    gamma: float = 0.1,
+    step_size: int = 1,
+    min_factor: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A per-iteration ``LambdaLR`` implementing :func:`lr_factor`.
+
+    ``warmup_epochs`` (MobileNetV2 recipes) is converted to iterations and added to ``warmup_steps``
+    (SSD300 recipes count warm-up in iterations).
+    """
+    fn = functools.partial(
+        lr_factor,
+        schedule=schedule,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=steps_per_epoch * max_epochs,
+        warmup_steps=int(warmup_steps + round(warmup_epochs * steps_per_epoch)),
+        milestones=tuple(milestones),
+        gamma=gamma,
+        step_size=step_size,
+        min_factor=min_factor,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,0 +1,1 @@
+"""LightningModules: they take plain arguments, never a config object."""

@@ -1,0 +1,19 @@
+# GPU image for clusters. NVIDIA's PyTorch container already ships CUDA, cuDNN, torch and DALI.
+#   docker build -t ssd_lightning .
+#   docker run --gpus all --ipc=host -v /data/coco:/coco ssd_lightning \
+#       python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+FROM nvcr.io/nvidia/pytorch:25.10-py3
+
+WORKDIR /workspace/ssd_lightning
+ENV PYTHONUNBUFFERED=1
+
+# Dependencies first (cached layer); torch and DALI come from the base image.
+COPY pyproject.toml README.md ./
+COPY ssd_lightning ./ssd_lightning
+RUN pip install --no-cache-dir -e .
+
+COPY configs ./configs
+COPY scripts ./scripts
+COPY train.py ./
+
+CMD ["python", "train.py", "--help"]

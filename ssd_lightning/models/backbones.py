@@ -1,0 +1,70 @@
+"""ResNet feature extractors for SSD300 (conv4_x at stride 8, as in NVIDIA SSD300 v1.1).
+
+Backbone protocol shared by every SSD backbone: an ``nn.Module`` whose ``forward(images)`` returns a
+``list[Tensor]`` of feature maps and whose attribute ``out_channels: list[int]`` lists their channels.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torchvision.models import resnet
+
+__all__ = ["RESNET_NAMES", "ResNetBackbone", "resnet_backbone"]
+
+#: Accepted ResNet names and the number of channels of their conv4_x (layer3) output.
+RESNET_NAMES: dict[str, int] = {
+    "resnet18": 256,
+    "resnet34": 256,
+    "resnet50": 1024,
+    "resnet101": 1024,
+    "resnet152": 1024,
+}
+
+
+class ResNetBackbone(nn.Module):
+    """ResNet stem + conv2_x..conv4_x with the first conv4_x block at stride 1.
+
+    A (N, 3, 300, 300) input gives one (N, C, 38, 38) feature map, C = 256 (ResNet-18/34) or 1024
+    (ResNet-50/101/152). The module keeps the NVIDIA reference name ``feature_extractor`` (an
+    ``nn.Sequential`` of the torchvision children ``conv1, bn1, relu, maxpool, layer1..layer3``) so
+    reference checkpoints map onto it key for key.
+    """
+
+    def __init__(self, net: resnet.ResNet) -> None:
+        super().__init__()
+        children = list(net.children())[:7]  # conv1, bn1, relu, maxpool, layer1, layer2, layer3
+        self.feature_extractor = nn.Sequential(*children)
+        first_block = self.feature_extractor[-1][0]
+        # BasicBlock strides in conv1, Bottleneck (torchvision >= 0.5, "ResNet v1.5") in conv2.
+        first_block.conv1.stride = (1, 1)
+        first_block.conv2.stride = (1, 1)
+        first_block.downsample[0].stride = (1, 1)
+        self.out_channels: list[int] = [first_block.downsample[0].out_channels]
+
+    def forward(self, images: Tensor) -> list[Tensor]:
+        """(N, 3, H, W) -> [(N, C, H/8, W/8)]."""
+        return [self.feature_extractor(images)]
+
+
+def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
+    """Build a :class:`ResNetBackbone` from torchvision.
+
+    Args:
+        name: one of ``resnet18, resnet34, resnet50, resnet101, resnet152``.
+        weights: a torchvision weights enum member name for that network, e.g. ``"IMAGENET1K_V2"``
+            (downloaded by torchvision on first use), or ``None`` for random initialisation.
+    """
+    if name not in RESNET_NAMES:
+        raise ValueError(f"unknown ResNet backbone {name!r}; expected one of {sorted(RESNET_NAMES)}")
+    builder = getattr(resnet, name)
+    if weights is not None:
+        enum = resnet.get_model_weights(builder)
+        try:
+            weights = enum[weights]
+        except KeyError:
+            raise ValueError(
+                f"weights_backbone={weights!r} is not a weights name of {name}; "
+                f"expected one of {[w.name for w in enum]} or None"
+            ) from None
+    return ResNetBackbone(builder(weights=weights))
+

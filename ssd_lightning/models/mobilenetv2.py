@@ -1,0 +1,289 @@
+"""MobileNetV2 (Sandler et al., 2018) as a classifier and as an SSD300 backbone, built on torchvision.
+
+:func:`mobilenet_v2` returns a plain :class:`torchvision.models.MobileNetV2`, so its state dict is
+torchvision's key for key; what this module adds is argument validation, weight loading from local
+files (Lightning/DDP checkpoints included) and :class:`MobileNetV2SSDBackbone`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torchvision.models import MobileNet_V2_Weights, MobileNetV2
+
+__all__ = [
+    "DEFAULT_INVERTED_RESIDUAL_SETTING",
+    "MobileNetV2SSDBackbone",
+    "load_mobilenet_v2_state_dict",
+    "mobilenet_v2",
+    "resolve_weights",
+]
+
+log = logging.getLogger(__name__)
+
+#: The paper's inverted residual table, one row per stage: expansion t, output channels c, repeats n,
+#: stride s of the first block. Channels are multiplied by ``width_mult`` and rounded to ``round_nearest``.
+DEFAULT_INVERTED_RESIDUAL_SETTING: list[list[int]] = [
+    # t, c, n, s
+    [1, 16, 1, 1],
+    [6, 24, 2, 2],
+    [6, 32, 3, 2],
+    [6, 64, 4, 2],
+    [6, 96, 3, 1],
+    [6, 160, 3, 2],
+    [6, 320, 1, 1],
+]
+
+#: Key prefixes added by wrappers around the network: DDP (``module.``), LightningModules that hold the
+#: network as ``self.model``/``self.net``, ``torch.compile`` (``_orig_mod.``).
+_WRAPPER_PREFIXES = ("module.", "model.", "net.", "_orig_mod.")
+_CLASSIFIER_KEYS = ("classifier.1.weight", "classifier.1.bias")
+
+
+def _validate_setting(setting: object) -> list[list[int]]:
+    """Check an inverted residual table and return it as a list of 4-int lists."""
+    name = "inverted_residual_setting"
+    if isinstance(setting, str | bytes | Mapping) or not isinstance(setting, Sequence):
+        raise ValueError(f"{name} must be a list of [t, c, n, s] rows, got {type(setting).__name__}")
+    rows = list(setting)
+    if not rows:
+        raise ValueError(f"{name} must not be empty; give at least one [t, c, n, s] row")
+    out: list[list[int]] = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str | bytes | Mapping) or not isinstance(row, Sequence):
+            raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {row!r}")
+        values = list(row)
+        if len(values) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {values!r}")
+        t, c, n, s = values
+        if min(t, c, n) < 1:
+            raise ValueError(
+                f"{name}[{i}] = {values}: expansion t, channels c and repeats n must be positive"
+            )
+        if s not in (1, 2):
+            raise ValueError(f"{name}[{i}] = {values}: stride s must be 1 or 2, got {s}")
+        out.append(values)
+    return out
+
+
+def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_Weights | None:
+    """Map a torchvision weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``, ``"DEFAULT"``, or the
+    ``"MobileNet_V2_Weights.<NAME>"`` spelling) to its enum member; ``None`` stays ``None``.
+
+    Nothing is downloaded here.
+    """
+    if weights is None or isinstance(weights, MobileNet_V2_Weights):
+        return weights
+    try:
+        return MobileNet_V2_Weights.verify(weights)
+    except (KeyError, TypeError, ValueError):
+        names = [w.name for w in MobileNet_V2_Weights] + ["DEFAULT"]
+        raise ValueError(
+            f"weights={weights!r} is not a MobileNetV2 weights name of torchvision; "
+            f"expected one of {names} or None (use pretrained_path= for a local file)"
+        ) from None
+
+
+def _read_checkpoint(path: Path) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # Lightning checkpoints pickle hyper-parameters (e.g. partial optimizers). The file was named
+        # explicitly by the user, so it is trusted as Lightning itself does when resuming.
+        log.warning("%s holds more than tensors; loading it with weights_only=False", path)
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _extract_state_dict(checkpoint: object, source: str) -> dict[str, Tensor]:
+    """Find the network's tensors in a checkpoint and strip wrapper prefixes from their keys."""
+    state = checkpoint
+    for key in ("state_dict", "model"):  # Lightning, torchvision's reference scripts
+        if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
+            state = state[key]
+            break
+    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(
+            f"{source} holds no state dict: expected a dict of tensors, or a dict with a 'state_dict' "
+            "or 'model' entry holding one"
+        )
+    state = dict(state)
+    changed = True
+    while changed:  # "model.module.features..." → "features..."
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            inside = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if inside:
+                if len(inside) < len(state):
+                    log.info(
+                        "%s: using the %d tensors under %r, ignoring %d others (e.g. EMA copies)",
+                        source,
+                        len(inside),
+                        prefix,
+                        len(state) - len(inside),
+                    )
+                state, changed = inside, True
+                break
+    return state
+
+
+def load_mobilenet_v2_state_dict(
+    model: MobileNetV2, state_dict: Mapping[str, Tensor], *, source: str = "state dict"
+) -> None:
+    """Load ``state_dict`` into ``model`` strictly, except for the classifier when class counts differ.
+
+    Raises:
+        ValueError: listing missing, unexpected and shape-mismatched keys (at most 10 of each).
+    """
+    state = dict(state_dict)
+    own = model.state_dict()
+    head_w = state.get(_CLASSIFIER_KEYS[0])
+    if head_w is not None and own[_CLASSIFIER_KEYS[0]].shape != head_w.shape:
+        same_width = head_w.shape[1:] == own[_CLASSIFIER_KEYS[0]].shape[1:]
+        if same_width:
+            log.info(
+                "%s has a %d-class classifier, the model %d classes: loading everything but the classifier",
+                source,
+                head_w.shape[0],
+                own[_CLASSIFIER_KEYS[0]].shape[0],
+            )
+            for key in _CLASSIFIER_KEYS:
+                state.pop(key, None)
+                own.pop(key)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in set(own) & set(state)
+        if state[k].shape != own[k].shape
+    )
+    if missing or unexpected or mismatched:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if keys:
+                more = f" ... (+{len(keys) - 10} more)" if len(keys) > 10 else ""
+                parts.append(f"{label} ({len(keys)}): {keys[:10]}{more}")
+        raise ValueError(
+            f"{source} does not fit this MobileNetV2 (check width_mult / inverted_residual_setting): "
+            + "; ".join(parts)
+        )
+    model.load_state_dict(state, strict=False)  # strictness checked above, classifier possibly left out
+
+
+def mobilenet_v2(
+    *,
+    num_classes: int = 1000,
+    width_mult: float = 1.0,
+    inverted_residual_setting: Sequence[Sequence[int]] | None = None,
+    round_nearest: int = 8,
+    dropout: float = 0.2,
+    weights: str | MobileNet_V2_Weights | None = None,
+    pretrained_path: str | Path | None = None,
+) -> MobileNetV2:
+    """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init).
+
+    Maps (N, 3, H, W) float images, ImageNet-normalised, to (N, num_classes) logits.
+    Parameters with 1000 classes: 3,504,872 (width 1.0), 2,636,424 (0.75), 1,968,680 (0.5),
+    6,108,776 (1.4).
+
+    Args:
+        num_classes: size of the classifier output.
+        width_mult: channel multiplier of every layer (the last layer is never made thinner than 1280).
+        inverted_residual_setting: ``[t, c, n, s]`` rows; ``None`` is the paper's table
+            (:data:`DEFAULT_INVERTED_RESIDUAL_SETTING`).
+        round_nearest: channel counts are rounded to a multiple of this (1 turns rounding off).
+        dropout: dropout probability before the classifier.
+        weights: torchvision ImageNet weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``),
+            downloaded by torchvision on first use; needs width 1.0 and the default table.
+        pretrained_path: a local file with a state dict (plain, or under ``state_dict``/``model``, keys
+            possibly prefixed ``module.``/``model.``/``net.``), loaded strictly. With a different
+            class count the classifier is left at its initialisation (logged).
+    """
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if width_mult <= 0:
+        raise ValueError(f"width_mult must be > 0, got {width_mult}")
+    if round_nearest < 1:
+        raise ValueError(f"round_nearest must be >= 1, got {round_nearest}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    setting = None if inverted_residual_setting is None else _validate_setting(inverted_residual_setting)
+    resolved = resolve_weights(weights)
+    if resolved is not None and pretrained_path is not None:
+        raise ValueError("give either weights= (torchvision download) or pretrained_path= (local file), not both")
+    if resolved is not None and (
+        width_mult != 1.0
+        or round_nearest != 8
+        or (setting is not None and setting != DEFAULT_INVERTED_RESIDUAL_SETTING)
+    ):
+        raise ValueError(
+            f"weights={resolved.name} exist only for width_mult=1.0, round_nearest=8 and the default "
+            f"inverted_residual_setting (got width_mult={width_mult}, round_nearest={round_nearest})"
+        )
+
+    model = MobileNetV2(
+        num_classes=num_classes,
+        width_mult=width_mult,
+        inverted_residual_setting=setting,
+        round_nearest=round_nearest,
+        dropout=dropout,
+    )
+    if resolved is not None:
+        state = resolved.get_state_dict(progress=True, check_hash=True)
+        load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")
+    elif pretrained_path is not None:
+        path = Path(pretrained_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"pretrained_path={str(path)!r} does not exist or is not a file")
+        state = _extract_state_dict(_read_checkpoint(path), source=str(path))
+        load_mobilenet_v2_state_dict(model, state, source=str(path))
+    return model
+
+
+class MobileNetV2SSDBackbone(nn.Module):
+    """MobileNetV2 features as an SSD300 backbone with two taps at strides 8 and 16.
+
+    Both taps are expansion layers (1×1 conv + BN + ReLU6) of the first block of a stride-2 stage, the
+    richest maps at their resolution (the placement torchvision's SSDLite uses for its 19×19 tap):
+
+    - ``stage1``: ``features[0:7]`` + the expansion of ``features[7]``: (N, 6·c32, H/8, W/8),
+      192 channels at 38×38 for a 300×300 input and width 1.0;
+    - ``stage2``: the rest of ``features[7]`` (depthwise stride 2 + projection), ``features[8:14]`` and
+      the expansion of ``features[14]``: (N, 6·c96, H/16, W/16), 576 channels at 19×19.
+
+    Layers after the second tap (``features[14]``'s depthwise onwards and the 1280-channel head) are
+    dropped; SSD300's extra layers take over from 19×19. Weights (``weights``/``pretrained_path``) are
+    loaded into the whole classifier before it is cut, so torchvision checkpoints apply unchanged.
+
+    Args:
+        width_mult: as in :func:`mobilenet_v2`.
+        weights: torchvision ImageNet weights name (width 1.0 only), or ``None``.
+        pretrained_path: local MobileNetV2 classifier checkpoint instead of ``weights``.
+    """
+
+    def __init__(
+        self,
+        *,
+        width_mult: float = 1.0,
+        weights: str | MobileNet_V2_Weights | None = None,
+        pretrained_path: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        net = mobilenet_v2(width_mult=width_mult, weights=weights, pretrained_path=pretrained_path)
+        features = net.features
+        tap1, tap2 = features[7], features[14]
+        if tap1.use_res_connect or tap2.use_res_connect or len(tap1.conv) != 4 or len(tap2.conv) != 4:
+            raise ValueError("features[7] and features[14] must be expanding stride-2 blocks")
+        self.stage1 = nn.Sequential(*features[:7], tap1.conv[0])
+        self.stage2 = nn.Sequential(*tap1.conv[1:], *features[8:14], tap2.conv[0])
+        self.out_channels: list[int] = [tap1.conv[0].out_channels, tap2.conv[0].out_channels]
+
+    def forward(self, images: Tensor) -> list[Tensor]:
+        """(N, 3, H, W) -> [(N, C1, ⌈H/8⌉, ⌈W/8⌉), (N, C2, ⌈H/16⌉, ⌈W/16⌉)]; 38×38 and 19×19 at 300×300."""
+        x1 = self.stage1(images)
+        x2 = self.stage2(x1)
+        return [x1, x2]

@@ -1,0 +1,147 @@
+"""SSD300 v1.1: a backbone, extra feature blocks and per-level 3x3 prediction heads.
+
+Submodule names follow the NVIDIA reference (``feature_extractor``, ``additional_blocks``, ``loc``,
+``conf``) so that its checkpoints load key for key (see :mod:`ssd_lightning.models.nvidia`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ssd_lightning.models.backbones import RESNET_NAMES, resnet_backbone
+
+__all__ = ["SSD300", "ssd300", "BACKBONES", "NUM_DEFAULTS", "FEATURE_SIZES"]
+
+#: Default boxes per location on each of the six levels.
+NUM_DEFAULTS: tuple[int, ...] = (4, 6, 6, 6, 4, 4)
+#: Feature map sides for a 300x300 input.
+FEATURE_SIZES: tuple[int, ...] = (38, 19, 10, 5, 3, 1)
+#: Mid (1x1 conv) channels of the extra block that produces level i, for i = 1..5.
+_EXTRA_MID_CHANNELS: tuple[int, ...] = (256, 256, 128, 128, 128)
+
+#: Output channels of levels 0..5 per backbone (levels the backbone does not produce are extras).
+_LEVEL_CHANNELS: dict[str, tuple[int, ...]] = {
+    "resnet18": (256, 512, 512, 256, 256, 128),
+    "resnet34": (256, 512, 512, 256, 256, 256),
+    "resnet50": (1024, 512, 512, 256, 256, 256),
+    "resnet101": (1024, 512, 512, 256, 256, 256),
+    "resnet152": (1024, 512, 512, 256, 256, 256),
+    "mobilenet_v2": (-1, -1, 512, 256, 256, 256),  # levels 0-1 come from the backbone
+}
+BACKBONES: tuple[str, ...] = tuple(_LEVEL_CHANNELS)
+
+
+def _extra_block(in_channels: int, mid_channels: int, out_channels: int, level: int) -> nn.Sequential:
+    """1x1 conv + BN + ReLU, then 3x3 conv + BN + ReLU (stride 2 for levels 1-3, valid for 4-5)."""
+    stride, padding = (2, 1) if level <= 3 else (1, 0)
+    return nn.Sequential(
+        nn.Conv2d(in_channels, mid_channels, kernel_size=1, bias=False),
+        nn.BatchNorm2d(mid_channels),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(mid_channels, out_channels, kernel_size=3, stride=stride, padding=padding, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+class SSD300(nn.Module):
+    """SSD300 detector over any backbone that follows the backbone protocol.
+
+    Args:
+        backbone: module with ``out_channels: list[int]`` whose forward returns that many feature maps
+            (the first at 38x38 for a 300x300 input, the next ones at the following sizes of
+            ``FEATURE_SIZES``).
+        extra_channels: output channels of the extra blocks that build the remaining levels, so that
+            ``len(backbone.out_channels) + len(extra_channels) == 6``.
+        num_classes: number of classes including background (81 for COCO).
+        num_defaults: default boxes per location on each level.
+
+    ``forward(images (N, 3, 300, 300))`` returns ``(locs (N, 4, 8732), logits (N, num_classes, 8732))``;
+    box ``b`` of ``locs``/``logits`` belongs to default box ``b`` of :func:`dboxes300_coco`.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        extra_channels: Sequence[int],
+        num_classes: int,
+        num_defaults: Sequence[int] = NUM_DEFAULTS,
+    ) -> None:
+        super().__init__()
+        backbone_channels = list(getattr(backbone, "out_channels", []))
+        if not backbone_channels:
+            raise ValueError("backbone must have a non-empty attribute out_channels: list[int]")
+        channels = backbone_channels + list(extra_channels)
+        if len(channels) != len(num_defaults):
+            raise ValueError(
+                f"backbone levels ({len(backbone_channels)}) + extra_channels ({len(extra_channels)}) "
+                f"must equal the number of levels, {len(num_defaults)}"
+            )
+        if num_classes < 2:
+            raise ValueError(f"num_classes counts the background too and must be >= 2, got {num_classes}")
+        self.num_classes = num_classes
+        self.num_defaults = list(num_defaults)
+        self.out_channels = channels
+        self.feature_extractor = backbone
+
+        first_extra_level = len(backbone_channels)
+        self.additional_blocks = nn.ModuleList(
+            _extra_block(channels[level - 1], _EXTRA_MID_CHANNELS[level - 1], channels[level], level)
+            for level in range(first_extra_level, len(channels))
+        )
+        self.loc = nn.ModuleList(
+            nn.Conv2d(c, nd * 4, kernel_size=3, padding=1) for c, nd in zip(channels, self.num_defaults)
+        )
+        self.conf = nn.ModuleList(
+            nn.Conv2d(c, nd * num_classes, kernel_size=3, padding=1)
+            for c, nd in zip(channels, self.num_defaults)
+        )
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in (self.additional_blocks, self.loc, self.conf):
+            for param in module.parameters():
+                if param.dim() > 1:
+                    nn.init.xavier_uniform_(param)
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
+        """(N, 3, 300, 300) -> (locs (N, 4, B), logits (N, num_classes, B)), B = 8732."""
+        features = list(self.feature_extractor(images))
+        x = features[-1]
+        for block in self.additional_blocks:
+            x = block(x)
+            features.append(x)
+        n = images.shape[0]
+        locs, logits = [], []
+        for feature, loc_head, conf_head in zip(features, self.loc, self.conf):
+            # (N, nd*4, H, W) -> (N, 4, nd*H*W): the reference's plain view, which fixes the box order.
+            locs.append(loc_head(feature).reshape(n, 4, -1))
+            logits.append(conf_head(feature).reshape(n, self.num_classes, -1))
+        return torch.cat(locs, dim=2).contiguous(), torch.cat(logits, dim=2).contiguous()
+
+
+def ssd300(
+    *, backbone: str = "resnet50", num_classes: int = 81, weights_backbone: str | None = None
+) -> SSD300:
+    """Build SSD300 v1.1.
+
+    Args:
+        backbone: ``resnet18``, ``resnet34``, ``resnet50``, ``resnet101``, ``resnet152`` or
+            ``mobilenet_v2``.
+        num_classes: number of classes including background (81 for COCO).
+        weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or
+            ``None`` for random initialisation.
+    """
+    if backbone not in _LEVEL_CHANNELS:
+        raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(BACKBONES)}")
+    if backbone in RESNET_NAMES:
+        net: nn.Module = resnet_backbone(backbone, weights=weights_backbone)
+    else:
+        from ssd_lightning.models.mobilenetv2 import MobileNetV2SSDBackbone
+
+        net = MobileNetV2SSDBackbone(weights=weights_backbone)
+    extra = _LEVEL_CHANNELS[backbone][len(net.out_channels) :]
+    return SSD300(net, extra, num_classes)

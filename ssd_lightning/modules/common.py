@@ -1,0 +1,95 @@
+"""Pieces every LightningModule here shares: the recipe's optimizer + per-iteration LR schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
+
+
+def per_device_batch_size(trainer: pl.Trainer) -> int:
+    """The per-device training batch size (the reference's ``--bs``), read from the datamodule."""
+    datamodule = getattr(trainer, "datamodule", None)
+    batch_size = getattr(datamodule, "batch_size", None)
+    if batch_size is None:
+        raise ValueError(
+            "LR scaling needs the per-device batch size: the datamodule must expose `batch_size` "
+            "(or set model.lr_scaling.rule=none)"
+        )
+    return int(batch_size)
+
+
+def steps_per_epoch(trainer: pl.Trainer) -> int:
+    """Optimizer steps in one training epoch, as Lightning will run them."""
+    total = trainer.estimated_stepping_batches
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        return max(1, int(total) // trainer.max_epochs)
+    return max(1, int(trainer.num_training_batches))
+
+
+def configure_recipe_optimizers(
+    module: pl.LightningModule,
+    net: nn.Module,
+    *,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    lr_scaling: Mapping | None,
+    scheduler: Mapping | None,
+    norm_weight_decay: float | None = 0.0,
+    bias_weight_decay: float | None = 0.0,
+    depthwise_weight_decay: float | None = None,
+) -> dict:
+    """Optimizer on weight-decay groups with the LR scaled at run time, plus a per-iteration schedule.
+
+    The LR rule is evaluated here, from ``trainer.world_size`` and the datamodule's per-device batch, so
+    ``trainer.devices=...``/``trainer.num_nodes=...`` overrides are honoured without touching the config.
+    """
+    trainer = module.trainer
+    base_lr = partial_kwarg(optimizer, "lr")
+    if base_lr is None:
+        raise ValueError("model.optimizer.lr must be set (the base LR before scaling)")
+    lr_scaling = dict(lr_scaling or {"rule": "none"})
+    rule = lr_scaling.get("rule", "linear")
+    lr = scale_lr(
+        base_lr,
+        rule=rule,
+        world_size=trainer.world_size,
+        batch_size=per_device_batch_size(trainer) if rule != "none" else 1,
+        reference_batch_size=int(lr_scaling.get("reference_batch_size", 32)),
+    )
+    opt = build_optimizer(
+        optimizer,
+        net,
+        lr=lr,
+        weight_decay=partial_kwarg(optimizer, "weight_decay", 0.0) or 0.0,
+        norm_weight_decay=norm_weight_decay,
+        bias_weight_decay=bias_weight_decay,
+        depthwise_weight_decay=depthwise_weight_decay,
+    )
+    if not scheduler:
+        return {"optimizer": opt}
+    scheduler = dict(scheduler)
+    schedule = scheduler.pop("name", "constant")
+    lr_scheduler = build_scheduler(
+        opt,
+        schedule=schedule,
+        steps_per_epoch=steps_per_epoch(trainer),
+        max_epochs=max(1, trainer.max_epochs or 1),
+        **scheduler,
+    )
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step", "frequency": 1}}
+
+
+def check_num_classes(module: pl.LightningModule, net_num_classes: int | None, key: str) -> None:
+    """Fail early, naming the config key, when the network's class count doesn't fit the data."""
+    datamodule = getattr(module.trainer, "datamodule", None)
+    data_classes = getattr(datamodule, "num_classes", None)
+    if net_num_classes is None or data_classes is None or int(data_classes) == int(net_num_classes):
+        return
+    raise ValueError(
+        f"{key}={net_num_classes} but the data has {data_classes} classes "
+        f"(including background for detection); set {key}={data_classes}"
+    )

@@ -1,0 +1,107 @@
+"""LightningModule for SSD300: the NVIDIA recipe's training step, decoder in validation, run-time LR rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, load_nvidia_checkpoint
+from ssd_lightning.modules.common import check_num_classes, configure_recipe_optimizers
+
+DEFAULT_DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 200}
+
+
+class SSDLitModule(pl.LightningModule):
+    """Trains and evaluates an SSD300-family network.
+
+    Args:
+        net: module mapping images (N, 3, 300, 300) to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
+        optimizer: partial optimizer holding the base ``lr`` and ``weight_decay`` (applied to weights
+            only; BatchNorm parameters and biases get none).
+        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": 32}``; evaluated at run time.
+        scheduler: ``{"name": "multistep", "milestones": [43, 54], "gamma": 0.1, "warmup_steps": 300}``
+            or any schedule of :func:`ssd_lightning.optim.lr_factor`; stepped every iteration.
+        decoder: post-processing settings of :meth:`BoxCoder.decode`.
+        channels_last: run the network in NHWC memory format (the reference's GPU default).
+        nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        lr_scaling: Mapping | None = None,
+        scheduler: Mapping | None = None,
+        decoder: Mapping | None = None,
+        channels_last: bool = False,
+        nvidia_checkpoint: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False, ignore=["net"])
+        self.net = net
+        if nvidia_checkpoint is not None:
+            self.net.load_state_dict(load_nvidia_checkpoint(nvidia_checkpoint), strict=True)
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+        default_boxes = dboxes300_coco()
+        self.loss_fn = SSDLoss(default_boxes)
+        self.box_coder = BoxCoder(default_boxes)
+        self.decoder_settings = {**DEFAULT_DECODER, **dict(decoder or {})}
+        self.channels_last = channels_last
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self.net(images)
+
+    def setup(self, stage: str) -> None:
+        check_num_classes(self, getattr(self.net, "num_classes", None), "model.net.num_classes")
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        locs, logits = self(batch["images"])
+        # (N, 8732, 4) -> (N, 4, 8732): the loss works in the network's output layout
+        gt_boxes = batch["boxes"].transpose(1, 2)
+        loss = self.loss_fn(locs.float(), logits.float(), gt_boxes.float(), batch["labels"].long())
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(locs))
+        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def _detect(self, batch: dict[str, torch.Tensor]) -> list[dict]:
+        """Decoded detections per image, boxes mapped to original-image pixels (ltrb)."""
+        locs, logits = self(batch["images"])
+        detections = self.box_coder.decode(locs.float(), logits.float(), **self.decoder_settings)
+        sizes = batch["image_sizes"].to(locs.device, torch.float32)  # (N, 2) as (height, width)
+        scale = torch.stack([sizes[:, 1], sizes[:, 0], sizes[:, 1], sizes[:, 0]], dim=1)  # (N, 4)
+        image_ids = batch["image_ids"].tolist()
+        return [
+            {
+                "image_id": int(image_id),
+                "boxes": det["boxes"] * scale[i],
+                "scores": det["scores"],
+                "labels": det["labels"],
+            }
+            for i, (image_id, det) in enumerate(zip(image_ids, detections, strict=True))
+        ]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
+        return {"detections": self._detect(batch)}
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
+        return {"detections": self._detect(batch)}
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict]:
+        return self._detect(batch)
+
+    def configure_optimizers(self) -> dict:
+        return configure_recipe_optimizers(
+            self,
+            self.net,
+            optimizer=self.hparams.optimizer,
+            lr_scaling=self.hparams.lr_scaling,
+            scheduler=self.hparams.scheduler,
+        )

@@ -1,0 +1,60 @@
+"""Shared fixtures: generated datasets and Hydra configs composed in-process (no subprocess per test)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, open_dict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+
+# Two cores: keep each test process from oversubscribing them.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def shapes_coco(tmp_path_factory) -> Path:
+    """A small COCO-layout detection dataset (non-contiguous category ids), generated once per session."""
+    from ssd_lightning.data.shapes import make_detection_dataset
+
+    root = tmp_path_factory.mktemp("shapes_coco") / "shapes"
+    return make_detection_dataset(root, num_train=24, num_val=13, seed=1, min_size=96, max_size=256)
+
+
+@pytest.fixture(scope="session")
+def shapes_imagefolder(tmp_path_factory) -> Path:
+    """A small ImageFolder-layout classification dataset, generated once per session."""
+    from ssd_lightning.data.shapes import make_classification_dataset
+
+    root = tmp_path_factory.mktemp("shapes_cls") / "shapes"
+    return make_classification_dataset(root, num_train_per_class=16, num_val_per_class=5, seed=1, image_size=64)
+
+
+def compose_config(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` with overrides, as ``train.py`` would, without running it."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="test"):
+        cfg = compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
+    return cfg
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """Factory: compose a config whose outputs go under ``tmp_path`` (hydra runtime keys filled in)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    def _make(overrides: list[str] | None = None) -> DictConfig:
+        cfg = compose_config([f"paths.output_dir={tmp_path}", *(overrides or [])])
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    yield _make
+    GlobalHydra.instance().clear()

@@ -1,0 +1,81 @@
+"""Every experiment composes and instantiates; the precision switch sets Trainer and data together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import pytest
+import pytorch_lightning as pl
+from omegaconf import OmegaConf
+
+from ssd_lightning.train import instantiate_group, validate_config
+from tests.conftest import CONFIG_DIR
+
+EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+# Tiny overrides so any experiment instantiates on a 2-core CPU box.
+CPU_OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=1", "trainer.strategy=auto"]
+
+
+def test_experiment_catalogue_is_not_empty():
+    assert "demo" in EXPERIMENTS and "ssd300_eval" in EXPERIMENTS
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_instantiates(experiment, make_cfg):
+    cfg = make_cfg([f"experiment={experiment}", *CPU_OVERRIDES])
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    validate_config(cfg)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    assert isinstance(datamodule, pl.LightningDataModule)
+    assert datamodule.batch_size == cfg.data.batch_size
+    module = hydra.utils.instantiate(cfg.model)
+    assert isinstance(module, pl.LightningModule)
+    for callback in instantiate_group(cfg.get("callbacks")):
+        assert isinstance(callback, pl.Callback)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+    assert isinstance(trainer, pl.Trainer)
+
+
+@pytest.mark.parametrize(
+    ("switch", "trainer_precision", "dtype"),
+    [("fp16", "16-mixed", "float16"), ("fp32", "32-true", "float32"), ("bf16", "bf16-mixed", "bfloat16")],
+)
+def test_precision_switch_sets_trainer_and_data_together(switch, trainer_precision, dtype, make_cfg):
+    cfg = make_cfg([f"precision={switch}"])
+    assert cfg.trainer.precision == trainer_precision
+    assert cfg.data.output_dtype == dtype
+
+
+def test_experiment_overrides_only_what_it_states(make_cfg):
+    base = make_cfg([])
+    demo = make_cfg(["experiment=demo"])
+    assert base.model.optimizer.momentum == 0.9 and base.model.net.backbone == "resnet50"
+    assert demo.model.net.backbone == "mobilenet_v2"
+    assert "momentum" not in demo.model.optimizer  # optimizer group swapped, not merged into SGD's keys
+    assert demo.model.decoder == base.model.decoder  # untouched keys inherited
+
+
+def test_save_switch_keeps_every_epoch(make_cfg):
+    assert make_cfg(["save=true"]).callbacks.model_checkpoint.save_top_k == -1
+    assert make_cfg(["save=false"]).callbacks.model_checkpoint.save_top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["task=train"], "task='train'"),
+        (["eval_epochs=[3,1]"], "eval_epochs"),
+        (["trainer.max_epochs=5", "eval_epochs=[2,5]"], "trainer.max_epochs=5"),
+        (["data.batch_size=-4"], "data.batch_size"),
+    ],
+)
+def test_bad_values_are_named(overrides, message, make_cfg):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        validate_config(make_cfg(overrides))
+
+
+def test_output_dir_is_the_run_dir(make_cfg, tmp_path):
+    cfg = make_cfg([])
+    assert Path(cfg.paths.output_dir) == tmp_path
+    assert cfg.callbacks.model_checkpoint.dirpath == f"{tmp_path}/checkpoints"

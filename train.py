@@ -1,0 +1,22 @@
+"""Train or evaluate from a Hydra config.
+
+    python train.py experiment=demo
+    python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+    python train.py experiment=ssd300_eval ckpt_path=outputs/.../last.ckpt
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from ssd_lightning.train import train
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    # returned value is what Hydra sweepers optimise
+    return metrics.get(cfg.get("optimized_metric") or "", None)
+
+
+if __name__ == "__main__":
+    main()

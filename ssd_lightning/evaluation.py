@@ -36,6 +36,7 @@ __all__ = [
     "detections_to_coco_array",
     "detections_to_coco_results",
     "evaluate_coco",
+    "format_summary",
     "to_coco_array",
     "to_coco_results",
 ]
@@ -326,9 +327,38 @@ def _run_faster_coco_eval(annotation_file: Path, results: list[dict], image_ids:
         coco_eval.params.imgIds = ids
     coco_eval.evaluate()
     coco_eval.accumulate()
-    coco_eval.print_function = print if verbose else quiet
-    coco_eval.summarize()
-    return np.asarray(coco_eval.stats, dtype=np.float64)
+    coco_eval.summarize()  # prints 14 lines (adds AR@0.5, AR@0.75): print the standard 12 ourselves
+    stats = np.asarray(coco_eval.stats, dtype=np.float64)
+    if verbose:
+        print(format_summary(stats))
+    return stats
+
+
+_SUMMARY_ROWS = (  # (AP?, IoU, area, maxDets) per stat, as COCOeval.summarize() prints them
+    (True, "0.50:0.95", "all", 100),
+    (True, "0.50", "all", 100),
+    (True, "0.75", "all", 100),
+    (True, "0.50:0.95", "small", 100),
+    (True, "0.50:0.95", "medium", 100),
+    (True, "0.50:0.95", "large", 100),
+    (False, "0.50:0.95", "all", 1),
+    (False, "0.50:0.95", "all", 10),
+    (False, "0.50:0.95", "all", 100),
+    (False, "0.50:0.95", "small", 100),
+    (False, "0.50:0.95", "medium", 100),
+    (False, "0.50:0.95", "large", 100),
+)
+
+
+def format_summary(stats: Sequence[float] | Mapping[str, float]) -> str:
+    """The standard 12-line COCOeval bbox summary for ``stats`` (a sequence in COCOeval order or the dict
+    returned by :func:`evaluate_coco`)."""
+    values = [stats[n] for n in COCO_STAT_NAMES] if isinstance(stats, Mapping) else list(stats)[:12]
+    lines = []
+    for (is_ap, iou, area, max_dets), v in zip(_SUMMARY_ROWS, values, strict=True):
+        title, kind = ("Average Precision", "(AP)") if is_ap else ("Average Recall", "(AR)")
+        lines.append(f" {title:<18} {kind} @[ IoU={iou:<9} | area={area:>6s} | maxDets={max_dets:>3d} ] = {v:0.3f}")
+    return "\n".join(lines)
 
 
 def evaluate_coco(

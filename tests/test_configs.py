@@ -14,7 +14,13 @@ from tests.conftest import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 # Tiny overrides so any experiment instantiates on a 2-core CPU box.
-CPU_OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=1", "trainer.strategy=auto"]
+CPU_OVERRIDES = [
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_nodes=1",
+    "trainer.strategy=auto",
+    "model.net.weights_backbone=null",  # nothing downloads here
+]
 
 
 def test_experiment_catalogue_is_not_empty():

@@ -67,4 +67,3 @@ def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
                 f"expected one of {[w.name for w in enum]} or None"
             ) from None
     return ResNetBackbone(builder(weights=weights))
-

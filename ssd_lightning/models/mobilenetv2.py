@@ -214,7 +214,9 @@ def mobilenet_v2(
     setting = None if inverted_residual_setting is None else _validate_setting(inverted_residual_setting)
     resolved = resolve_weights(weights)
     if resolved is not None and pretrained_path is not None:
-        raise ValueError("give either weights= (torchvision download) or pretrained_path= (local file), not both")
+        raise ValueError(
+            "give either weights= (torchvision download) or pretrained_path= (local file), not both"
+        )
     if resolved is not None and (
         width_mult != 1.0
         or round_nearest != 8

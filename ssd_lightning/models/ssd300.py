@@ -93,11 +93,12 @@ class SSD300(nn.Module):
             for level in range(first_extra_level, len(channels))
         )
         self.loc = nn.ModuleList(
-            nn.Conv2d(c, nd * 4, kernel_size=3, padding=1) for c, nd in zip(channels, self.num_defaults)
+            nn.Conv2d(c, nd * 4, kernel_size=3, padding=1)
+            for c, nd in zip(channels, self.num_defaults, strict=True)
         )
         self.conf = nn.ModuleList(
             nn.Conv2d(c, nd * num_classes, kernel_size=3, padding=1)
-            for c, nd in zip(channels, self.num_defaults)
+            for c, nd in zip(channels, self.num_defaults, strict=True)
         )
         self._init_weights()
 
@@ -116,7 +117,7 @@ class SSD300(nn.Module):
             features.append(x)
         n = images.shape[0]
         locs, logits = [], []
-        for feature, loc_head, conf_head in zip(features, self.loc, self.conf):
+        for feature, loc_head, conf_head in zip(features, self.loc, self.conf, strict=True):
             # (N, nd*4, H, W) -> (N, 4, nd*H*W): the reference's plain view, which fixes the box order.
             locs.append(loc_head(feature).reshape(n, 4, -1))
             logits.append(conf_head(feature).reshape(n, self.num_classes, -1))

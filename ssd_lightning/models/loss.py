@@ -1,0 +1,92 @@
+"""SSD multibox loss of NVIDIA SSD300 v1.1: Smooth-L1 on positives + CE with hard negative mining."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ssd_lightning.models.boxes import DefaultBoxes
+
+__all__ = ["SSDLoss"]
+
+
+class SSDLoss(nn.Module):
+    """The reference ``Loss``, computed in float32 (also under autocast).
+
+    Per image: Smooth-L1 (beta 1, summed over the 4 offsets) on positive default boxes against the
+    encoded ground truth ``[(g_xy - d_xy) / d_wh / scale_xy, log(g_wh / d_wh) / scale_wh]``, plus
+    cross-entropy on the positives and on the ``min(3 * num_pos, B)`` negatives with the largest
+    cross-entropy; divided by the image's number of positives (images without positives count 0);
+    then the mean over the batch.
+
+    Args:
+        default_boxes: the default boxes the targets were encoded against (gives ``scale_xy``/``scale_wh``).
+        neg_pos_ratio: hard negatives per positive (3 in SSD).
+    """
+
+    def __init__(self, default_boxes: DefaultBoxes, neg_pos_ratio: int = 3) -> None:
+        super().__init__()
+        self.scale_xy = 1.0 / default_boxes.scale_xy
+        self.scale_wh = 1.0 / default_boxes.scale_wh
+        self.neg_pos_ratio = neg_pos_ratio
+        # (1, 4, B) (cx, cy, w, h); a buffer so it follows .to(device) but is not saved in checkpoints.
+        self.register_buffer("dboxes", default_boxes.xywh.t().unsqueeze(0).contiguous(), persistent=False)
+
+    def _encode_targets(self, gt_boxes_xywh: Tensor) -> Tensor:
+        """(N, 4, B) ground-truth (cx, cy, w, h) -> (N, 4, B) regression targets."""
+        d = self.dboxes
+        gxy = self.scale_xy * (gt_boxes_xywh[:, :2, :] - d[:, :2, :]) / d[:, 2:, :]
+        gwh = self.scale_wh * (gt_boxes_xywh[:, 2:, :] / d[:, 2:, :]).log()
+        return torch.cat((gxy, gwh), dim=1)
+
+    def forward(self, locs: Tensor, logits: Tensor, gt_boxes_xywh: Tensor, gt_labels: Tensor) -> Tensor:
+        """Scalar float32 loss.
+
+        Args:
+            locs: (N, 4, B) predicted offsets.
+            logits: (N, C, B) class logits.
+            gt_boxes_xywh: (N, 4, B) matched ground truth per default box as (cx, cy, w, h) in [0, 1];
+                the batch layout (N, B, 4) is accepted too.
+            gt_labels: (N, B) int64 labels, 0 = background.
+        """
+        num_boxes = self.dboxes.shape[-1]
+        if gt_boxes_xywh.ndim == 3 and gt_boxes_xywh.shape[1:] == (num_boxes, 4):
+            gt_boxes_xywh = gt_boxes_xywh.transpose(1, 2)
+        n = locs.shape[0]
+        for name, t, shape in (
+            ("locs", locs, (n, 4, num_boxes)),
+            ("gt_boxes_xywh", gt_boxes_xywh, (n, 4, num_boxes)),
+            ("gt_labels", gt_labels, (n, num_boxes)),
+        ):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if logits.ndim != 3 or logits.shape[0] != n or logits.shape[2] != num_boxes:
+            raise ValueError(f"logits must have shape ({n}, C, {num_boxes}), got {tuple(logits.shape)}")
+
+        with torch.autocast(device_type=locs.device.type, enabled=False):
+            locs, logits, gt_boxes_xywh = locs.float(), logits.float(), gt_boxes_xywh.float()
+            gt_labels = gt_labels.long()
+            positive = gt_labels > 0  # (N, B)
+            num_pos = positive.sum(dim=1)  # (N,)
+
+            targets = self._encode_targets(gt_boxes_xywh)
+            sl1 = F.smooth_l1_loss(locs, targets, reduction="none").sum(dim=1)  # (N, B)
+            loc_loss = torch.where(positive, sl1, torch.zeros_like(sl1)).sum(dim=1)
+
+            ce = F.cross_entropy(logits, gt_labels, reduction="none")  # (N, B)
+            with torch.no_grad():
+                # Hard negatives: the num_neg largest CE among negatives (positives rank as 0).
+                neg_ce = ce.detach().masked_fill(positive, 0.0)
+                num_neg = torch.clamp(self.neg_pos_ratio * num_pos, max=num_boxes)  # (N,)
+                k = int(num_neg.max().item()) if n > 0 else 0
+                selected = torch.zeros_like(positive)
+                if k > 0:
+                    top = neg_ce.topk(k, dim=1).indices  # (N, k)
+                    in_quota = torch.arange(k, device=ce.device)[None, :] < num_neg[:, None]
+                    selected.scatter_(1, top, in_quota)
+            conf_loss = torch.where(positive | selected, ce, torch.zeros_like(ce)).sum(dim=1)
+
+            has_pos = num_pos > 0
+            per_image = (loc_loss + conf_loss) * has_pos.float() / num_pos.float().clamp(min=1e-6)
+            return per_image.mean(dim=0)

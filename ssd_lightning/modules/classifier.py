@@ -1,0 +1,223 @@
+"""LightningModule for image classification (MobileNetV2 recipe): label smoothing, top-1/top-5, EMA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from ssd_lightning.modules.common import check_num_classes, configure_recipe_optimizers, steps_per_epoch
+from ssd_lightning.modules.ema import ExponentialMovingAverage
+
+__all__ = ["ClassifierLitModule", "infer_num_classes"]
+
+
+def infer_num_classes(net: nn.Module) -> int:
+    """``net.num_classes`` if set, else ``out_features`` of the last ``nn.Linear`` (torchvision heads)."""
+    value = getattr(net, "num_classes", None)
+    if isinstance(value, int):
+        return value
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("cannot infer the number of classes of `net` (no nn.Linear); pass num_classes=")
+    return linears[-1].out_features
+
+
+def _eval_metrics(num_classes: int) -> nn.ModuleDict:
+    """acc1, acc5 (top-k = min(5, num_classes)), mean loss: micro-averaged, DDP-synced on compute()."""
+    return nn.ModuleDict(
+        {
+            "acc1": MulticlassAccuracy(num_classes=num_classes, top_k=1, average="micro"),
+            "acc5": MulticlassAccuracy(num_classes=num_classes, top_k=min(5, num_classes), average="micro"),
+            "loss": MeanMetric(),
+        }
+    )
+
+
+class ClassifierLitModule(pl.LightningModule):
+    """Trains and evaluates an image classifier on ``{"images": (N, 3, H, W), "labels": (N,) int64}``.
+
+    Logged: ``train/loss`` (label-smoothed CE), ``train/acc1``, ``lr`` (every step, progress bar);
+    ``val/loss`` (plain CE), ``val/acc1``, ``val/acc5``, ``val/acc1_best`` (best epoch so far, kept in
+    the checkpoint so it survives a resume), the same with ``_ema`` for the EMA weights, and ``test/*``.
+
+    Args:
+        net: module mapping (N, 3, H, W) images to (N, num_classes) logits.
+        optimizer: partial optimizer (SGD/RMSprop/AdamW) holding the base ``lr`` and ``weight_decay``.
+        scheduler: ``{"name": "step"|"cosine"|"multistep"|"constant", "step_size", "gamma", "milestones",
+            "warmup_epochs", "min_factor"}`` (see :func:`ssd_lightning.optim.lr_factor`), stepped every
+            iteration; ``None`` keeps the LR constant.
+        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``, evaluated when the
+            optimizer is built, from ``trainer.world_size`` and the datamodule's per-device ``batch_size``.
+        label_smoothing: of the training loss.
+        norm_weight_decay, bias_weight_decay: weight decay of normalisation parameters and biases
+            (``None``: the optimizer's ``weight_decay``).
+        depthwise_weight_decay: of depthwise convolution weights (``None``: the optimizer's).
+        ema_decay: keep an exponential moving average of the weights with this decay per EMA update
+            (not per step: with ``ema_every_n_steps=k`` the per-step decay is ``ema_decay ** (1/k)``);
+            ``None``: off. During LR warm-up the average restarts from the current weights after every
+            update, as torchvision's reference does.
+        ema_every_n_steps: optimizer steps between EMA updates.
+        sync_batchnorm: convert BatchNorm to SyncBatchNorm in :meth:`configure_model` when training on
+            more than one process (off by default: reported worse for MobileNetV2). This is the one
+            place it is done; leave the Trainer's own ``sync_batchnorm`` flag off.
+        channels_last: run the network in NHWC memory format (faster with AMP on GPUs).
+        num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Mapping | None = None,
+        lr_scaling: Mapping | None = None,
+        label_smoothing: float = 0.0,
+        norm_weight_decay: float | None = 0.0,
+        bias_weight_decay: float | None = 0.0,
+        depthwise_weight_decay: float | None = None,
+        ema_decay: float | None = None,
+        ema_every_n_steps: int = 1,
+        sync_batchnorm: bool = False,
+        channels_last: bool = False,
+        num_classes: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False, ignore=["net"])
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if ema_every_n_steps < 1:
+            raise ValueError(f"ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+        self.net = net
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+        self.num_classes = int(num_classes) if num_classes is not None else infer_num_classes(net)
+        if self.num_classes < 2:
+            raise ValueError(f"a classifier needs num_classes >= 2, got {self.num_classes}")
+
+        self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
+        self._ema_warmup_steps = 0
+        self._ema_last_step = -1
+        self._sync_bn_done = False
+
+        self.train_acc1 = MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro")
+        stages = ["val", "test"] + (["val_ema", "test_ema"] if self.ema is not None else [])
+        self.eval_metrics = nn.ModuleDict({stage: _eval_metrics(self.num_classes) for stage in stages})
+        # Best validation top-1 and its epoch: buffers, so checkpoints carry them across a resume.
+        self.register_buffer("acc1_best", torch.tensor(0.0))
+        self.register_buffer("acc1_best_epoch", torch.tensor(-1, dtype=torch.long))
+        self.register_buffer("acc1_ema_best", torch.tensor(0.0))
+
+    # ------------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        if self.hparams.sync_batchnorm and not self._sync_bn_done and self.trainer.world_size > 1:
+            # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
+            self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+            self._sync_bn_done = True
+
+    def setup(self, stage: str) -> None:
+        check_num_classes(self, self.num_classes, "model.net.num_classes")
+
+    def forward(self, images: Tensor) -> Tensor:
+        """(N, 3, H, W) -> (N, num_classes) logits."""
+        if self.hparams.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self.net(images)
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        labels = batch["labels"].long()
+        logits = self(batch["images"]).float()
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
+        n = len(labels)
+        self.train_acc1(logits, labels)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=n)
+        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.log("lr", lr, prog_bar=True, on_step=True, on_epoch=False, batch_size=n)
+        return loss
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.ema is None:
+            return
+        step = self.trainer.global_step  # optimizer steps done; unchanged on accumulation micro-batches
+        if step == self._ema_last_step or step % self.hparams.ema_every_n_steps != 0:
+            return
+        self._ema_last_step = step
+        self.ema.update_parameters(self.net)
+        if step <= self._ema_warmup_steps:
+            self.ema.reset()
+
+    # ------------------------------------------------------------- evaluation
+    def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:
+        """Shared by validation and test: update the metrics of ``net`` (and of the EMA weights)."""
+        labels = batch["labels"].long()
+        images = batch["images"]
+        if self.hparams.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        nets = [(stage, self.net)]
+        if self.ema is not None:
+            nets.append((f"{stage}_ema", self.ema.module))
+        for key, net in nets:
+            logits = net(images).float()
+            metrics = self.eval_metrics[key]
+            metrics["acc1"].update(logits, labels)
+            metrics["acc5"].update(logits, labels)
+            metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))
+
+    def _log_eval(self, stage: str) -> dict[str, Tensor]:
+        values = {}
+        for key in [stage, f"{stage}_ema"] if self.ema is not None else [stage]:
+            suffix = key[len(stage) :]
+            for name, metric in self.eval_metrics[key].items():
+                values[f"{stage}/{name}{suffix}"] = metric.compute()  # all-reduced across ranks
+                metric.reset()
+        self.log_dict(values, prog_bar=False)
+        return values
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        values = self._log_eval("val")
+        if not self.trainer.sanity_checking:
+            acc1 = values["val/acc1"].to(self.acc1_best)
+            if acc1 > self.acc1_best:
+                self.acc1_best.copy_(acc1)
+                self.acc1_best_epoch.fill_(self.current_epoch)
+            if "val/acc1_ema" in values:
+                self.acc1_ema_best.copy_(torch.maximum(self.acc1_ema_best, values["val/acc1_ema"].to(acc1)))
+        best = {"val/acc1_best": self.acc1_best.clone()}
+        if self.ema is not None:
+            best["val/acc1_ema_best"] = self.acc1_ema_best.clone()
+        self.log_dict(best, prog_bar=True)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    # -------------------------------------------------------------- optimizer
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        config = configure_recipe_optimizers(
+            self,
+            self.net,
+            optimizer=hp.optimizer,
+            lr_scaling=hp.lr_scaling,
+            scheduler=hp.scheduler,
+            norm_weight_decay=hp.norm_weight_decay,
+            bias_weight_decay=hp.bias_weight_decay,
+            depthwise_weight_decay=hp.depthwise_weight_decay,
+        )
+        if self.ema is not None and hp.scheduler:
+            warm_epochs = float(hp.scheduler.get("warmup_epochs", 0.0) or 0.0)
+            warm_steps = int(hp.scheduler.get("warmup_steps", 0) or 0)
+            self._ema_warmup_steps = warm_steps + round(warm_epochs * steps_per_epoch(self.trainer))
+        return config

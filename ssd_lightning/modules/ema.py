@@ -1,0 +1,42 @@
+"""Exponential moving average of a network's weights, the torchvision classification recipe's way."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
+
+__all__ = ["ExponentialMovingAverage"]
+
+
+class ExponentialMovingAverage(AveragedModel):
+    """``AveragedModel`` keeping ``ema = decay * ema + (1 - decay) * current`` for every parameter and
+    floating-point buffer (BatchNorm running statistics); integer buffers (``num_batches_tracked``) are
+    copied. The first :meth:`update_parameters` after construction or after :meth:`reset` copies the
+    network. The copy never requires gradients, so DDP and the optimizer never see it.
+
+    Args:
+        model: the network to follow; deep-copied.
+        decay: weight of the old average per update, in [0, 1).
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {decay}")
+        self.decay = float(decay)
+        super().__init__(model, multi_avg_fn=self._average, use_buffers=True)
+        self.module.requires_grad_(False)
+
+    @torch.no_grad()
+    def _average(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor | int) -> None:
+        # AveragedModel groups tensors by device and dtype, so each call holds one dtype.
+        if averaged and torch.is_floating_point(averaged[0]):
+            for avg, cur in zip(averaged, current, strict=True):
+                avg.lerp_(cur, 1.0 - self.decay)
+        else:
+            for avg, cur in zip(averaged, current, strict=True):
+                avg.copy_(cur)
+
+    def reset(self) -> None:
+        """Make the next update copy the network (used during LR warm-up, as torchvision does)."""
+        self.n_averaged.zero_()

@@ -25,7 +25,7 @@ from ssd_lightning.data.shapes import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = {"num_train": 12, "num_val": 6, "seed": 12, "min_size": 64, "max_size": 160}
+SMALL = {"num_train": 12, "num_val": 6, "seed": 5, "min_size": 64, "max_size": 160}
 EXPECTED_IDS = {3: "rectangle", 7: "ellipse", 11: "triangle", 20: "star"}
 
 
@@ -83,6 +83,7 @@ def test_coco_layout_and_keys(det_root: Path) -> None:
     assert [p.name for p in det_root.parent.iterdir()] == ["det"]
 
 
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # pycocotools + numpy 2
 def test_pycocotools_loads_and_boxes_inside_images(det_root: Path) -> None:
     from pycocotools.coco import COCO
 
@@ -132,8 +133,10 @@ def test_varied_sizes_aspects_and_scales(det_root: Path) -> None:
     assert min(aspects) < 0.9 and max(aspects) > 1.1
     assert all(64 <= s <= 160 for wh in sizes for s in wh)
     dims = {im["id"]: im for im in data["images"]}
-    rel = [math.sqrt(a["area"] / (dims[a["image_id"]]["width"] * dims[a["image_id"]]["height"]))
-           for a in data["annotations"]]
+    rel = [
+        math.sqrt(a["area"] / (dims[a["image_id"]]["width"] * dims[a["image_id"]]["height"]))
+        for a in data["annotations"]
+    ]
     assert min(rel) < 0.12 and max(rel) > 0.3
     assert len({a["category_id"] for a in data["annotations"]}) >= 3
 
@@ -141,7 +144,7 @@ def test_varied_sizes_aspects_and_scales(det_root: Path) -> None:
 # ---------------------------------------------------------------------------------------- determinism
 def test_deterministic_same_seed_differs_with_other_seed(det_root: Path, tmp_path: Path) -> None:
     again = make_detection_dataset(tmp_path / "again", **SMALL)
-    other = make_detection_dataset(tmp_path / "other", **{**SMALL, "seed": 6})
+    other = make_detection_dataset(tmp_path / "other", **{**SMALL, "seed": SMALL["seed"] + 1})
     for split in ("train", "val"):
         name = f"instances_{split}2017.json"
         assert (det_root / "annotations" / name).read_bytes() == (again / "annotations" / name).read_bytes()
@@ -165,7 +168,7 @@ def test_image_depends_only_on_seed_split_index() -> None:
 def test_annotations_match_drawn_shapes(det_root: Path) -> None:
     """Re-render each image: the JPEG matches it, kept objects are those >= 25 % visible, their boxes
     are the visible pixel extents, and the pixels there really have the shape's colour."""
-    seen_occluded = checked = 0
+    seen_occluded = checked = dropped = 0
     for split in ("train", "val"):
         data = _load(det_root, split)
         for i, im in enumerate(data["images"]):
@@ -179,6 +182,7 @@ def test_annotations_match_drawn_shapes(det_root: Path) -> None:
             anns = [a for a in data["annotations"] if a["image_id"] == im["id"]]
             kept = [o for o in objects if o.visible_fraction >= 0.25]
             seen_occluded += sum(0 < o.visible_fraction < 1 for o in objects)
+            dropped += len(objects) - len(kept)
             assert [a["category_id"] for a in anns] == [o.category_id for o in kept]
             for ann, obj in zip(anns, kept, strict=True):
                 assert ann["bbox"] == obj.bbox()
@@ -189,7 +193,9 @@ def test_annotations_match_drawn_shapes(det_root: Path) -> None:
                 assert box[0].any() and box[-1].any() and box[:, 0].any() and box[:, -1].any()
                 assert not obj.visible[:y].any() and not obj.visible[y + h :].any()
                 # the shape's pixels have its fill colour (up to noise), in the JPEG too away from edges
-                assert np.abs(np.median(array[obj.visible], axis=0) - obj.colour).max() <= 5
+                # (noise sigma <= 8: the median of n pixels is within ~4 standard errors, 40 / sqrt(n))
+                tol = 2 + 40 / math.sqrt(obj.visible.sum())
+                assert np.abs(np.median(array[obj.visible], axis=0) - obj.colour).max() <= tol
                 inner = _erode(obj.visible, 3)
                 if inner.sum() >= 20:
                     checked += 1
@@ -197,6 +203,7 @@ def test_annotations_match_drawn_shapes(det_root: Path) -> None:
                     assert np.abs(median - obj.colour).max() <= 12, (median, obj.colour)
     assert seen_occluded > 0  # occlusion really happens
     assert checked >= 10
+    assert dropped >= 1  # with SMALL's seed, one shape ends up < 25 % visible and is left out
 
 
 def test_rasterise_known_areas() -> None:
@@ -226,18 +233,20 @@ def test_fully_hidden_object_is_dropped() -> None:
 
 # ------------------------------------------------------------------------------------ classification
 def test_classification_layout(tmp_path: Path) -> None:
-    root = make_classification_dataset(tmp_path / "cls", num_train_per_class=3, num_val_per_class=2,
-                                       seed=1, image_size=48)
+    root = make_classification_dataset(
+        tmp_path / "cls", num_train_per_class=3, num_val_per_class=2, seed=1, image_size=48
+    )
     for split, count in (("train", 3), ("val", 2)):
         assert sorted(p.name for p in (root / split).iterdir()) == sorted(EXPECTED_IDS.values())
         for name in EXPECTED_IDS.values():
             files = sorted((root / split / name).glob("*.jpg"))
             assert len(files) == count
             assert _pixels(files[0]).shape == (48, 48, 3)
-    # one shape per image, roughly central: its colour covers the centre region often enough
+    # deterministic: same seed, same pixels
     a = _pixels(root / "train" / "star" / "star_00000.jpg")
-    again = make_classification_dataset(tmp_path / "cls2", num_train_per_class=3, num_val_per_class=2,
-                                        seed=1, image_size=48)
+    again = make_classification_dataset(
+        tmp_path / "cls2", num_train_per_class=3, num_val_per_class=2, seed=1, image_size=48
+    )
     assert np.array_equal(a, _pixels(again / "train" / "star" / "star_00000.jpg"))
 
 
@@ -269,8 +278,9 @@ def test_ensure_generates_and_logs(tmp_path: Path, caplog: pytest.LogCaptureFixt
     assert _load(root, "val")["images"][0]["file_name"] in os.listdir(root / "val2017")
     lines = [r.getMessage() for r in caplog.records if "Generated" in r.getMessage()]
     assert len(lines) == 1 and str(root) in lines[0]
-    root_c = ensure_classification_dataset(tmp_path / "c", num_train_per_class=1, num_val_per_class=1,
-                                           image_size=32)
+    root_c = ensure_classification_dataset(
+        tmp_path / "c", num_train_per_class=1, num_val_per_class=1, image_size=32
+    )
     mtime = (root_c / "train" / "ellipse").stat().st_mtime_ns
     assert ensure_classification_dataset(root_c) == root_c
     assert (root_c / "train" / "ellipse").stat().st_mtime_ns == mtime
@@ -308,8 +318,24 @@ def test_interrupted_generation_leaves_nothing(tmp_path: Path, monkeypatch: pyte
 @pytest.mark.parametrize("kind", ["detection", "classification"])
 def test_cli(tmp_path: Path, kind: str) -> None:
     out = tmp_path / kind
-    cmd = [sys.executable, str(REPO / "scripts" / "make_shapes_dataset.py"), "--out", str(out), "--kind", kind,
-           "--train", "3", "--val", "2", "--seed", "1", "--min-size", "48", "--max-size", "64"]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "make_shapes_dataset.py"),
+        "--out",
+        str(out),
+        "--kind",
+        kind,
+        "--train",
+        "3",
+        "--val",
+        "2",
+        "--seed",
+        "1",
+        "--min-size",
+        "48",
+        "--max-size",
+        "64",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert str(out) in res.stdout
@@ -321,3 +347,17 @@ def test_cli(tmp_path: Path, kind: str) -> None:
         assert len(list((out / "val").glob("*/*.jpg"))) == 8
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode != 0 and "already exists" in again.stderr
+
+
+def test_concurrent_generation_keeps_first_complete_dataset(tmp_path: Path) -> None:
+    """Two processes (e.g. DDP ranks) generating the same root: the loser discards its copy."""
+    root = tmp_path / "det"
+    small = {"num_train": 2, "num_val": 1, "min_size": 48, "max_size": 64}
+
+    def fill(tmp: Path) -> None:
+        make_detection_dataset(root, **small)  # the "other process" finishes first
+        (tmp / "marker").write_text("loser")
+
+    assert shapes._atomic_generate(root, fill, shapes._detection_problem) == root
+    assert not (root / "marker").exists() and shapes._detection_problem(root) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["det"]

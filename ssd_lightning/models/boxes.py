@@ -268,113 +268,207 @@ class BoxCoder:
             raise ValueError(
                 f"logits must have shape ({locs.shape[0]}, C, {self.num_boxes}), got {tuple(logits.shape)}"
             )
-        n_img, n_cls, _ = logits.shape
+        if topk_per_class < 1 or max_detections < 1:
+            raise ValueError(
+                f"topk_per_class and max_detections must be >= 1, got {topk_per_class} and {max_detections}"
+            )
+        n_img, n_cls, n_box = logits.shape
+        n_fg = n_cls - 1
+        device = locs.device
         boxes = self.decode_boxes(locs)  # (N, B, 4)
         probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C), as the reference
 
-        # 1. Candidates: score > thresh, foreground classes; nonzero orders them by (image, class, box).
-        img, cls, box = (probs.permute(0, 2, 1)[:, 1:, :] > score_thresh).nonzero(as_tuple=True)
-        scores = probs[img, box, cls + 1]
-        group = img * (n_cls - 1) + cls  # (image, class) pair
+        # 1. One row per (image, foreground class): candidates are scores > thresh, top-k of them.
+        rows = probs[:, :, 1:].permute(0, 2, 1).reshape(n_img * n_fg, n_box)  # (G, B)
+        candidate = rows > score_thresh
+        k = min(topk_per_class, int(candidate.sum(dim=1).max())) if rows.numel() else 0
+        if k == 0:
+            return [_empty_detections(device) for _ in range(n_img)]
+        rows = rows.masked_fill_(~candidate, -math.inf)
+        scores, box_idx = _topk_rows(rows, k)  # (G, k) each, best first
+        valid = scores > -math.inf
+        row_img = torch.arange(n_img, device=device).repeat_interleave(n_fg)  # (G,)
+        row_boxes = boxes[row_img[:, None], box_idx]  # (G, k, 4)
 
-        # 2. Per group: score descending, ties -> larger box index first; keep the top-k.
-        order = _segmented_sort_desc(scores, group)
-        img, cls, box, scores, group = img[order], cls[order], box[order], scores[order], group[order]
-        rank = _rank_in_segment(group, n_img * (n_cls - 1))
-        top = rank < topk_per_class
-        img, cls, box, scores, group = img[top], cls[top], box[top], scores[top], group[top]
+        # 2. Greedy NMS inside every row, all rows at once.
+        keep = _batched_greedy_nms(row_boxes, valid, nms_iou)  # (G, k)
 
-        # 3. Greedy NMS inside every group, batched over groups.
-        keep = _batched_greedy_nms(boxes[img, box], group, nms_iou)
-        img, cls, box, scores = img[keep], cls[keep], box[keep], scores[keep]
-
-        # 4. Per image: the best max_detections. Candidates are ordered (class, NMS pick) inside an image,
-        #    which is the reference's concatenation order; ties go to the later one.
-        order = _segmented_sort_desc(scores, img)
-        img, cls, box, scores = img[order], cls[order], box[order], scores[order]
-        top = _rank_in_segment(img, n_img) < max_detections
-        img, cls, box, scores = img[top], cls[top], box[top], scores[top]
-
-        det_boxes = boxes[img, box]
-        counts = torch.bincount(img, minlength=n_img).tolist()
+        # 3. Per image the best max_detections; inside an image the (class, NMS pick) order is the
+        #    reference's concatenation order, and ties go to the later entry, as in the reference.
+        per_img = scores.masked_fill(~keep, -math.inf).view(n_img, n_fg * k)
+        det_scores, pos = _topk_rows(per_img, max_detections)  # (N, m)
+        present = det_scores > -math.inf
+        det_labels = pos // k + 1
+        det_boxes = row_boxes.view(n_img, n_fg * k, 4).gather(1, pos[..., None].expand(-1, -1, 4))
+        counts = present.sum(dim=1).tolist()
         return [
-            {"boxes": b, "scores": s, "labels": c + 1}
-            for b, s, c in zip(det_boxes.split(counts), scores.split(counts), cls.split(counts), strict=True)
+            {"boxes": det_boxes[i, :c], "scores": det_scores[i, :c], "labels": det_labels[i, :c]}
+            for i, c in enumerate(counts)
         ]
 
 
-def _segmented_sort_desc(values: Tensor, segment: Tensor) -> Tensor:
-    """Permutation that sorts by (segment ascending, value descending, position descending).
-
-    Ties in value put the later position first, which is what a stable ascending sort read from the
-    end (the reference's ``sort()`` then ``[-k:]``) does.
-    """
-    order = torch.arange(values.numel() - 1, -1, -1, device=values.device)
-    order = order[torch.sort(values[order], descending=True, stable=True).indices]
-    return order[torch.sort(segment[order], stable=True).indices]
+def _empty_detections(device: torch.device) -> dict[str, Tensor]:
+    return {
+        "boxes": torch.zeros(0, 4, device=device),
+        "scores": torch.zeros(0, device=device),
+        "labels": torch.zeros(0, dtype=torch.int64, device=device),
+    }
 
 
-def _rank_in_segment(segment: Tensor, num_segments: int) -> Tensor:
-    """Position of every element inside its run, for a ``segment`` tensor sorted ascending."""
-    counts = torch.bincount(segment, minlength=num_segments)
-    starts = torch.cumsum(counts, 0) - counts
-    return torch.arange(segment.numel(), device=segment.device) - starts[segment]
+def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Per row the ``k`` largest values, best first; among equal values the larger column first.
 
-
-# Pairs of boxes processed at once by the batched NMS (memory: about 40 bytes per pair).
-_NMS_PAIRS_PER_CHUNK = 1 << 22
-
-
-def _batched_greedy_nms(boxes: Tensor, group: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS inside each group, all groups at once.
+    That tie order is what a stable ascending sort read from the end gives (the reference's
+    ``sort()`` then ``[-k:]``). ``-inf`` marks absent entries; they come last.
 
     Args:
-        boxes: (M, 4) ltrb float32 candidates, sorted by group and, inside a group, by processing order.
-        group: (M,) group id, non-decreasing.
-        iou_threshold: suppress a candidate whose IoU with a kept, earlier one is >= this (or NaN),
-            i.e. keep it only when ``iou < iou_threshold``, exactly as the reference.
+        values: (R, L) float.
+        k: entries to keep per row (clipped to L).
 
     Returns:
-        (M,) bool, True for kept candidates.
+        (values (R, k), column indices (R, k) int64).
     """
-    keep = torch.ones_like(group, dtype=torch.bool)
-    if group.numel() == 0:
+    length = values.shape[1]
+    k = min(k, length)
+    kk = min(k + 1, length)  # one more, to see a tie at the cut
+    vals, idx = values.topk(kk, dim=1)  # sorted, but tie order unspecified
+    present = vals > -math.inf
+    tie_inside = ((vals[:, 1:] == vals[:, :-1]) & present[:, 1:]).any(dim=1)
+    if kk > k:
+        tie_at_cut = (vals[:, k - 1] == vals[:, k]) & present[:, k]
+    else:
+        tie_at_cut = torch.zeros_like(tie_inside)
+    # Rows with a tie across the cut: which of the equal entries make it depends on columns outside
+    # the selection, so sort the whole row (stable, on the reversed row: later column first).
+    full = tie_at_cut.nonzero().squeeze(1)
+    if full.numel():
+        s = values[full].flip(1).sort(dim=1, descending=True, stable=True)
+        vals[full], idx[full] = s.values[:, :kk], length - 1 - s.indices[:, :kk]
+    # Rows with ties inside the selection only: reorder the selection.
+    fix = (tie_inside & ~tie_at_cut).nonzero().squeeze(1)
+    if fix.numel():
+        v, i = vals[fix], idx[fix]
+        o = i.argsort(dim=1, descending=True)
+        v, i = v.gather(1, o), i.gather(1, o)
+        o = v.sort(dim=1, descending=True, stable=True).indices
+        vals[fix], idx[fix] = v.gather(1, o), i.gather(1, o)
+    return vals[:, :k], idx[:, :k]
+
+
+# Box pairs whose IoU is computed at once (bounds memory: roughly 100 bytes per pair).
+_PAIRS_PER_CHUNK = 1 << 21
+
+
+def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
+    """Greedy NMS inside every row, all rows at once, with the reference's arithmetic and rule.
+
+    Args:
+        boxes: (G, K, 4) float32 ltrb, each row in processing (score) order.
+        valid: (G, K) bool, False for padding.
+        iou_threshold: a box is suppressed by an earlier kept box of its row when their IoU is not
+            ``< iou_threshold`` (so IoU >= threshold, or NaN), exactly the reference's keep rule.
+
+    Returns:
+        (G, K) bool, True for kept boxes.
+
+    IoU is computed as the reference ``calc_iou_tensor`` does, in float32 (intersection clamped at 0,
+    ``inter / (area1 + area2 - inter)``), so decisions match it bit for bit. For rows of finite boxes
+    with positive area and a positive threshold, only pairs that overlap along x can suppress each
+    other; those pairs are found with a sort and a binary search per row instead of all K^2 pairs.
+    Other rows take the dense path.
+    """
+    num_rows, width = valid.shape
+    keep = valid.clone()
+    if width < 2:
         return keep
-    counts = torch.unique_consecutive(group, return_counts=True)[1]
-    # Groups of one need no NMS; process the others from the largest down so each chunk pads little.
-    multi = (counts > 1).nonzero().squeeze(1)
-    multi = multi[torch.sort(counts[multi], descending=True, stable=True).indices]
-    sizes = counts[multi].tolist()
-    first_of_group = torch.cumsum(counts, 0) - counts
-    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
-    start = 0
-    while start < len(sizes):
-        width = sizes[start]
-        stop = min(len(sizes), start + max(1, _NMS_PAIRS_PER_CHUNK // (width * width)))
-        chunk = multi[start:stop]  # (G,)
-        # Padded (G, width) index of each candidate into the flat arrays; -1 where the group is short.
-        pos = first_of_group[chunk, None] + torch.arange(width, device=group.device)
-        valid = torch.arange(width, device=group.device) < counts[chunk, None]
-        pos = torch.where(valid, pos, torch.zeros_like(pos))
-        keep[pos[valid]] = _greedy_nms_padded(boxes[pos], area[pos], valid, iou_threshold)[valid]
-        start = stop
+    x1, y1, x2, y2 = boxes.unbind(-1)
+    area = (x2 - x1) * (y2 - y1)
+    regular = (x2 > x1) & (y2 > y1) & torch.isfinite(area)  # NaN fails the comparisons
+    needs_nms = valid.sum(dim=1) > 1
+    sparse_ok = (regular | ~valid).all(dim=1) & (iou_threshold > 0)
+
+    dense_rows = (needs_nms & ~sparse_ok).nonzero().squeeze(1)
+    step = max(1, _PAIRS_PER_CHUNK // (width * width))
+    for start in range(0, dense_rows.numel(), step):
+        r = dense_rows[start : start + step]
+        keep[r] = _greedy_nms_dense(boxes[r], area[r], valid[r], iou_threshold)
+
+    sparse_rows = (needs_nms & sparse_ok).nonzero().squeeze(1)
+    if sparse_rows.numel() == 0:
+        return keep
+    # Sweep along x. IoU >= t > 0 needs an x-overlap of at least t * max(w_i, w_j) (inter <= ix *
+    # min(h_i, h_j) and union >= max(area_i, area_j)). Sort each row by x1 (padding last): the boxes j
+    # after i that can reach that overlap with i have x1_j <= x2_i - t * w_i, a contiguous run found by
+    # binary search. The bound gets a small slack so float rounding can never drop a real pair.
+    sub_valid = valid[sparse_rows]
+    x1s, order = torch.where(sub_valid, x1[sparse_rows], math.inf).sort(dim=1)
+    # Coordinates in sorted layout, flattened: (R * K,) each.
+    coords = [c[sparse_rows].gather(1, order).flatten() for c in (y1, x2, y2, area)]
+    sy1, sx2, sy2, sarea = coords
+    sx1 = x1s.flatten()
+    width_s = sx2 - sx1
+    reach = sx2 - iou_threshold * width_s * (1 - 1e-4) + 1e-6 * (sx1.abs() + sx2.abs())
+    num_rows = sparse_rows.numel()
+    ends = torch.searchsorted(x1s, reach.view(num_rows, width), right=True)
+    pos = torch.arange(num_rows * width, device=boxes.device)
+    firsts = pos + 1  # flat sorted position of the first partner of each i
+    counts = (ends - torch.arange(1, width + 1, device=boxes.device)).clamp_(min=0).flatten()
+    counts[~sub_valid.gather(1, order).flatten()] = 0
+    # Original flat index (row * K + score rank) of every sorted entry.
+    orig = (sparse_rows[:, None] * width + order).flatten()
+
+    src_all, dst_all = [], []
+    cum = torch.cumsum(counts, 0)
+    chunk_of_i = torch.div(cum - counts, _PAIRS_PER_CHUNK, rounding_mode="floor")
+    bounds = torch.searchsorted(chunk_of_i, torch.unique_consecutive(chunk_of_i)).tolist()
+    bounds.append(counts.numel())
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        c = counts[lo:hi]
+        total = int(cum[hi - 1] - (cum[lo] - counts[lo]))
+        if total == 0:
+            continue
+        i = pos[lo:hi].repeat_interleave(c, output_size=total)  # flat sorted position of i, per pair
+        # j runs over firsts[i], firsts[i] + 1, ...: j = p + (firsts[i] - (start of i's pairs)).
+        shift = firsts[lo:hi] - (cum[lo:hi] - c - (cum[lo] - counts[lo]))
+        j = torch.arange(total, device=boxes.device) + shift.repeat_interleave(c, output_size=total)
+        iw = (torch.minimum(sx2[i], sx2[j]) - sx1[j]).clamp_(min=0)  # sx1[j] >= sx1[i]
+        ih = (torch.minimum(sy2[i], sy2[j]) - torch.maximum(sy1[i], sy1[j])).clamp_(min=0)
+        inter = iw.mul_(ih)
+        hit = ~(inter / (sarea[i] + sarea[j] - inter) < iou_threshold)
+        i, j = orig[i[hit]], orig[j[hit]]
+        src_all.append(torch.minimum(i, j))  # the earlier box in score order suppresses the later
+        dst_all.append(torch.maximum(i, j))
+    if not src_all:
+        return keep
+    src, dst = torch.cat(src_all), torch.cat(dst_all)
+    # Resolve greedily by rank: when rank r is reached, the status of every box at rank r is final.
+    rank = src % width
+    order = torch.argsort(rank, stable=True)
+    src, dst = src[order], dst[order]
+    keep_flat = keep.view(-1)
+    per_rank = torch.bincount(rank, minlength=width).tolist()
+    for s, d in zip(src.split(per_rank), dst.split(per_rank), strict=True):
+        if s.numel():
+            keep_flat[d] = keep_flat[d] & ~keep_flat[s]
     return keep
 
 
-def _greedy_nms_padded(boxes: Tensor, area: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS on (G, K, 4) ltrb boxes already in processing order; ``valid`` (G, K) marks real ones.
+def _pair_iou(boxes: Tensor, area: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """IoU of the box pairs (a[p], b[p]) of flat (M, 4) ltrb ``boxes``, reference arithmetic."""
+    ba, bb = boxes[a], boxes[b]
+    wh = (torch.minimum(ba[:, 2:], bb[:, 2:]) - torch.maximum(ba[:, :2], bb[:, :2])).clamp(min=0)
+    inter = wh[:, 0] * wh[:, 1]
+    return inter / (area[a] + area[b] - inter)
 
-    IoU is computed with the reference arithmetic (float32, intersection clamped at 0, no epsilon).
-    """
+
+def _greedy_nms_dense(boxes: Tensor, area: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
+    """Greedy NMS over all K^2 pairs of (G, K, 4) ltrb rows in processing order -> keep (G, K)."""
     lt = torch.maximum(boxes[:, :, None, :2], boxes[:, None, :, :2])  # (G, K, K, 2)
     rb = torch.minimum(boxes[:, :, None, 2:], boxes[:, None, :, 2:])
     wh = (rb - lt).clamp(min=0)
     inter = wh[..., 0] * wh[..., 1]
-    iou = inter / (area[:, :, None] + area[:, None, :] - inter)  # (G, K, K): [g, kept i, candidate j]
-    width = boxes.shape[1]
-    later = torch.ones(width, width, dtype=torch.bool, device=boxes.device).triu(1)
-    suppress = ~(iou < iou_threshold) & later  # only earlier boxes suppress later ones
+    suppress = ~(inter / (area[:, :, None] + area[:, None, :] - inter) < iou_threshold)  # [g, i, j]
     alive = valid.clone()
-    for i in range(width - 1):
-        alive &= ~(suppress[:, i, :] & alive[:, i, None])
+    for i in range(boxes.shape[1] - 1):
+        alive[:, i + 1 :] &= ~(suppress[:, i, i + 1 :] & alive[:, i, None])
     return alive

@@ -1,0 +1,248 @@
+"""COCO mAP of each validation pass: official evaluation on rank 0, the same values logged on all ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
+
+from ssd_lightning.evaluation import (
+    BACKENDS,
+    COCO_STAT_NAMES,
+    coco_array_to_results,
+    detections_to_coco_array,
+    evaluate_coco,
+)
+
+__all__ = ["CocoMAPCallback"]
+
+log = logging.getLogger(__name__)
+
+_EMPTY = np.zeros((0, 7), dtype=np.float64)
+
+
+def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
+    """Pickle-gather ``obj`` from every rank; the list (one entry per rank) on rank 0, ``None`` elsewhere."""
+    if trainer.world_size <= 1 or not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        return [obj]
+    gathered: list[Any] | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
+    torch.distributed.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class CocoMAPCallback(Callback):
+    """Official COCO bbox mAP of every validation pass (``trainer.fit`` validation and ``trainer.validate``).
+
+    Contract (docs/architecture.md): ``validation_step`` returns ``{"detections": [per-image dict]}`` with
+    ``image_id: int``, ``boxes: (k, 4)`` float ltrb in original-image pixels, ``scores: (k,)`` and
+    ``labels: (k,)`` int64 contiguous labels 1..K. The datamodule (``trainer.datamodule``) provides
+    ``category_map`` (contiguous label → dataset category id) and ``val_annotation_file`` (the dataset's COCO
+    instances JSON); ``annotation_file`` / ``category_map`` given here take precedence.
+
+    Every rank converts its detections to COCO results as the batches come (on CPU). At the end of the pass
+    they are gathered on rank 0 and deduplicated by image id (duplicates mean a sampler/padding bug: warned).
+    Rank 0 evaluates them with :func:`ssd_lightning.evaluation.evaluate_coco` on the images that were seen (a
+    warning says when that is not the whole annotation file, e.g. with ``limit_val_batches``) and broadcasts
+    the 12 stats, so that every rank logs the same values: ``val/mAP``, ``val/mAP_50``, ... (names in
+    ``COCO_STAT_NAMES``) plus, while fitting, ``val/mAP_best`` and ``val/mAP_best_epoch``. Hence
+    ``ModelCheckpoint(monitor="val/mAP")`` works under DDP and ``trainer.validate`` returns the stats.
+    A stat of ``-1`` means "no ground truth in that area range".
+
+    The sanity-check pass is not evaluated (its few batches would give a meaningless number).
+    The results are written (rank 0, atomically) to ``<output_dir>/detections_epoch_<epoch>.json`` in COCO
+    results format; ``output_dir`` defaults to ``trainer.log_dir`` (or ``trainer.default_root_dir`` without
+    a logger). The best mAP and its epoch are kept in the callback state, so they survive a resume.
+
+    Args:
+        backend: ``"pycocotools"`` or ``"faster_coco_eval"`` (same numbers, faster).
+        output_dir: where to write the detection JSON files.
+        save_detections: write the JSON files at all.
+        verbose: print the 12-line COCO summary on rank 0.
+        annotation_file: overrides ``trainer.datamodule.val_annotation_file``.
+        category_map: overrides ``trainer.datamodule.category_map``; anything with ``label_to_category_id``.
+        prefix: metric name prefix.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "pycocotools",
+        output_dir: str | os.PathLike | None = None,
+        save_detections: bool = True,
+        verbose: bool = True,
+        annotation_file: str | os.PathLike | None = None,
+        category_map: Any = None,
+        prefix: str = "val/",
+    ) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.save_detections = save_detections
+        self.verbose = verbose
+        self.annotation_file = annotation_file
+        self.category_map = category_map
+        self.prefix = prefix
+        self.best_map: float | None = None
+        self.best_epoch: int | None = None
+        self.last_stats: dict[str, float] | None = None
+        self._per_image: dict[int, np.ndarray] = {}
+        self._local_duplicates = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(prefix=self.prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_map": self.best_map, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_map = state_dict.get("best_map")
+        self.best_epoch = state_dict.get("best_epoch")
+
+    # --------------------------------------------------------------- helpers
+    def _resolve(self, trainer: pl.Trainer) -> tuple[Path, Any]:
+        dm = trainer.datamodule
+        ann = (
+            self.annotation_file
+            if self.annotation_file is not None
+            else getattr(dm, "val_annotation_file", None)
+        )
+        cmap = self.category_map if self.category_map is not None else getattr(dm, "category_map", None)
+        if ann is None or cmap is None:
+            raise ValueError(
+                "CocoMAPCallback needs the validation annotation file and a category map: give the trainer a "
+                "datamodule with `val_annotation_file` and `category_map`, or pass `annotation_file=` and "
+                "`category_map=` to CocoMAPCallback"
+            )
+        return Path(ann), cmap
+
+    def _output_dir(self, trainer: pl.Trainer) -> Path:
+        if self.output_dir is not None:
+            return self.output_dir
+        # trainer.log_dir broadcasts from rank 0: call it on every rank
+        return Path(trainer.log_dir or trainer.default_root_dir)
+
+    def _reset(self) -> None:
+        self._per_image = {}
+        self._local_duplicates = 0
+
+    # ----------------------------------------------------------------- hooks
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        if not isinstance(outputs, Mapping) or "detections" not in outputs:
+            raise ValueError(
+                "CocoMAPCallback: validation_step must return {'detections': [per-image dict, ...]} "
+                f"(see docs/architecture.md), got {type(outputs).__name__}"
+            )
+        _, cmap = self._resolve(trainer)
+        detections: Sequence[Mapping[str, Any]] = outputs["detections"]
+        for det in detections:
+            image_id = int(det["image_id"])
+            if image_id in self._per_image:
+                self._local_duplicates += 1
+                continue
+            self._per_image[image_id] = detections_to_coco_array([det], cmap)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            self._reset()
+            return
+        ann_file, _ = self._resolve(trainer)
+        out_dir = self._output_dir(trainer) if self.save_detections else None
+        epoch = trainer.current_epoch
+
+        gathered = _gather_to_rank_zero((self._per_image, self._local_duplicates), trainer)
+        self._reset()
+        payload: tuple[str, Any] = ("ok", None)
+        error: Exception | None = None
+        if gathered is not None:  # rank 0
+            try:
+                payload = ("ok", self._evaluate(gathered, ann_file, out_dir, epoch))
+            except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
+                payload, error = ("error", f"{type(e).__name__}: {e}"), e
+        payload = trainer.strategy.broadcast(payload, src=0)
+        if payload[0] == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"COCO evaluation failed on rank 0: {payload[1]}")
+        stats: dict[str, float] = payload[1]
+        self.last_stats = stats
+
+        metrics = {f"{self.prefix}{name}": stats[name] for name in COCO_STAT_NAMES}
+        if trainer.state.fn == "fit":
+            if self.best_map is None or stats["mAP"] > self.best_map:
+                self.best_map, self.best_epoch = stats["mAP"], epoch
+            metrics[f"{self.prefix}mAP_best"] = float(self.best_map)
+            metrics[f"{self.prefix}mAP_best_epoch"] = float(self.best_epoch)
+        # The values are already identical on every rank; a max-reduce keeps them exact and tells Lightning
+        # the metric is synchronised (no "use sync_dist=True" warning, ModelCheckpoint agrees on all ranks).
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=name == f"{self.prefix}mAP", sync_dist=True, reduce_fx="max")
+
+    def _evaluate(
+        self, gathered: list[Any], ann_file: Path, out_dir: Path | None, epoch: int
+    ) -> dict[str, float]:
+        merged: dict[int, np.ndarray] = {}
+        duplicates = 0
+        for per_image, local_duplicates in gathered:
+            duplicates += local_duplicates
+            for image_id, rows in per_image.items():
+                if image_id in merged:
+                    duplicates += 1
+                else:
+                    merged[image_id] = rows
+        if duplicates:
+            rank_zero_warn(
+                f"CocoMAPCallback: dropped {duplicates} duplicate image(s) in the validation outputs (kept "
+                "the first). Every validation image must appear exactly once across ranks; look for padding "
+                "or a sampler that repeats images."
+            )
+        image_ids = sorted(merged)
+        rows = [merged[i] for i in image_ids]
+        array = np.concatenate(rows, axis=0) if rows else _EMPTY
+        results = coco_array_to_results(array)
+        if out_dir is not None:
+            _atomic_write_json(out_dir / f"detections_epoch_{epoch}.json", results)
+        if not image_ids:
+            rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")
+            return dict.fromkeys(COCO_STAT_NAMES, 0.0)
+        return evaluate_coco(ann_file, results, self.backend, verbose=self.verbose, image_ids=image_ids)

@@ -1,0 +1,117 @@
+"""Validate only after chosen epochs (the NVIDIA SSD recipe evaluates after epochs 21, 31, ..., 64)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
+
+__all__ = ["EvalSchedule"]
+
+# ``(current_epoch + 1) % _NEVER == 0`` (Lightning's "validate this epoch?" test) is false for every epoch.
+_NEVER = sys.maxsize
+
+
+class EvalSchedule(Callback):
+    """Run the validation loop (forward passes and metrics) only after the listed 0-based epochs.
+
+    The reference SSD300 recipe (65 epochs) uses ``eval_epochs=[21, 31, 37, 42, 48, 53, 59, 64]``. With
+    ``always_last`` the last epoch (``max_epochs - 1``) is validated too. On every other epoch the validation
+    loop does not run at all (no dataloader iteration, no ``validation_step``).
+
+    Mechanism: Lightning 2.x decides per training batch whether to validate with
+    ``(current_epoch + 1) % trainer.check_val_every_n_epoch == 0`` (``_should_check_val_epoch``). Before each
+    epoch (``on_train_epoch_start``; also ``on_train_start``, for a run resumed mid-epoch, whose epoch-start
+    hook Lightning skips) this callback sets ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and
+    to a huge value otherwise. The decision depends only on ``trainer.current_epoch``, which Lightning
+    restores from a checkpoint, so a resumed run follows the same schedule. ``val_check_interval < 1`` keeps
+    working inside the scheduled epochs (several validations there, none elsewhere); the sanity check is
+    unaffected. The trainer's own ``check_val_every_n_epoch`` is restored at the end of ``fit``.
+
+    Requirements: epoch-based validation (``check_val_every_n_epoch`` not ``None``, ``val_check_interval``
+    not time-based).
+
+    Checkpointing: a ``ModelCheckpoint`` with the default ``save_on_train_epoch_end=None`` saves only at the
+    end of the epochs that validate (Lightning ties it to validation once ``check_val_every_n_epoch != 1``).
+    For a checkpoint after every epoch, use a separate ``ModelCheckpoint(save_on_train_epoch_end=True)``
+    without ``monitor``.
+
+    Args:
+        eval_epochs: 0-based epochs after which to validate, strictly increasing and non-negative.
+        always_last: also validate after the last epoch (needs a finite ``max_epochs``).
+    """
+
+    def __init__(self, eval_epochs: Iterable[int], *, always_last: bool = True) -> None:
+        super().__init__()
+        epochs = list(eval_epochs)
+        if any(isinstance(e, bool) or not isinstance(e, int) for e in epochs):
+            raise ValueError(f"eval_epochs must be a list of ints (0-based epochs), got {epochs!r}")
+        if any(e < 0 for e in epochs):
+            raise ValueError(f"eval_epochs must be non-negative (0-based epochs), got {epochs}")
+        if any(b <= a for a, b in zip(epochs, epochs[1:], strict=False)):
+            raise ValueError(f"eval_epochs must be strictly increasing, got {epochs}")
+        self.eval_epochs: tuple[int, ...] = tuple(epochs)
+        self.always_last = always_last
+        self._user_check_val_every_n_epoch: int | None = None
+
+    @staticmethod
+    def _last_epoch(trainer: pl.Trainer) -> int | None:
+        max_epochs = trainer.max_epochs
+        if max_epochs is None or max_epochs < 0:
+            return None
+        return max_epochs - 1
+
+    def should_validate(self, epoch: int, last_epoch: int | None = None) -> bool:
+        """Whether validation runs after 0-based ``epoch`` (``last_epoch``: ``max_epochs - 1``, if known)."""
+        return epoch in self.eval_epochs or (
+            self.always_last and last_epoch is not None and epoch == last_epoch
+        )
+
+    def _apply(self, trainer: pl.Trainer) -> None:
+        validate = self.should_validate(trainer.current_epoch, self._last_epoch(trainer))
+        trainer.check_val_every_n_epoch = 1 if validate else _NEVER
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.check_val_every_n_epoch is None:
+            raise ValueError(
+                "EvalSchedule needs epoch-based validation, but the Trainer has check_val_every_n_epoch=None "
+                "(validation every N training batches); set check_val_every_n_epoch=1 or drop EvalSchedule"
+            )
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            raise ValueError("EvalSchedule does not support a time-based Trainer(val_check_interval=...)")
+        if trainer.check_val_every_n_epoch not in (1, _NEVER):
+            rank_zero_warn(
+                f"EvalSchedule overrides Trainer(check_val_every_n_epoch={trainer.check_val_every_n_epoch}); "
+                f"validation runs after epochs {list(self.eval_epochs)}"
+                + (" and the last one" if self.always_last else "")
+            )
+        last = self._last_epoch(trainer)
+        if last is not None and self.eval_epochs and self.eval_epochs[-1] > last:
+            raise ValueError(
+                f"eval_epochs {list(self.eval_epochs)} lists epochs beyond the last one ({last}, from "
+                f"Trainer(max_epochs={trainer.max_epochs}), 0-based); drop them or raise max_epochs"
+            )
+        self._user_check_val_every_n_epoch = trainer.check_val_every_n_epoch
+        self._apply(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer)  # current_epoch is restored from the checkpoint by now
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer)
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        if self._user_check_val_every_n_epoch is not None:
+            trainer.check_val_every_n_epoch = self._user_check_val_every_n_epoch
+            self._user_check_val_every_n_epoch = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(trainer)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore(trainer)

@@ -1,0 +1,188 @@
+"""CocoDALIDataModule and the DALI iterator on the generated shapes COCO dataset (CPU DALI)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.dali,
+    pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI"),
+]
+
+
+def _dm(root, **kwargs):
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("device", "cpu")
+    dm = CocoDALIDataModule(root, **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def _ann(root, split):
+    return json.loads((root / "annotations" / f"instances_{split}2017.json").read_text())
+
+
+def _non_empty_ids(root, split="train"):
+    return sorted({a["image_id"] for a in _ann(root, split)["annotations"]})
+
+
+def test_train_batch_shapes_and_dtypes(shapes_coco):
+    dm = _dm(shapes_coco)
+    n_train = len(_non_empty_ids(shapes_coco))
+    loader = dm.train_dataloader()
+    assert len(loader) == n_train // 4
+    batch = next(iter(loader))
+    assert set(batch) == {"images", "boxes", "labels"}
+    assert batch["images"].shape == (4, 3, 300, 300) and batch["images"].dtype == torch.float32
+    assert batch["boxes"].shape == (4, 8732, 4) and batch["boxes"].dtype == torch.float32
+    assert batch["labels"].shape == (4, 8732) and batch["labels"].dtype == torch.int64
+    assert batch["labels"].min() >= 0 and batch["labels"].max() < dm.num_classes
+    # ImageNet-normalised: roughly zero-centred, well outside [0, 1]
+    assert -3.0 < batch["images"].mean() < 3.0 and batch["images"].min() < 0
+
+
+def test_val_batches_ids_and_sizes(shapes_coco):
+    dm = _dm(shapes_coco, eval_batch_size=4)
+    ann = _ann(shapes_coco, "val")
+    sizes = {im["id"]: (im["height"], im["width"]) for im in ann["images"]}
+    loader = dm.val_dataloader()
+    assert len(loader) == -(-len(sizes) // 4)
+    seen = []
+    for batch in loader:
+        assert set(batch) == {"images", "image_ids", "image_sizes"}
+        assert batch["image_ids"].dtype == torch.int64 and batch["image_sizes"].dtype == torch.int64
+        for iid, hw in zip(batch["image_ids"].tolist(), batch["image_sizes"].tolist(), strict=True):
+            assert tuple(hw) == sizes[iid]
+        seen += batch["image_ids"].tolist()
+    assert sorted(seen) == sorted(sizes)  # exactly once, padding removed
+    assert dm.val_annotation_file.name == "instances_val2017.json"
+    assert dm.category_map.num_classes == dm.num_classes == len(ann["categories"]) + 1
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_output_dtype(shapes_coco, name, dtype):
+    dm = _dm(shapes_coco, output_dtype=name)
+    assert next(iter(dm.train_dataloader()))["images"].dtype == dtype
+    assert next(iter(dm.val_dataloader()))["images"].dtype == dtype
+
+
+def test_encoded_targets_match_boxcoder(shapes_coco):
+    """Without augmentation, DALI's box_encoder must agree with BoxCoder.encode (ties aside)."""
+    from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
+
+    dm = _dm(shapes_coco, augment=False, shuffle=False)
+    ann = _ann(shapes_coco, "train")
+    imgs = {im["id"]: im for im in ann["images"]}
+    by_image: dict[int, list] = {}
+    for a in ann["annotations"]:
+        by_image.setdefault(a["image_id"], []).append(a)
+    coder = BoxCoder(dboxes300_coco())
+    batch = next(iter(dm.make_loader("train", with_image_ids=True)))
+    total = mismatched = 0
+    for k, iid in enumerate(batch["image_ids"].tolist()):
+        w, h = imgs[iid]["width"], imgs[iid]["height"]
+        gt = torch.tensor([[a["bbox"][0] / w, a["bbox"][1] / h, (a["bbox"][0] + a["bbox"][2]) / w,
+                            (a["bbox"][1] + a["bbox"][3]) / h] for a in by_image[iid]])
+        labels = dm.category_map.category_id_to_label(torch.tensor([a["category_id"] for a in by_image[iid]]))
+        ref_boxes, ref_labels = coder.encode(gt, labels)
+        same = ref_labels == batch["labels"][k]
+        total += same.numel()
+        mismatched += int((~same).sum())
+        assert (ref_labels > 0).sum() > 0
+        torch.testing.assert_close(batch["boxes"][k][same], ref_boxes[same].float(), atol=1e-4, rtol=1e-4)
+    assert mismatched <= 0.001 * total  # float ties between equal-IoU candidates only
+
+
+def test_len_stable_and_complete_epochs(shapes_coco):
+    dm = _dm(shapes_coco)
+    loader = dm.train_dataloader()
+    counts = [sum(1 for _ in loader) for _ in range(3)]
+    assert counts == [len(loader)] * 3
+    val = dm.val_dataloader()
+    assert [sum(1 for _ in val) for _ in range(3)] == [len(val)] * 3
+
+
+def test_abandoned_epochs(shapes_coco):
+    """Sanity-check style partial epochs must not shorten or corrupt the next full epoch."""
+    dm = _dm(shapes_coco, eval_batch_size=3)
+    val = dm.val_dataloader()
+    it = iter(val)
+    next(it)
+    next(it)  # abandoned after 2 batches, like num_sanity_val_steps=2
+    ids = [i for b in val for i in b["image_ids"].tolist()]
+    assert sorted(ids) == sorted(im["id"] for im in _ann(shapes_coco, "val")["images"])
+
+    # Training continues the stream after an abandoned epoch (limit_train_batches): the next epoch has
+    # full length, and the reader epoch it finishes still holds each sample at most once.
+    train = dm.make_loader("train", with_image_ids=True)
+    first = next(iter(train))
+    batches = list(train)
+    assert len(batches) == len(train)
+    reader_epoch = [first] + batches[: len(train) - 1]
+    flat = [i for b in reader_epoch for i in b["image_ids"].tolist()]
+    assert len(set(flat)) == len(flat) == len(train) * 4
+    assert set(batches[-1]["image_ids"].tolist()) <= set(_non_empty_ids(shapes_coco))
+
+
+def test_held_batches_not_overwritten(shapes_coco):
+    dm = _dm(shapes_coco)
+    it = iter(dm.train_dataloader())
+    first = next(it)
+    snapshot = {k: v.clone() for k, v in first.items()}
+    for _ in range(3):
+        next(it)
+    for k in first:
+        assert torch.equal(first[k], snapshot[k])
+
+
+def test_two_shards_disjoint_complete_and_reshuffled(shapes_coco):
+    dm = _dm(shapes_coco, batch_size=3)
+    train_ids = set(_non_empty_ids(shapes_coco))
+    loaders = [dm.make_loader("train", shard_id=s, num_shards=2, with_image_ids=True) for s in (0, 1)]
+    assert len(loaders[0]) == len(loaders[1]) == (len(train_ids) // 2) // 3
+    orders = []
+    for _ in range(2):  # two epochs
+        per_shard = [[i for b in ld for i in b["image_ids"].tolist()] for ld in loaders]
+        assert not set(per_shard[0]) & set(per_shard[1])
+        both = per_shard[0] + per_shard[1]
+        assert len(both) == len(set(both)) and set(both) <= train_ids
+        # drop policy: at most one partial batch per shard is left out
+        assert len(train_ids) - len(both) < 2 * 3 + 2
+        orders.append(both)
+    assert orders[0] != orders[1]  # global reshuffle between epochs
+
+    val_ids = [im["id"] for im in _ann(shapes_coco, "val")["images"]]
+    vals = [dm.make_loader("val", shard_id=s, num_shards=2) for s in (0, 1)]
+    for _ in range(2):
+        got = [[i for b in ld for i in b["image_ids"].tolist()] for ld in vals]
+        assert not set(got[0]) & set(got[1])
+        assert Counter(got[0] + got[1]) == Counter(val_ids)
+
+
+def test_same_seed_same_shuffle(shapes_coco):
+    a = _dm(shapes_coco, seed=5).make_loader("train", with_image_ids=True)
+    b = _dm(shapes_coco, seed=5).make_loader("train", with_image_ids=True)
+    ids_a = [b_["image_ids"].tolist() for b_ in a]
+    ids_b = [b_["image_ids"].tolist() for b_ in b]
+    assert ids_a == ids_b
+
+
+def test_constructor_defaults_and_errors(tmp_path):
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    dm = CocoDALIDataModule(tmp_path, batch_size=8)
+    assert dm.train_images == tmp_path / "train2017" and dm.eval_batch_size == 8
+    assert dm.val_annotation_file == tmp_path / "annotations" / "instances_val2017.json"
+    with pytest.raises(ValueError, match="output_dtype"):
+        CocoDALIDataModule(tmp_path, output_dtype="int8")
+    with pytest.raises(ValueError, match="device"):
+        CocoDALIDataModule(tmp_path, device="tpu")
+    with pytest.raises(ValueError, match="batch_size"):
+        CocoDALIDataModule(tmp_path, batch_size=0)

@@ -1,0 +1,342 @@
+"""CocoMAPCallback inside real Lightning Trainers (CPU): logged stats, written JSON, best tracking, DDP."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from ssd_lightning.callbacks.coco_map import CocoMAPCallback
+from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
+
+CATEGORY_IDS = [4, 9]  # non-contiguous on purpose
+
+
+class DuckCategoryMap:
+    """Stand-in for ssd_lightning.data.categories.CategoryMap (label i+1 <-> CATEGORY_IDS[i])."""
+
+    def __init__(self, category_ids=CATEGORY_IDS):
+        self.category_ids = list(category_ids)
+        self.num_classes = len(category_ids)
+
+    def label_to_category_id(self, labels):
+        lut = torch.tensor([-1, *self.category_ids])
+        return lut[torch.as_tensor(labels).long()]
+
+
+def make_annotations(path: Path, num_images: int = 20, seed: int = 0) -> Path:
+    """Images with 1-4 objects each of small / medium / large size, categories 4 and 9."""
+    rng = np.random.default_rng(seed)
+    images, anns = [], []
+    for i in range(num_images):
+        image_id = 1000 + 7 * i
+        images.append({"id": image_id, "width": 500, "height": 400, "file_name": f"{image_id}.jpg"})
+        for k in range(1 + i % 4):
+            side = [20.0, 60.0, 150.0][(i + k) % 3] * rng.uniform(0.8, 1.2)
+            x, y = rng.uniform(0, 500 - side), rng.uniform(0, 400 - side)
+            anns.append(
+                {
+                    "id": len(anns) + 1,
+                    "image_id": image_id,
+                    "category_id": CATEGORY_IDS[(i + k) % 2],
+                    "bbox": [round(x, 2), round(y, 2), round(side, 2), round(side * 0.8, 2)],
+                    "area": round(side, 2) * round(side * 0.8, 2),
+                    "iscrowd": 0,
+                }
+            )
+    cats = [{"id": c, "name": f"c{c}"} for c in CATEGORY_IDS]
+    path.write_text(json.dumps({"images": images, "annotations": anns, "categories": cats}))
+    return path
+
+
+class IdDataset(Dataset):
+    def __init__(self, image_ids):
+        self.image_ids = list(image_ids)
+
+    def __len__(self):
+        return len(self.image_ids)
+
+    def __getitem__(self, i):
+        return {"image_ids": torch.tensor(self.image_ids[i]), "x": torch.ones(2)}
+
+
+class DetDataModule(pl.LightningDataModule):
+    """What CocoMAPCallback needs from a datamodule: val_dataloader, category_map, val_annotation_file."""
+
+    def __init__(self, annotation_file: Path, image_ids=None, batch_size: int = 3):
+        super().__init__()
+        self.val_annotation_file = str(annotation_file)
+        self.category_map = DuckCategoryMap()
+        if image_ids is None:
+            image_ids = [im["id"] for im in json.loads(Path(annotation_file).read_text())["images"]]
+        self.image_ids = list(image_ids)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(IdDataset(self.image_ids[:4]), batch_size=2)
+
+    def val_dataloader(self):
+        return DataLoader(IdDataset(self.image_ids), batch_size=self.batch_size)
+
+
+class GroundTruthDetector(pl.LightningModule):
+    """Emits detections derived from the ground truth: exact (jitter 0) or with a deterministic jitter per
+    image (independent of rank and batch), so that 1 and 2 processes give the same detections.
+
+    ``jitter_per_epoch`` overrides ``jitter`` by ``current_epoch``; ``seen_dir`` makes each rank write the
+    image ids it validated.
+    """
+
+    def __init__(self, annotation_file, jitter=0.0, jitter_per_epoch=None, empty=False, seen_dir=None):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        data = json.loads(Path(annotation_file).read_text())
+        self.gt: dict[int, list[dict]] = {im["id"]: [] for im in data["images"]}
+        for a in data["annotations"]:
+            self.gt[a["image_id"]].append(a)
+        self.jitter, self.jitter_per_epoch, self.empty = jitter, jitter_per_epoch, empty
+        self.seen_dir = seen_dir
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch["x"]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def on_validation_epoch_start(self):
+        self.seen = []
+
+    def _detections(self, image_id: int) -> dict:
+        jitter = self.jitter
+        if self.jitter_per_epoch is not None:
+            jitter = self.jitter_per_epoch[self.current_epoch]
+        rng = np.random.default_rng([image_id, int(jitter * 1000)])
+        anns = [] if self.empty else self.gt[image_id]
+        xywh = np.array([a["bbox"] for a in anns], dtype=np.float64).reshape(-1, 4)
+        xywh = xywh + rng.normal(0.0, jitter, xywh.shape) * xywh[:, [2, 3, 2, 3]]
+        ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
+        labels = [CATEGORY_IDS.index(a["category_id"]) + 1 for a in anns]
+        return {
+            "image_id": image_id,
+            "boxes": torch.tensor(ltrb, dtype=torch.float32),
+            "scores": torch.tensor(rng.uniform(0.1, 1.0, len(anns)), dtype=torch.float32),
+            "labels": torch.tensor(labels, dtype=torch.int64).reshape(-1),
+        }
+
+    def validation_step(self, batch, batch_idx):
+        ids = batch["image_ids"].tolist()
+        self.seen.extend(ids)
+        return {"detections": [self._detections(i) for i in ids]}
+
+    def on_validation_epoch_end(self):
+        if self.seen_dir is not None and not self.trainer.sanity_checking:
+            path = Path(self.seen_dir) / f"rank{self.global_rank}_epoch{self.current_epoch}.json"
+            path.write_text(json.dumps(self.seen))
+
+
+class MetricRecorder(Callback):
+    """Copies the val/ metrics after every (non-sanity) validation pass."""
+
+    def __init__(self):
+        self.history: list[tuple[int, dict]] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            self.history.append((trainer.current_epoch, metrics))
+
+
+def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        default_root_dir=str(tmp_path),
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **defaults)
+
+
+def _pycocotools_by_hand(ann_file, json_file) -> list[float]:
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(ann_file))
+        ev = COCOeval(gt, gt.loadRes(str(json_file)), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return list(ev.stats)
+
+
+@pytest.fixture
+def ann_file(tmp_path) -> Path:
+    return make_annotations(tmp_path / "instances_val.json")
+
+
+def test_validate_perfect_detections(tmp_path, ann_file, capsys):
+    cb = CocoMAPCallback(output_dir=tmp_path / "out")
+    trainer = _trainer(tmp_path, [cb])
+    (metrics,) = trainer.validate(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
+    assert {f"val/{n}" for n in COCO_STAT_NAMES} == set(metrics)  # no best tracking outside fit
+    assert metrics["val/mAP"] == pytest.approx(1.0)
+    assert metrics["val/mAP_small"] == pytest.approx(1.0)  # all area ranges are populated
+    assert metrics["val/mAR_100"] == pytest.approx(1.0)
+    written = tmp_path / "out" / "detections_epoch_0.json"
+    results = json.loads(written.read_text())
+    assert {r["category_id"] for r in results} == set(CATEGORY_IDS)
+    assert _pycocotools_by_hand(ann_file, written) == pytest.approx(
+        [metrics[f"val/{n}"] for n in COCO_STAT_NAMES]
+    )
+    assert capsys.readouterr().out.count("Average Precision") == 6
+    assert not list((tmp_path / "out").glob(".*tmp"))  # no temp files left by the atomic write
+
+
+def test_fit_jittered_best_tracking_and_checkpoint(tmp_path, ann_file):
+    """3 epochs with different jitter: each logged value equals evaluate_coco on that epoch's JSON; the best
+    epoch is tracked, survives a resume, and ModelCheckpoint(monitor="val/mAP") sees the same numbers."""
+    jitters = [0.12, 0.03, 0.08, 0.2]
+    cb, rec = CocoMAPCallback(verbose=False), MetricRecorder()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val/mAP", mode="max")
+    # Lightning 2.6: save_last next to a monitor writes last.ckpt only when a top-k checkpoint was saved,
+    # so a resumable "last" needs its own ModelCheckpoint without monitor.
+    last = ModelCheckpoint(dirpath=tmp_path / "last", save_last=True)
+    trainer = _trainer(tmp_path, [cb, rec, ckpt, last], max_epochs=3, num_sanity_val_steps=2)
+    trainer.fit(GroundTruthDetector(ann_file, jitter_per_epoch=jitters), datamodule=DetDataModule(ann_file))
+
+    assert [e for e, _ in rec.history] == [0, 1, 2]  # the sanity check is not evaluated
+    maps = []
+    for epoch, metrics in rec.history:
+        json_file = tmp_path / f"detections_epoch_{epoch}.json"  # default_root_dir without a logger
+        expected = evaluate_coco(ann_file, json_file, verbose=False)
+        for name in COCO_STAT_NAMES:
+            assert metrics[f"val/{name}"] == pytest.approx(expected[name], abs=1e-6), (epoch, name)
+        assert _pycocotools_by_hand(ann_file, json_file) == pytest.approx(list(expected.values()))
+        maps.append(expected["mAP"])
+    assert min(maps) > 0.2 and max(maps) < 0.95 and maps[1] == max(maps)
+    assert [m["val/mAP_best_epoch"] for _, m in rec.history] == [0, 1, 1]
+    assert [m["val/mAP_best"] for _, m in rec.history] == pytest.approx([maps[0], maps[1], maps[1]])
+    assert cb.best_epoch == 1 and cb.best_map == pytest.approx(maps[1])
+    assert float(ckpt.best_model_score) == pytest.approx(maps[1], abs=1e-6)
+    assert "epoch=1" in Path(ckpt.best_model_path).name
+
+    # resume in a fresh callback: the best survives, a worse epoch 3 does not replace it
+    cb2, rec2 = CocoMAPCallback(verbose=False), MetricRecorder()
+    trainer = _trainer(tmp_path, [cb2, rec2], max_epochs=4)
+    trainer.fit(
+        GroundTruthDetector(ann_file, jitter_per_epoch=jitters),
+        datamodule=DetDataModule(ann_file),
+        ckpt_path=str(tmp_path / "last" / "last.ckpt"),
+    )
+    assert [e for e, _ in rec2.history] == [3]
+    metrics = rec2.history[0][1]
+    assert metrics["val/mAP"] < maps[1]
+    assert metrics["val/mAP_best"] == pytest.approx(maps[1]) and metrics["val/mAP_best_epoch"] == 1
+    assert cb2.state_dict() == {"best_map": pytest.approx(maps[1]), "best_epoch": 1}
+
+
+def test_empty_detections_and_missing_images(tmp_path, ann_file):
+    cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
+    trainer = _trainer(tmp_path, [cb])
+    (metrics,) = trainer.validate(
+        GroundTruthDetector(ann_file, empty=True), datamodule=DetDataModule(ann_file)
+    )
+    assert all(metrics[f"val/{n}"] == 0.0 for n in COCO_STAT_NAMES)
+    assert json.loads((tmp_path / "detections_epoch_0.json").read_text()) == []
+
+    # a partial pass (limit_val_batches) is evaluated on the images it saw, with a warning
+    trainer = _trainer(tmp_path, [cb], limit_val_batches=2)
+    with pytest.warns(UserWarning, match="6 of the 20 images"):
+        (metrics,) = trainer.validate(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
+    assert metrics["val/mAP"] == pytest.approx(1.0)
+
+
+def test_duplicates_are_dropped_with_a_warning(tmp_path, ann_file):
+    ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
+    cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
+    model = GroundTruthDetector(ann_file, jitter=0.1)
+    (clean,) = _trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))
+    clean_results = json.loads((tmp_path / "detections_epoch_0.json").read_text())
+    with pytest.warns(UserWarning, match="dropped 3 duplicate"):
+        (dup,) = _trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file, ids + ids[:3]))
+    assert dup == clean
+    assert json.loads((tmp_path / "detections_epoch_0.json").read_text()) == clean_results
+
+
+def test_configuration_errors(tmp_path, ann_file):
+    with pytest.raises(ValueError, match="backend"):
+        CocoMAPCallback(backend="nope")
+
+    class NoMeta(DetDataModule):
+        category_map = None
+
+    dm = NoMeta(ann_file)
+    dm.category_map = None
+    with pytest.raises(ValueError, match="category_map"):
+        _trainer(tmp_path, [CocoMAPCallback()]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+    # explicit arguments take precedence over the datamodule
+    cb = CocoMAPCallback(category_map=DuckCategoryMap(), annotation_file=ann_file, save_detections=False)
+    (metrics,) = _trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+    assert metrics["val/mAP"] == pytest.approx(1.0)
+    assert not list(tmp_path.glob("detections_epoch_*.json"))
+    # a label mapped to a category the annotation file lacks is an error, not a silent 0
+    cb = CocoMAPCallback(category_map=DuckCategoryMap([4, 99]), save_detections=False)
+    with pytest.raises(ValueError, match=r"category id\(s\) \[99\]"):
+        _trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+
+
+def test_faster_backend_same_numbers(tmp_path, ann_file):
+    out = []
+    for backend in ("pycocotools", "faster_coco_eval"):
+        cb = CocoMAPCallback(backend=backend, save_detections=False, verbose=False)
+        model = GroundTruthDetector(ann_file, jitter=0.1)
+        out.append(_trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))[0])
+    assert out[0] == out[1]
+    assert 0.2 < out[0]["val/mAP"] < 0.9
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one(tmp_path, ann_file):
+    """A real 2-process CPU DDP run (gloo, ddp_spawn): each rank sees half of the images, rank 0 evaluates
+    all of them, and the stats equal those of a 1-process run."""
+    seen_dir = tmp_path / "seen"
+    seen_dir.mkdir()
+    single = _trainer(tmp_path / "single", [CocoMAPCallback(verbose=False)]).validate(
+        GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
+    )[0]
+
+    trainer = _trainer(
+        tmp_path / "ddp",
+        [CocoMAPCallback(verbose=False, output_dir=tmp_path / "ddp_out")],
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    ddp = trainer.validate(
+        GroundTruthDetector(ann_file, jitter=0.1, seen_dir=str(seen_dir)),
+        datamodule=DetDataModule(ann_file),
+        verbose=False,
+    )[0]
+    assert ddp == pytest.approx(single, abs=1e-7)
+    all_ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
+    rank0 = json.loads((seen_dir / "rank0_epoch0.json").read_text())
+    rank1 = json.loads((seen_dir / "rank1_epoch0.json").read_text())
+    assert len(rank0) == len(rank1) == len(all_ids) // 2
+    assert sorted(rank0 + rank1) == sorted(all_ids)
+    written = json.loads((tmp_path / "ddp_out" / "detections_epoch_0.json").read_text())
+    assert {r["image_id"] for r in written} == set(all_ids)
+    assert evaluate_coco(ann_file, written, verbose=False)["mAP"] == pytest.approx(
+        single["val/mAP"], abs=1e-6
+    )

@@ -59,7 +59,8 @@ class RefSSD300(nn.Module):
         self.label_num = label_num
         channels = backbone.out_channels
         blocks = []
-        for i, (cin, cout, mid) in enumerate(zip(channels[:-1], channels[1:], [256, 256, 128, 128, 128])):
+        mids = [256, 256, 128, 128, 128]
+        for i, (cin, cout, mid) in enumerate(zip(channels[:-1], channels[1:], mids, strict=True)):
             conv3 = (
                 nn.Conv2d(mid, cout, kernel_size=3, padding=1, stride=2, bias=False)
                 if i < 3
@@ -78,11 +79,12 @@ class RefSSD300(nn.Module):
         self.additional_blocks = nn.ModuleList(blocks)
         self.num_defaults = [4, 6, 6, 6, 4, 4]
         self.loc = nn.ModuleList(
-            nn.Conv2d(oc, nd * 4, kernel_size=3, padding=1) for nd, oc in zip(self.num_defaults, channels)
+            nn.Conv2d(oc, nd * 4, kernel_size=3, padding=1)
+            for nd, oc in zip(self.num_defaults, channels, strict=True)
         )
         self.conf = nn.ModuleList(
             nn.Conv2d(oc, nd * label_num, kernel_size=3, padding=1)
-            for nd, oc in zip(self.num_defaults, channels)
+            for nd, oc in zip(self.num_defaults, channels, strict=False)
         )
         for layer in [*self.additional_blocks, *self.loc, *self.conf]:
             for p in layer.parameters():
@@ -96,7 +98,7 @@ class RefSSD300(nn.Module):
             x = block(x)
             feeds.append(x)
         locs, confs = [], []
-        for s, lh, ch in zip(feeds, self.loc, self.conf):
+        for s, lh, ch in zip(feeds, self.loc, self.conf, strict=False):
             locs.append(lh(s).reshape(s.size(0), 4, -1))
             confs.append(ch(s).reshape(s.size(0), self.label_num, -1))
         return torch.cat(locs, 2).contiguous(), torch.cat(confs, 2).contiguous()
@@ -114,7 +116,14 @@ class RefLoss(nn.Module):
         self.con_loss = nn.CrossEntropyLoss(reduction="none")
 
     def _loc_vec(self, loc):
-        gxy = self.scale_xy * (loc[:, :2, :] - self.dboxes[:, :2, :]) / self.dboxes[:, 2:,]
+        gxy = (
+            self.scale_xy
+            * (loc[:, :2, :] - self.dboxes[:, :2, :])
+            / self.dboxes[
+                :,
+                2:,
+            ]
+        )
         gwh = self.scale_wh * (loc[:, 2:, :] / self.dboxes[:, 2:, :]).log()
         return torch.cat((gxy, gwh), dim=1).contiguous()
 
@@ -244,7 +253,7 @@ class RefEncoder:
         bboxes, probs = self.scale_back_batch(bboxes_in, scores_in)
         return [
             self.decode_single(bbox.squeeze(0), prob.squeeze(0), criteria, max_output, max_num)
-            for bbox, prob in zip(bboxes.split(1, 0), probs.split(1, 0))
+            for bbox, prob in zip(bboxes.split(1, 0), probs.split(1, 0), strict=False)
         ]
 
     def decode_single(self, bboxes_in, scores_in, criteria, max_output, max_num=200):
@@ -288,7 +297,11 @@ def ref_decode_as_dicts(locs, logits, criteria=0.5, max_output=200, max_num=200)
     for boxes, labels, scores in encoder.decode_batch(locs, logits, criteria, max_output, max_num):
         if scores.numel() == 0:
             out.append(
-                {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "labels": torch.zeros(0, dtype=torch.long)}
+                {
+                    "boxes": torch.zeros(0, 4),
+                    "scores": torch.zeros(0),
+                    "labels": torch.zeros(0, dtype=torch.long),
+                }
             )
         else:
             out.append({"boxes": boxes.flip(0), "scores": scores.flip(0), "labels": labels.flip(0)})

@@ -14,8 +14,12 @@ from ssd_lightning.data.categories import CategoryMap
 HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
 
 # Deliberately unsorted ids, an unused category, and annotations in yet another order.
-CATEGORIES = [{"id": 7, "name": "seven"}, {"id": 3, "name": "three"}, {"id": 20, "name": "unused"},
-              {"id": 11, "name": "eleven"}]
+CATEGORIES = [
+    {"id": 7, "name": "seven"},
+    {"id": 3, "name": "three"},
+    {"id": 20, "name": "unused"},
+    {"id": 11, "name": "eleven"},
+]
 
 
 def test_from_coco_uses_file_order():
@@ -77,15 +81,17 @@ def test_dali_reader_labels_agree_with_category_map(tmp_path):
     for i, cid in enumerate(ann_order, start=1):
         Image.new("RGB", (32, 24), (i * 40, 0, 0)).save(tmp_path / "img" / f"{i}.jpg")
         images.append({"id": i, "file_name": f"{i}.jpg", "width": 32, "height": 24})
-        anns.append({"id": i, "image_id": i, "category_id": cid, "bbox": [2, 2, 10, 8], "area": 80,
-                     "iscrowd": 0})
+        anns.append(
+            {"id": i, "image_id": i, "category_id": cid, "bbox": [2, 2, 10, 8], "area": 80, "iscrowd": 0}
+        )
     ann_file = tmp_path / "ann.json"
     ann_file.write_text(json.dumps({"images": images, "annotations": anns, "categories": CATEGORIES}))
 
     @pipeline_def(batch_size=len(ann_order), num_threads=1, device_id=None)
     def pipe():
-        _, _, labels, ids = fn.readers.coco(file_root=str(tmp_path / "img"), annotations_file=str(ann_file),
-                                            image_ids=True)
+        _, _, labels, ids = fn.readers.coco(
+            file_root=str(tmp_path / "img"), annotations_file=str(ann_file), image_ids=True
+        )
         return labels, ids
 
     p = pipe()

@@ -17,6 +17,15 @@ from ssd_lightning.modules.classifier import ClassifierLitModule
 from ssd_lightning.modules.ema import ExponentialMovingAverage
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small convolutions gain nothing from a second thread, and lose a lot when the cores are busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     images, labels = zip(*items, strict=True)
     return {"images": torch.stack(images), "labels": torch.stack(labels).long()}
@@ -297,8 +306,10 @@ def coloured_shapes(n_per_class: int, *, size: int = 32, seed: int = 0) -> tuple
 
 
 def test_learns_coloured_shapes_well_above_chance():
+    """A shallow MobileNetV2 (three stages, width 0.35) learns 4 classes of 32x32 shapes in 96 steps."""
     torch.manual_seed(0)
-    net = mobilenet_v2(num_classes=4, width_mult=0.35, dropout=0.0)
+    setting = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 2, 2]]
+    net = mobilenet_v2(num_classes=4, width_mult=0.35, dropout=0.0, inverted_residual_setting=setting)
     module = ClassifierLitModule(
         net,
         optimizer=functools.partial(torch.optim.AdamW, lr=2e-3, weight_decay=1e-4),
@@ -306,10 +317,17 @@ def test_learns_coloured_shapes_well_above_chance():
         label_smoothing=0.1,
         ema_decay=0.8,
     )
-    data = TensorDataModule(coloured_shapes(24, seed=0), coloured_shapes(10, seed=1), batch_size=16)
-    trainer = _trainer(max_epochs=6)
+    data = TensorDataModule(coloured_shapes(24, seed=0), coloured_shapes(10, seed=1), batch_size=8)
+    history: list[float] = []
+
+    class Record(pl.Callback):
+        def on_validation_end(self, trainer, pl_module):  # after the module's epoch-end logging
+            history.append(trainer.callback_metrics["val/acc1"].item())
+
+    trainer = _trainer(max_epochs=8, callbacks=[Record()])
     trainer.fit(module, datamodule=data)
     metrics = trainer.callback_metrics
-    assert metrics["val/acc1"].item() >= 0.6, metrics  # chance is 0.25
-    assert metrics["val/acc1_best"].item() >= metrics["val/acc1"].item()
-    assert module.acc1_best_epoch.item() >= 0
+    assert metrics["val/acc1"].item() >= 0.6, history  # chance is 0.25; ~0.9 measured
+    assert metrics["val/acc1_ema"].item() >= 0.5
+    assert metrics["val/acc1_best"].item() == pytest.approx(max(history))
+    assert module.acc1_best_epoch.item() == history.index(max(history))

@@ -88,8 +88,17 @@ def test_encoded_targets_match_boxcoder(shapes_coco):
     total = mismatched = 0
     for k, iid in enumerate(batch["image_ids"].tolist()):
         w, h = imgs[iid]["width"], imgs[iid]["height"]
-        gt = torch.tensor([[a["bbox"][0] / w, a["bbox"][1] / h, (a["bbox"][0] + a["bbox"][2]) / w,
-                            (a["bbox"][1] + a["bbox"][3]) / h] for a in by_image[iid]])
+        gt = torch.tensor(
+            [
+                [
+                    a["bbox"][0] / w,
+                    a["bbox"][1] / h,
+                    (a["bbox"][0] + a["bbox"][2]) / w,
+                    (a["bbox"][1] + a["bbox"][3]) / h,
+                ]
+                for a in by_image[iid]
+            ]
+        )
         labels = dm.category_map.category_id_to_label(torch.tensor([a["category_id"] for a in by_image[iid]]))
         ref_boxes, ref_labels = coder.encode(gt, labels)
         same = ref_labels == batch["labels"][k]

@@ -95,7 +95,9 @@ class GroundTruthDetector(pl.LightningModule):
     image ids it validated.
     """
 
-    def __init__(self, annotation_file, jitter=0.0, jitter_per_epoch=None, empty=False, seen_dir=None):
+    def __init__(
+        self, annotation_file, jitter=0.0, jitter_per_epoch=None, empty=False, seen_dir=None, bad_image=None
+    ):
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
         data = json.loads(Path(annotation_file).read_text())
@@ -104,6 +106,7 @@ class GroundTruthDetector(pl.LightningModule):
             self.gt[a["image_id"]].append(a)
         self.jitter, self.jitter_per_epoch, self.empty = jitter, jitter_per_epoch, empty
         self.seen_dir = seen_dir
+        self.bad_image = bad_image  # this image gets label 99, which the category map cannot map
         self.seen: list[int] = []
 
     def training_step(self, batch, batch_idx):
@@ -125,11 +128,13 @@ class GroundTruthDetector(pl.LightningModule):
         xywh = xywh + rng.normal(0.0, jitter, xywh.shape) * xywh[:, [2, 3, 2, 3]]
         ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
         labels = [CATEGORY_IDS.index(a["category_id"]) + 1 for a in anns]
-        return {
+        if image_id == self.bad_image:
+            labels = [99] * len(anns)
+        return {  # on the module's device, as SSDLitModule's outputs
             "image_id": image_id,
-            "boxes": torch.tensor(ltrb, dtype=torch.float32),
-            "scores": torch.tensor(rng.uniform(0.1, 1.0, len(anns)), dtype=torch.float32),
-            "labels": torch.tensor(labels, dtype=torch.int64).reshape(-1),
+            "boxes": torch.tensor(ltrb, dtype=torch.float32, device=self.device),
+            "scores": torch.tensor(rng.uniform(0.1, 1.0, len(anns)), dtype=torch.float32, device=self.device),
+            "labels": torch.tensor(labels, dtype=torch.int64, device=self.device).reshape(-1),
         }
 
     def validation_step(self, batch, batch_idx):
@@ -298,6 +303,19 @@ def test_configuration_errors(tmp_path, ann_file):
         _trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
 
 
+def test_conversion_error_surfaces_in_sanity_check(tmp_path, ann_file):
+    class BadMap:
+        def label_to_category_id(self, labels):
+            raise ValueError("unknown label(s) [2]")
+
+    trainer = _trainer(
+        tmp_path, [CocoMAPCallback(category_map=BadMap())], max_epochs=1, num_sanity_val_steps=1
+    )
+    with pytest.raises(ValueError, match="unknown label"):
+        trainer.fit(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
+    assert trainer.global_step == 0  # raised by the sanity check, before any training
+
+
 def test_faster_backend_same_numbers(tmp_path, ann_file):
     out = []
     for backend in ("pycocotools", "faster_coco_eval"):
@@ -308,7 +326,41 @@ def test_faster_backend_same_numbers(tmp_path, ann_file):
     assert 0.2 < out[0]["val/mAP"] < 0.9
 
 
+def test_with_eval_schedule_and_checkpoint(tmp_path, ann_file):
+    """EvalSchedule + CocoMAPCallback + ModelCheckpoint(monitor="val/mAP"): evaluated (and JSON written) only
+    on the scheduled epochs, best checkpoint from the best of those."""
+    from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+
+    jitters = [0.0, 0.15, 0.0, 0.05]  # epochs 0 and 2 would be perfect but are not evaluated
+    rec = MetricRecorder()
+    best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val/mAP", mode="max", filename="{epoch}")
+    cbs = [EvalSchedule([1]), CocoMAPCallback(verbose=False), rec, best]
+    _trainer(tmp_path, cbs, max_epochs=4).fit(
+        GroundTruthDetector(ann_file, jitter_per_epoch=jitters), datamodule=DetDataModule(ann_file)
+    )
+    assert [e for e, _ in rec.history] == [1, 3]
+    assert sorted(p.name for p in tmp_path.glob("detections_epoch_*.json")) == [
+        "detections_epoch_1.json",
+        "detections_epoch_3.json",
+    ]
+    assert rec.history[1][1]["val/mAP_best_epoch"] == 3
+    assert Path(best.best_model_path).name == "epoch=3.ckpt"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_validate_on_gpu(tmp_path, ann_file):
+    cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
+    trainer = _trainer(tmp_path, [cb], accelerator="gpu")
+    (metrics,) = trainer.validate(
+        GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file)
+    )
+    expected = evaluate_coco(ann_file, tmp_path / "detections_epoch_0.json", verbose=False)
+    assert metrics["val/mAP"] == pytest.approx(expected["mAP"], abs=1e-6) and 0.2 < expected["mAP"] < 0.9
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_ddp_two_processes_match_one(tmp_path, ann_file):
     """A real 2-process CPU DDP run (gloo, ddp_spawn): each rank sees half of the images, rank 0 evaluates
     all of them, and the stats equal those of a 1-process run."""
@@ -340,3 +392,51 @@ def test_ddp_two_processes_match_one(tmp_path, ann_file):
     assert evaluate_coco(ann_file, written, verbose=False)["mAP"] == pytest.approx(
         single["val/mAP"], abs=1e-6
     )
+
+
+_DDP_ERROR_SCRIPT = """
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+
+sys.path.insert(0, {tests_dir!r})
+from test_coco_map_callback import CocoMAPCallback, DetDataModule, GroundTruthDetector
+
+ann_file, out_dir, bad_image = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+
+
+class RecordException(Callback):
+    def on_exception(self, trainer, pl_module, exception):
+        text = f"{{type(exception).__name__}}: {{exception}}"
+        (out_dir / f"rank{{trainer.global_rank}}.txt").write_text(text)
+
+
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_progress_bar=False,
+    enable_model_summary=False, default_root_dir=str(out_dir),
+    callbacks=[CocoMAPCallback(verbose=False, save_detections=False), RecordException()],
+)
+trainer.validate(GroundTruthDetector(ann_file, bad_image=bad_image), datamodule=DetDataModule(ann_file))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_error_on_one_rank_does_not_hang(tmp_path, ann_file):
+    """A conversion error that only rank 1 hits reaches rank 0 as that error, through the gather, instead of
+    rank 0 waiting in a collective that rank 1 never joins (a lost connection with gloo, a hang until the
+    collective timeout with NCCL). Real 2-process "ddp" run with Lightning's subprocess launcher."""
+    import subprocess
+    import sys
+
+    all_ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
+    script = tmp_path / "ddp_error.py"
+    script.write_text(_DDP_ERROR_SCRIPT.format(tests_dir=str(Path(__file__).parent)))
+    # DistributedSampler without shuffling gives rank 1 the odd positions
+    cmd = [sys.executable, str(script), str(ann_file), str(tmp_path), str(all_ids[1])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode != 0
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    assert rank0.startswith("RuntimeError") and "rank 1: IndexError" in rank0, proc.stderr[-3000:]

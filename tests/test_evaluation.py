@@ -363,3 +363,28 @@ def test_summary_format_matches_pycocotools(two_objects, capsys):
     assert printed == format_summary(stats)  # pycocotools' own summarize() output
     evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], "faster_coco_eval")
     assert capsys.readouterr().out.rstrip("\n") == printed
+
+
+def test_perfect_detections_on_shapes_with_real_category_map(shapes_coco):
+    """GT boxes of the shapes val set -> contiguous labels -> to_coco_results (CategoryMap) -> mAP 1."""
+    from ssd_lightning.data.categories import CategoryMap
+
+    ann_file = shapes_coco / "annotations" / "instances_val2017.json"
+    dataset = json.loads(ann_file.read_text())
+    cmap = CategoryMap.from_coco(ann_file)
+    ids, boxes, scores, labels = [], [], [], []
+    for im in dataset["images"]:
+        anns = [a for a in dataset["annotations"] if a["image_id"] == im["id"]]
+        xywh = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        ids.append(im["id"])
+        boxes.append(torch.cat([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], dim=1))
+        scores.append(torch.linspace(0.9, 0.5, len(anns)))
+        labels.append(
+            cmap.category_id_to_label(torch.tensor([a["category_id"] for a in anns], dtype=torch.int64))
+        )
+    results = to_coco_results(torch.tensor(ids), boxes, scores, labels, cmap)
+    assert len(results) == len(dataset["annotations"])
+    assert {r["category_id"] for r in results} <= set(cmap.category_ids)
+    for backend in ("pycocotools", "faster_coco_eval"):
+        stats = evaluate_coco(ann_file, results, backend, verbose=False)
+        assert stats["mAP"] == pytest.approx(1.0) and stats["mAR_100"] == pytest.approx(1.0)

@@ -72,7 +72,8 @@ class CocoMAPCallback(Callback):
     ``ModelCheckpoint(monitor="val/mAP")`` works under DDP and ``trainer.validate`` returns the stats.
     A stat of ``-1`` means "no ground truth in that area range".
 
-    The sanity-check pass is not evaluated (its few batches would give a meaningless number).
+    The sanity-check pass converts the detections (so contract errors show up early) but is not evaluated
+    (its few batches would give a meaningless number). An error on one rank is raised on every rank.
     The results are written (rank 0, atomically) to ``<output_dir>/detections_epoch_<epoch>.json`` in COCO
     results format; ``output_dir`` defaults to ``trainer.log_dir`` (or ``trainer.default_root_dir`` without
     a logger). The best mAP and its epoch are kept in the callback state, so they survive a resume.
@@ -113,6 +114,7 @@ class CocoMAPCallback(Callback):
         self.last_stats: dict[str, float] | None = None
         self._per_image: dict[int, np.ndarray] = {}
         self._local_duplicates = 0
+        self._error: Exception | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -152,6 +154,7 @@ class CocoMAPCallback(Callback):
     def _reset(self) -> None:
         self._per_image = {}
         self._local_duplicates = 0
+        self._error = None
 
     # ----------------------------------------------------------------- hooks
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,44 +169,55 @@ class CocoMAPCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        if trainer.sanity_checking:
-            return
+        # Converted in the sanity check too (catches contract errors early), evaluated only afterwards.
         if not isinstance(outputs, Mapping) or "detections" not in outputs:
             raise ValueError(
                 "CocoMAPCallback: validation_step must return {'detections': [per-image dict, ...]} "
                 f"(see docs/architecture.md), got {type(outputs).__name__}"
             )
         _, cmap = self._resolve(trainer)
+        if self._error is not None:
+            return
         detections: Sequence[Mapping[str, Any]] = outputs["detections"]
-        for det in detections:
-            image_id = int(det["image_id"])
-            if image_id in self._per_image:
-                self._local_duplicates += 1
-                continue
-            self._per_image[image_id] = detections_to_coco_array([det], cmap)
+        try:
+            for det in detections:
+                image_id = int(det["image_id"])
+                if image_id in self._per_image:
+                    self._local_duplicates += 1
+                    continue
+                self._per_image[image_id] = detections_to_coco_array([det], cmap)
+        except Exception as e:  # data-dependent: may hit one rank only; raised on all ranks at epoch end
+            self._error = e
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            self._reset()
-            return
         ann_file, _ = self._resolve(trainer)
-        out_dir = self._output_dir(trainer) if self.save_detections else None
+        sanity = trainer.sanity_checking
+        out_dir = self._output_dir(trainer) if self.save_detections and not sanity else None
         epoch = trainer.current_epoch
 
-        gathered = _gather_to_rank_zero((self._per_image, self._local_duplicates), trainer)
+        local_error = self._error
+        message = None
+        if local_error is not None:
+            message = f"rank {trainer.global_rank}: {type(local_error).__name__}: {local_error}"
+        gathered = _gather_to_rank_zero((self._per_image, self._local_duplicates, message), trainer)
         self._reset()
         payload: tuple[str, Any] = ("ok", None)
-        error: Exception | None = None
         if gathered is not None:  # rank 0
-            try:
-                payload = ("ok", self._evaluate(gathered, ann_file, out_dir, epoch))
-            except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
-                payload, error = ("error", f"{type(e).__name__}: {e}"), e
+            errors = [g[2] for g in gathered if g[2] is not None]
+            if errors:
+                payload = ("error", "; ".join(errors))
+            elif not sanity:
+                try:
+                    payload = ("ok", self._evaluate(gathered, ann_file, out_dir, epoch))
+                except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
+                    payload, local_error = ("error", f"rank 0: {type(e).__name__}: {e}"), e
         payload = trainer.strategy.broadcast(payload, src=0)
         if payload[0] == "error":
-            if error is not None:
-                raise error
-            raise RuntimeError(f"COCO evaluation failed on rank 0: {payload[1]}")
+            if local_error is not None:
+                raise local_error
+            raise RuntimeError(f"CocoMAPCallback: COCO evaluation failed: {payload[1]}")
+        if sanity:
+            return
         stats: dict[str, float] = payload[1]
         self.last_stats = stats
 
@@ -223,7 +237,7 @@ class CocoMAPCallback(Callback):
     ) -> dict[str, float]:
         merged: dict[int, np.ndarray] = {}
         duplicates = 0
-        for per_image, local_duplicates in gathered:
+        for per_image, local_duplicates, _ in gathered:
             duplicates += local_duplicates
             for image_id, rows in per_image.items():
                 if image_id in merged:

@@ -7,7 +7,7 @@ Backbone protocol shared by every SSD backbone: an ``nn.Module`` whose ``forward
 from __future__ import annotations
 
 from torch import Tensor, nn
-from torchvision.models import resnet
+from torchvision.models import get_model_weights, resnet
 
 __all__ = ["RESNET_NAMES", "ResNetBackbone", "resnet_backbone"]
 
@@ -58,7 +58,7 @@ def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
         raise ValueError(f"unknown ResNet backbone {name!r}; expected one of {sorted(RESNET_NAMES)}")
     builder = getattr(resnet, name)
     if weights is not None:
-        enum = resnet.get_model_weights(builder)
+        enum = get_model_weights(builder)
         try:
             weights = enum[weights]
         except KeyError:

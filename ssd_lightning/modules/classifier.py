@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
+from pytorch_lightning.trainer.states import TrainerFn
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -177,7 +178,8 @@ class ClassifierLitModule(pl.LightningModule):
             for name, metric in self.eval_metrics[key].items():
                 values[f"{stage}/{name}{suffix}"] = metric.compute()  # all-reduced across ranks
                 metric.reset()
-        self.log_dict(values, prog_bar=False)
+        # Already equal on every rank; sync_dist only spares Lightning's DDP warning (one all-reduce).
+        self.log_dict(values, sync_dist=True)
         return values
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -188,7 +190,7 @@ class ClassifierLitModule(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         values = self._log_eval("val")
-        if not self.trainer.sanity_checking:
+        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
             acc1 = values["val/acc1"].to(self.acc1_best)
             if acc1 > self.acc1_best:
                 self.acc1_best.copy_(acc1)
@@ -198,7 +200,7 @@ class ClassifierLitModule(pl.LightningModule):
         best = {"val/acc1_best": self.acc1_best.clone()}
         if self.ema is not None:
             best["val/acc1_ema_best"] = self.acc1_ema_best.clone()
-        self.log_dict(best, prog_bar=True)
+        self.log_dict(best, prog_bar=True, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")

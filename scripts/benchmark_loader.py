@@ -1,0 +1,202 @@
+"""Images/s of the SSD300 training data path: datamodule vs bare DALI vs torchvision.transforms.v2.
+
+All three read the same COCO-layout images, apply the SSD augmentation (IoU crop, flip, colour jitter,
+resize 300, normalise) and encode targets onto the 8732 default boxes, with the same number of worker
+threads and the same batch size. Without ``--root`` a shapes dataset is generated in a temp directory.
+
+    .venv/bin/python scripts/benchmark_loader.py --batches 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+
+def _timed(batches: Iterator, warmup: int, count: int, batch_size: int) -> float:
+    for _ in range(warmup):
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(count):
+        next(batches)
+    return count * batch_size / (time.perf_counter() - start)
+
+
+def _forever(iterable: Iterable) -> Iterator:
+    while True:
+        yield from iterable
+
+
+def _bare_pipeline(root: Path, batch_size: int, threads: int):
+    from ssd_lightning.data.dali_pipelines import coco_train_pipeline
+    from ssd_lightning.models import dboxes300_coco
+
+    pipe = coco_train_pipeline(
+        batch_size=batch_size,
+        num_threads=threads,
+        device_id=None,
+        prefetch_queue_depth=2,
+        seed=0,
+        file_root=str(root / "train2017"),
+        annotations_file=str(root / "annotations" / "instances_train2017.json"),
+        anchors_ltrb=dboxes300_coco().ltrb.flatten().tolist(),
+        device="cpu",
+    )
+    pipe.build()
+    return pipe
+
+
+def bench_bare_dali(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+    pipe = _bare_pipeline(root, batch_size, threads)
+
+    def run():
+        while True:
+            yield pipe.run()
+
+    return _timed(run(), warmup, count, batch_size)
+
+
+def bench_generic_iterator(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+    """DALI's own DALIGenericIterator (copies every batch into torch tensors, as the datamodule must)."""
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    pipe = _bare_pipeline(root, batch_size, threads)
+    it = DALIGenericIterator(
+        pipe,
+        ["images", "boxes", "labels"],
+        reader_name="Reader",
+        last_batch_policy=LastBatchPolicy.DROP,
+        auto_reset=True,
+    )
+    return _timed(_forever(it), warmup, count, batch_size)
+
+
+def bench_datamodule(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    dm = CocoDALIDataModule(root, batch_size=batch_size, num_threads=threads, device="cpu", seed=0)
+    dm.setup("fit")
+    return _timed(_forever(dm.train_dataloader()), warmup, count, batch_size)
+
+
+class _TorchvisionSSD(torch.utils.data.Dataset):
+    """COCO images + boxes -> SSD augmentation with transforms.v2 -> BoxCoder-encoded targets."""
+
+    def __init__(self, root: Path) -> None:
+        from torchvision.transforms import v2
+
+        from ssd_lightning.data.categories import CategoryMap
+
+        data = json.loads((root / "annotations" / "instances_train2017.json").read_text())
+        self.cmap = CategoryMap.from_coco(data)
+        anns: dict[int, list] = {}
+        for a in data["annotations"]:
+            anns.setdefault(a["image_id"], []).append(a)
+        self.items = [
+            (root / "train2017" / im["file_name"], anns[im["id"]])
+            for im in data["images"]
+            if im["id"] in anns
+        ]
+        self.transform = v2.Compose(
+            [
+                v2.RandomIoUCrop(),
+                v2.SanitizeBoundingBoxes(),
+                v2.RandomHorizontalFlip(0.5),
+                v2.ColorJitter(brightness=0.125, contrast=0.5, saturation=0.5, hue=0.5 / 360),
+                v2.Resize((300, 300)),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+            ]
+        )
+        self.coder = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        from torchvision import tv_tensors
+        from torchvision.io import ImageReadMode, decode_image, read_file
+
+        from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
+
+        if self.coder is None:
+            self.coder = BoxCoder(dboxes300_coco())
+        path, anns = self.items[i]
+        img = decode_image(read_file(str(path)), mode=ImageReadMode.RGB)
+        h, w = img.shape[-2:]
+        xywh = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32)
+        boxes = tv_tensors.BoundingBoxes(
+            torch.cat([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], 1), format="XYXY", canvas_size=(h, w)
+        )
+        labels = self.cmap.category_id_to_label(torch.tensor([a["category_id"] for a in anns]))
+        img, target = self.transform(img, {"boxes": boxes, "labels": labels})
+        scale = torch.tensor([300.0, 300.0, 300.0, 300.0])
+        enc_boxes, enc_labels = self.coder.encode(
+            target["boxes"].as_subclass(torch.Tensor) / scale, target["labels"]
+        )
+        return img, enc_boxes, enc_labels
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)
+
+
+def bench_torchvision(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+    loader = torch.utils.data.DataLoader(
+        _TorchvisionSSD(root),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=threads,
+        drop_last=True,
+        persistent_workers=True,
+        worker_init_fn=_worker_init,
+        prefetch_factor=2,
+    )
+    return _timed(_forever(loader), warmup, count, batch_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", type=Path, default=None, help="COCO-layout root (default: generate shapes)")
+    parser.add_argument("--num-images", type=int, default=400, help="images to generate without --root")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2, help="DALI threads = DataLoader workers")
+    parser.add_argument("--warmup", type=int, default=2, help="batches before timing")
+    parser.add_argument("--batches", type=int, default=10, help="timed batches")
+    args = parser.parse_args()
+
+    root = args.root
+    if root is None:
+        from ssd_lightning.data.shapes import make_detection_dataset
+
+        root = make_detection_dataset(
+            Path(tempfile.mkdtemp()) / "shapes", num_train=args.num_images, num_val=1
+        )
+    common = (root, args.batch_size, args.threads, args.warmup, args.batches)
+    results = {
+        "bare DALI pipeline": bench_bare_dali(*common),
+        "DALIGenericIterator (copies out)": bench_generic_iterator(*common),
+        "CocoDALIDataModule": bench_datamodule(*common),
+        "torchvision v2 + DataLoader": bench_torchvision(*common),
+    }
+    tv = results["torchvision v2 + DataLoader"]
+    bare = results["bare DALI pipeline"]
+    print(
+        f"\n{args.batches} x {args.batch_size} images after {args.warmup} warm-up batches, "
+        f"{args.threads} threads/workers, root={root}"
+    )
+    print("| loader | images/s | vs torchvision | vs bare DALI |\n|---|---:|---:|---:|")
+    for name, ips in results.items():
+        print(f"| {name} | {ips:.1f} | {ips / tv:.2f}x | {ips / bare:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The ``benchmark_training`` / ``benchmark_inference`` tasks: drive a configured Trainer for a timed run.
+
+``train(cfg)`` instantiates trainer, model and datamodule exactly as for ``fit`` and hands them to
+:func:`run_benchmark_task`; the measuring is done by :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark`.
+
+Sweep summary: ``python -m ssd_lightning.benchmark multirun/<date>/<time>`` prints one row per
+``benchmark.json`` found below the directory (e.g. img/s per ``data.eval_batch_size``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Checkpoint
+
+from ssd_lightning.callbacks.throughput import RESULTS_FILENAME, ThroughputBenchmark
+
+log = logging.getLogger(__name__)
+
+TASK_MODES = {"benchmark_training": "training", "benchmark_inference": "inference"}
+
+__all__ = ["TASK_MODES", "collect_results", "config_summary_from_cfg", "format_sweep_table", "run_benchmark_task"]
+
+
+def _find_callback(trainer: pl.Trainer) -> ThroughputBenchmark | None:
+    found = [cb for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)]
+    if len(found) > 1:
+        raise ValueError(f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)")
+    return found[0] if found else None
+
+
+def run_benchmark_task(
+    task: str,
+    *,
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    output_dir: str | os.PathLike,
+    config_summary: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
+    """Run a throughput benchmark and return its statistics (floats; see ``throughput_statistics``).
+
+    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches (``max_steps``;
+    ``trainer.max_epochs`` epochs must hold that many), validation and checkpointing switched off
+    (checkpoint callbacks are removed from the trainer).
+    ``benchmark_inference``: ``trainer.validate`` on ``warmup + iterations`` validation batches
+    (``limit_val_batches``), i.e. the datamodule's ``eval_batch_size``; forward + decode/NMS per batch.
+
+    The trainer's :class:`ThroughputBenchmark` callback (``callbacks: benchmark``) does the measuring; if the
+    trainer has none, one with the reference's defaults (100 warm-up, 200 timed) is added. Its mode is set
+    from ``task``, its ``output_dir`` to ``output_dir`` and ``config_summary`` is merged into its record.
+    Rank 0 writes ``<output_dir>/benchmark.json``.
+
+    Raises:
+        ValueError: unknown ``task``, or a run that timed no iteration at all.
+    """
+    if task not in TASK_MODES:
+        raise ValueError(f"task={task!r} is not a benchmark task; expected one of {tuple(TASK_MODES)}")
+    mode = TASK_MODES[task]
+    callback = _find_callback(trainer)
+    if callback is None:
+        log.info("no ThroughputBenchmark callback in the trainer: adding one with the default settings")
+        callback = ThroughputBenchmark(mode)
+        trainer.callbacks.append(callback)
+    if callback.mode != mode:
+        log.info("ThroughputBenchmark mode %r -> %r (from task=%s)", callback.mode, mode, task)
+        callback.mode = mode
+    callback.output_dir = Path(output_dir)
+    callback.config_summary = {**callback.config_summary, **dict(config_summary or {}), "task": task}
+    callback.results = callback.statistics = None
+    needed = callback.total_iterations
+
+    if mode == "training":
+        removed = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, Checkpoint)]
+        if removed:
+            log.info("benchmark_training: not checkpointing (removed %s)", ", ".join(removed))
+            trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]
+        trainer.limit_val_batches = 0  # no validation (also not the one `should_stop` would trigger)
+        # Stop after warm-up + iterations even if the callback's `should_stop` were overridden. The epoch
+        # count stays as configured (1 in the experiments): it must give at least `needed` batches, or the
+        # callback reports fewer iterations with a warning.
+        trainer.fit_loop.epoch_loop.max_steps = needed
+        trainer.fit(model, datamodule=datamodule)
+    else:
+        trainer.limit_val_batches = needed
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+
+    if callback.statistics is None:
+        raise ValueError(
+            f"{task} timed no iteration: the data gave fewer than warmup + 1 = {callback.warmup + 1} batches "
+            f"(needs warmup + iterations = {needed})"
+        )
+    return dict(callback.statistics)
+
+
+def config_summary_from_cfg(cfg: Any) -> dict[str, Any]:
+    """Facts of a composed run config worth recording next to the numbers (plain JSON values)."""
+    net = cfg.model.get("net", {}) if "model" in cfg else {}
+    data = cfg.get("data", {})
+    return {
+        "task_name": cfg.get("task_name"),
+        "backbone": net.get("backbone"),
+        "num_classes": net.get("num_classes"),
+        "channels_last": bool(cfg.model.get("channels_last", False)) if "model" in cfg else False,
+        "compile": bool(cfg.get("compile", False)),
+        "data": data.get("_target_"),
+        "batch_size": data.get("batch_size"),
+        "eval_batch_size": data.get("eval_batch_size"),
+        "precision": cfg.trainer.get("precision") if "trainer" in cfg else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sweep summary
+# --------------------------------------------------------------------------------------------------------
+def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every ``benchmark.json`` below ``root`` (a run or multirun directory), sorted by mode and batch."""
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist; pass a run or multirun directory")
+    results = []
+    for path in sorted(root.rglob(RESULTS_FILENAME)):
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+        result["path"] = str(path)
+        results.append(result)
+    results.sort(key=lambda r: (r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"]))
+    return results
+
+
+def format_sweep_table(results: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown table, one row per result: the reference's img/s-per-batch-size layout."""
+    header = (
+        "| mode | precision | GPUs | batch/device | img/s median | img/s mean | img/s p90 | latency ms p90 | "
+        "peak MiB |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [
+        f"| {r['mode']} | {r['precision']} | {r['world_size']} | {r['batch_size_per_device']} | "
+        f"{r['statistics']['images_per_second_median']:.1f} | {r['statistics']['images_per_second_mean']:.1f} | "
+        f"{r['statistics']['images_per_second_p90']:.1f} | {r['statistics']['latency_ms_p90']:.1f} | "
+        f"{r['peak_memory_bytes'] / 2**20:.0f} |"
+        for r in results
+    ]
+    return "\n".join([header, *rows])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Summarise benchmark.json files of a run or a sweep.")
+    parser.add_argument("root", help="run or multirun directory (searched recursively)")
+    args = parser.parse_args(argv)
+    results = collect_results(args.root)
+    if not results:
+        raise FileNotFoundError(f"no {RESULTS_FILENAME} below {args.root}")
+    first = results[0]
+    print(f"{first.get('model')} ({first.get('backbone')}) on {first.get('device_name')}")
+    print(format_sweep_table(results))
+
+
+if __name__ == "__main__":
+    main()

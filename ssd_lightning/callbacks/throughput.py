@@ -1,0 +1,511 @@
+"""Images/s of training or inference iterations, measured inside a Lightning run (the reference's benchmark modes).
+
+Timing model
+------------
+* ``training``: an iteration is one training batch: forward, loss, backward and optimizer step, timed from
+  ``on_train_batch_start`` to ``on_train_batch_end``. Data loading and the host-to-device copy happen before
+  ``on_train_batch_start`` and are therefore excluded, as in the NVIDIA reference; with
+  ``include_data_loading=True`` an iteration is timed from one ``on_train_batch_end`` to the next instead.
+* ``inference``: an iteration is one validation (or predict) batch: forward + decode/NMS, same two choices.
+* The first ``warmup`` iterations are not timed; then ``iterations`` are, after which training is stopped
+  (``trainer.should_stop``). Evaluation loops are bounded by the caller (``limit_val_batches``).
+* On CUDA the device is synchronised right before each clock reading that closes or opens a timed region
+  (nothing else touches the host on the hot path: no ``.item()``); on CPU nothing is synchronised.
+
+Aggregation over ranks
+----------------------
+Each rank records its per-iteration wall times ``t[r, i]`` and batch sizes ``b[r, i]``. The global rate of
+iteration ``i`` is ``sum_r b[r, i] / max_r t[r, i]`` (the slowest rank sets the pace; batches are summed once,
+not multiplied by the world size), and the overall rate is ``sum_{r,i} b[r, i] / max_r sum_i t[r, i]``.
+All ranks compute the same numbers (``trainer.strategy.all_gather``); rank 0 prints the table and writes
+``benchmark.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+MODES = ("training", "inference")
+RESULTS_FILENAME = "benchmark.json"
+
+__all__ = [
+    "MODES",
+    "RESULTS_FILENAME",
+    "ThroughputBenchmark",
+    "device_name",
+    "format_table",
+    "peak_memory",
+    "percentile",
+    "throughput_statistics",
+    "write_json_atomic",
+]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Pure helpers (no Lightning, testable with known numbers)
+# --------------------------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """``q``-th percentile (0..100) with linear interpolation between closest ranks (NumPy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(float(v) for v in values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[str, float]:
+    """Throughput and latency statistics of timed iterations over all ranks.
+
+    Args:
+        iteration_times: (R, n) seconds, iteration ``i`` on rank ``r`` (R ranks, n timed iterations).
+        batch_sizes: (R, n) images of iteration ``i`` on rank ``r`` (the per-device batch).
+
+    Returns (all floats):
+        ``images_per_second_{median,mean,min,max}`` over the n per-iteration global rates
+        ``sum_r b[r, i] / max_r t[r, i]``; ``images_per_second_p90``: the rate that 90 % of iterations reached
+        or beat (10th percentile of the rates, i.e. the rate at the 90th-percentile latency);
+        ``images_per_second_average``: all images / elapsed time of the slowest rank (the reference's
+        ``avg_img/sec``); ``latency_ms_{median,mean,p90,p95,p99}`` of the per-iteration max over ranks;
+        ``global_batch_size`` (median over iterations), ``iterations``, ``world_size``.
+    """
+    if iteration_times.dim() != 2 or iteration_times.shape != batch_sizes.shape:
+        raise ValueError(
+            f"iteration_times and batch_sizes must both be (ranks, iterations); got "
+            f"{tuple(iteration_times.shape)} and {tuple(batch_sizes.shape)}"
+        )
+    world_size, n = iteration_times.shape
+    if n == 0:
+        raise ValueError("no timed iterations: nothing to report (raise iterations or the data length)")
+    times = iteration_times.detach().to("cpu", torch.float64)
+    batches = batch_sizes.detach().to("cpu", torch.float64)
+    if bool((times <= 0).any()):
+        raise ValueError("iteration times must be positive; is the clock monotonic?")
+    step_time = times.max(dim=0).values  # (n,) the slowest rank sets the pace
+    global_batch = batches.sum(dim=0)  # (n,) each rank's images counted once
+    rates = (global_batch / step_time).tolist()
+    latency_ms = (step_time * 1e3).tolist()
+    elapsed = float(times.sum(dim=1).max())
+    return {
+        "images_per_second_median": percentile(rates, 50),
+        "images_per_second_mean": sum(rates) / n,
+        "images_per_second_min": min(rates),
+        "images_per_second_max": max(rates),
+        "images_per_second_p90": percentile(rates, 10),
+        "images_per_second_average": float(batches.sum()) / elapsed,
+        "latency_ms_median": percentile(latency_ms, 50),
+        "latency_ms_mean": sum(latency_ms) / n,
+        "latency_ms_p90": percentile(latency_ms, 90),
+        "latency_ms_p95": percentile(latency_ms, 95),
+        "latency_ms_p99": percentile(latency_ms, 99),
+        "global_batch_size": percentile(global_batch.tolist(), 50),
+        "iterations": float(n),
+        "world_size": float(world_size),
+    }
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak memory in bytes and what it measures.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors allocated by PyTorch on ``device``); otherwise the
+    process's peak resident set size (``getrusage``; KiB on Linux, bytes on macOS), whole process lifetime.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
+
+
+def device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` on CUDA, else the CPU model (``/proc/cpuinfo``) or ``platform`` info."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def dali_version() -> str | None:
+    """Installed NVIDIA DALI version, or ``None`` (DALI is optional for benchmarks)."""
+    module = sys.modules.get("nvidia.dali")
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    for dist in ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
+    """Write ``data`` as JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def format_table(results: Mapping[str, Any]) -> str:
+    """A small text table of one benchmark result (the ``benchmark.json`` content)."""
+    s = results["statistics"]
+    head = (
+        f"{results['mode']} benchmark: {results.get('model')} ({results.get('backbone')}), "
+        f"{int(results['world_size'])} x {results.get('batch_size_per_device')} images, "
+        f"{results.get('precision')}, channels_last={results.get('channels_last')}, "
+        f"data loading {'timed' if results.get('include_data_loading') else 'excluded'}, "
+        f"{int(s['iterations'])} iterations after {results.get('warmup')} warm-up, {results.get('device_name')}"
+    )
+    rows = [
+        ("img/s median", s["images_per_second_median"]),
+        ("img/s mean", s["images_per_second_mean"]),
+        ("img/s min", s["images_per_second_min"]),
+        ("img/s max", s["images_per_second_max"]),
+        ("img/s p90 (90% reach)", s["images_per_second_p90"]),
+        ("img/s all images/time", s["images_per_second_average"]),
+        ("latency ms median", s["latency_ms_median"]),
+        ("latency ms p90", s["latency_ms_p90"]),
+        ("latency ms p99", s["latency_ms_p99"]),
+        (f"peak memory MiB ({results.get('peak_memory_kind')})", results["peak_memory_bytes"] / 2**20),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [head, "-" * (width + 14)]
+    lines += [f"{name:<{width}}  {value:>12.2f}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def _batch_size(batch: Any) -> int:
+    """Images in a batch: ``batch["images"]`` of a dict batch, else the first tensor's leading dimension."""
+    if isinstance(batch, Mapping):
+        batch = batch["images"] if "images" in batch else next(iter(batch.values()))
+    while isinstance(batch, (list, tuple)) and batch and not isinstance(batch, Tensor):
+        batch = batch[0]
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0])
+    raise ValueError(f"cannot tell the batch size of a batch of type {type(batch).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------------------
+class ThroughputBenchmark(pl.Callback):
+    """Measure images/s of ``warmup`` + ``iterations`` training or inference batches; stop; report.
+
+    Args:
+        mode: ``"training"`` (training batches) or ``"inference"`` (validation/predict batches).
+        warmup: iterations run first and not timed (reference: 100).
+        iterations: iterations timed (reference: 200). Training stops after ``warmup + iterations``.
+        include_data_loading: time batch end to batch end (loading + transfer included) instead of
+            batch start to batch end (excluded, the reference's way).
+        output_dir: where rank 0 writes ``benchmark.json`` (default: ``trainer.default_root_dir``).
+        config_summary: extra facts recorded in the results (``backbone``, ``compile``, experiment name...);
+            its ``backbone``/``compile``/``channels_last`` win over what is read from the model.
+        clock: monotonic clock in seconds; injectable for tests.
+        print_table: print the results table on rank 0.
+
+    After the run, ``results`` holds the ``benchmark.json`` content (on every rank) and ``statistics`` the
+    flat float statistics of :func:`throughput_statistics` plus ``peak_memory_mib``.
+    """
+
+    def __init__(
+        self,
+        mode: str = "training",
+        *,
+        warmup: int = 100,
+        iterations: int = 200,
+        include_data_loading: bool = False,
+        output_dir: str | os.PathLike | None = None,
+        config_summary: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        print_table: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if int(warmup) < 0:
+            raise ValueError(f"warmup must be >= 0 iterations, got {warmup}")
+        if int(iterations) < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        self.mode = mode
+        self.warmup = int(warmup)
+        self.iterations = int(iterations)
+        self.include_data_loading = bool(include_data_loading)
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.config_summary: dict[str, Any] = dict(config_summary or {})
+        self.clock = clock
+        self.print_table = print_table
+        self.results: dict[str, Any] | None = None
+        self.results_path: Path | None = None
+        self.statistics: dict[str, float] | None = None
+        self._reset()
+
+    @property
+    def total_iterations(self) -> int:
+        return self.warmup + self.iterations
+
+    # -- state ------------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._seen = 0  # iterations finished (warm-up included)
+        self._times: list[float] = []
+        self._batches: list[int] = []
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._finished = False
+
+    def _now(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return self.clock()
+
+    @property
+    def _timing(self) -> bool:
+        return self.warmup <= self._seen < self.total_iterations
+
+    def _loop_start(self, pl_module: pl.LightningModule) -> None:
+        if self._seen == 0 and self.results is None:
+            device = pl_module.device
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        if self.include_data_loading and self._seen < self.total_iterations:
+            self._last_end = self._now(pl_module.device)
+
+    def _batch_start(self, pl_module: pl.LightningModule) -> None:
+        if not self.include_data_loading and self._timing:
+            self._start = self._now(pl_module.device)
+
+    def _batch_end(self, pl_module: pl.LightningModule, batch: Any) -> bool:
+        """Record the finished iteration; True once warm-up + iterations are done."""
+        if self._seen >= self.total_iterations:
+            return True
+        if self._timing or self.include_data_loading:
+            now = self._now(pl_module.device)
+            begin = self._last_end if self.include_data_loading else self._start
+            if self._timing and begin is not None:
+                self._times.append(now - begin)
+                self._batches.append(_batch_size(batch))
+            self._last_end = now
+        self._seen += 1
+        return self._seen >= self.total_iterations
+
+    # -- Lightning hooks ----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "training":
+            self._reset()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "training":
+            self._loop_start(pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.mode == "training":
+            self._batch_start(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.mode == "training" and self._batch_end(pl_module, batch):
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "training":
+            self._finish(trainer, pl_module)
+
+    def _inference_active(self, trainer: pl.Trainer) -> bool:
+        return self.mode == "inference" and not trainer.sanity_checking
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._inference_active(trainer):
+            self._reset()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._inference_active(trainer):
+            self._loop_start(pl_module)
+
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._inference_active(trainer):
+            self._batch_start(pl_module)
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self._inference_active(trainer):
+            self._batch_end(pl_module, batch)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._inference_active(trainer):
+            self._finish(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "inference":
+            self._reset()
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "inference":
+            self._loop_start(pl_module)
+
+    def on_predict_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.mode == "inference":
+            self._batch_start(pl_module)
+
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.mode == "inference":
+            self._batch_end(pl_module, batch)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode == "inference":
+            self._finish(trainer, pl_module)
+
+    # -- aggregation and report -------------------------------------------------------------------------
+    def _gather(self, trainer: pl.Trainer, tensor: Tensor) -> Tensor:
+        """(k,) on this rank -> (world, k) on every rank."""
+        gathered = trainer.strategy.all_gather(tensor)
+        return gathered if gathered.dim() == tensor.dim() + 1 else gathered.unsqueeze(0)
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        device = pl_module.device
+        # Ranks agree on the number of timed iterations first: all_gather needs equal shapes.
+        counts = self._gather(trainer, torch.tensor([len(self._times)], dtype=torch.int64, device=device))
+        n = int(counts.min())
+        if n < self.iterations:
+            log.warning(
+                "throughput benchmark timed %d of %d iterations (the loop ended first: give it at least "
+                "warmup + iterations = %d batches, e.g. more data or data.steps_per_epoch)",
+                n,
+                self.iterations,
+                self.total_iterations,
+            )
+        if n == 0:
+            return
+        times = self._gather(trainer, torch.tensor(self._times[:n], dtype=torch.float64, device=device))
+        batches = self._gather(trainer, torch.tensor(self._batches[:n], dtype=torch.int64, device=device))
+        memory, memory_kind = peak_memory(device)
+        memory = int(self._gather(trainer, torch.tensor([memory], dtype=torch.int64, device=device)).max())
+        statistics = throughput_statistics(times, batches)
+        statistics["peak_memory_mib"] = memory / 2**20
+        per_device = Counter(batches.flatten().tolist()).most_common(1)[0][0]
+        self.statistics = statistics
+        self.results = self._describe(trainer, pl_module, statistics, memory, memory_kind, int(per_device))
+        if trainer.is_global_zero:
+            out_dir = self.output_dir or Path(trainer.default_root_dir)
+            path = write_json_atomic(out_dir / RESULTS_FILENAME, self.results)
+            self.results_path = path
+            if self.print_table:
+                print(format_table(self.results) + f"\nwritten to {path}", flush=True)
+
+    def _describe(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        statistics: dict[str, float],
+        memory: int,
+        memory_kind: str,
+        per_device_batch: int,
+    ) -> dict[str, Any]:
+        net = getattr(pl_module, "net", None)
+        summary = self.config_summary
+        backbone = summary.get("backbone", getattr(net, "backbone_name", None))
+        compiled = summary.get("compile")
+        if compiled is None:
+            compiled = any(type(m).__name__ == "OptimizedModule" for m in (pl_module, net) if m is not None)
+        channels_last = summary.get("channels_last", getattr(pl_module, "channels_last", False))
+        device = pl_module.device
+        return {
+            "mode": self.mode,
+            "model": type(pl_module).__name__,
+            "net": type(net).__name__ if net is not None else None,
+            "backbone": backbone,
+            "batch_size_per_device": per_device_batch,
+            "global_batch_size": statistics["global_batch_size"],
+            "world_size": int(trainer.world_size),
+            "precision": str(trainer.precision),
+            "channels_last": bool(channels_last),
+            "compile": bool(compiled),
+            "include_data_loading": self.include_data_loading,
+            "warmup": self.warmup,
+            "iterations": int(statistics["iterations"]),
+            "device": device.type,
+            "device_name": device_name(device),
+            "torch_version": torch.__version__,
+            "dali_version": dali_version(),
+            "peak_memory_bytes": memory,
+            "peak_memory_kind": memory_kind,
+            "statistics": statistics,
+            "config": {k: v for k, v in summary.items() if _is_jsonable(v)},
+            "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+
+def _is_jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True

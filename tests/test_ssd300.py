@@ -1,0 +1,126 @@
+"""SSD300 model: shapes, parameter counts, builder errors, and a tiny end-to-end overfit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ssd_lightning.models import SSD300, BoxCoder, SSDLoss, dboxes300_coco, ssd300
+from ssd_lightning.models.boxes import box_iou
+
+
+@pytest.mark.parametrize(("backbone", "params"), [("resnet50", 22_894_902), ("resnet18", 14_048_310)])
+def test_parameter_counts(backbone, params):
+    model = ssd300(backbone=backbone, num_classes=81)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+@pytest.mark.parametrize(
+    ("backbone", "channels"),
+    [
+        ("resnet18", [256, 512, 512, 256, 256, 128]),
+        ("resnet34", [256, 512, 512, 256, 256, 256]),
+        ("resnet50", [1024, 512, 512, 256, 256, 256]),
+    ],
+)
+def test_level_channels_and_feature_sizes(backbone, channels):
+    model = ssd300(backbone=backbone, num_classes=5).eval()
+    assert model.out_channels == channels
+    sizes = []
+    hooks = [h.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[1:]))) for h in model.loc]
+    hooks += [model.feature_extractor.register_forward_hook(lambda m, i, o: sizes.append(tuple(o[0].shape)))]
+    with torch.no_grad():
+        locs, logits = model(torch.randn(2, 3, 300, 300))
+    for h in hooks:
+        h.remove()
+    assert locs.shape == (2, 4, 8732) and logits.shape == (2, 5, 8732)
+    assert sizes[0] == (channels[0], 38, 38)  # conv4_x at stride 8
+    assert [s[1:] for s in sizes[1:]] == [(38, 38), (19, 19), (10, 10), (5, 5), (3, 3), (1, 1)]
+    assert [s[0] for s in sizes[1:]] == [nd * 4 for nd in (4, 6, 6, 6, 4, 4)]
+
+
+def test_box_order_matches_reference_view():
+    # Output box b of level 0 is channel (b // (H*W)) ... the reference's plain view of (N, nd*4, H, W).
+    model = ssd300(backbone="resnet18", num_classes=3).eval()
+    feats = {}
+    model.loc[0].register_forward_hook(lambda m, i, o: feats.setdefault("loc0", o))
+    with torch.no_grad():
+        locs, _ = model(torch.randn(1, 3, 300, 300))
+    expected = feats["loc0"].reshape(1, 4, -1)
+    assert torch.equal(locs[:, :, : expected.shape[2]], expected)
+
+
+def test_builder_errors_and_mobilenet():
+    with pytest.raises(ValueError, match="unknown backbone 'vgg16'.*resnet50.*mobilenet_v2"):
+        ssd300(backbone="vgg16")
+    with pytest.raises(ValueError, match="weights_backbone='NOPE'"):
+        ssd300(backbone="resnet18", weights_backbone="NOPE")
+    pytest.importorskip("ssd_lightning.models.mobilenetv2")
+    model = ssd300(backbone="mobilenet_v2", num_classes=4).eval()
+    with torch.no_grad():
+        locs, logits = model(torch.randn(1, 3, 300, 300))
+    assert locs.shape == (1, 4, 8732) and logits.shape == (1, 4, 8732)
+    assert model.out_channels[2:] == [512, 256, 256, 256]
+
+
+class _TinyBackbone(nn.Module):
+    """A small backbone following the protocol: one 38x38 map for a 300x300 input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.AvgPool2d(4),  # 300 -> 75
+            nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),  # -> 38
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        )  # fmt: skip
+        self.out_channels = [64]
+
+    def forward(self, x):
+        return [self.body(x)]
+
+
+def test_custom_backbone_and_argument_errors():
+    with pytest.raises(ValueError, match="must equal the number of levels"):
+        SSD300(_TinyBackbone(), [128, 128], num_classes=3)
+    with pytest.raises(ValueError, match="num_classes"):
+        SSD300(_TinyBackbone(), [128] * 5, num_classes=1)
+
+
+def test_tiny_overfit_recovers_boxes():
+    """Model + BoxCoder.encode + SSDLoss + decode end to end: 2 images, a few boxes each."""
+    torch.manual_seed(0)
+    coder = BoxCoder(dboxes300_coco())
+    model = SSD300(_TinyBackbone(), [128, 128, 64, 64, 64], num_classes=3)
+    loss_fn = SSDLoss(coder.default_boxes)
+    gts = [
+        torch.tensor([[0.1, 0.1, 0.45, 0.5], [0.6, 0.55, 0.9, 0.95]]),
+        torch.tensor([[0.3, 0.2, 0.8, 0.7]]),
+    ]
+    labels = [torch.tensor([1, 2]), torch.tensor([2])]
+    images = torch.rand(2, 3, 300, 300) * 0.2
+    for img, boxes, labs in zip(images, gts, labels, strict=True):
+        for (x0, y0, x1, y1), lab in zip((boxes * 300).long().tolist(), labs.tolist(), strict=True):
+            img[lab - 1, y0:y1, x0:x1] = 1.0  # class 1 red, class 2 green
+    gt_boxes, gt_labels = coder.encode_batch(gts, labels)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        locs, logits = model(images)
+        loss = loss_fn(locs, logits, gt_boxes, gt_labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.25 * losses[0]
+    model.eval()
+    with torch.no_grad():
+        dets = coder.decode(*model(images))
+    for det, boxes, labs in zip(dets, gts, labels, strict=True):
+        for box, lab in zip(boxes, labs.tolist(), strict=True):
+            same_class = det["labels"] == lab
+            assert same_class.any()
+            best = box_iou(box[None], det["boxes"][same_class])[0].max()
+            assert best > 0.5
+        # The top detections are the planted objects (score-sorted, right labels).
+        assert sorted(det["labels"][: len(labs)].tolist()) == sorted(labs.tolist())

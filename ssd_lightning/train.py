@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-TASKS = ("fit", "validate")
+TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference")
 
 
 def register_resolvers() -> None:
@@ -60,7 +60,7 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run ``cfg.task`` (fit or validate) and return the final metrics as plain floats."""
+    """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats."""
     _silence_known_harmless_warnings()
     validate_config(cfg)
     if cfg.get("seed") is not None:
@@ -78,9 +78,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.task == "fit":
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = dict(trainer.callback_metrics)
-    else:
+    elif cfg.task == "validate":
         results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = dict(results[0]) if results else {}
+    else:
+        from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
+
+        metrics = run_benchmark_task(
+            cfg.task,
+            trainer=trainer,
+            model=model,
+            datamodule=datamodule,
+            output_dir=cfg.paths.output_dir,
+            config_summary=config_summary_from_cfg(cfg),
+        )
     elapsed = time.perf_counter() - started
 
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}

@@ -103,6 +103,7 @@ def test_topk_metrics_on_hand_made_logits():
     assert metrics["val/acc1"] == pytest.approx(0.25)
     assert metrics["val/acc5"] == pytest.approx(0.75)
     assert metrics["val/loss"] == pytest.approx(F.cross_entropy(HAND_LOGITS, HAND_LABELS).item(), rel=1e-6)
+    assert module.acc1_best.item() == 0.0  # only fitting updates the best epoch
 
     test_metrics = _trainer().test(module, dataloaders=DataLoader(batches, batch_size=None), verbose=False)[0]
     assert test_metrics["test/acc1"] == pytest.approx(0.25)
@@ -212,9 +213,8 @@ def test_ema_update_math_on_a_tiny_network():
 
 def test_ema_in_training_validation_and_checkpoint(tmp_path):
     torch.manual_seed(0)
-    net = mobilenet_v2(
-        num_classes=4, width_mult=0.35, inverted_residual_setting=[[1, 16, 1, 1], [6, 24, 1, 2]]
-    )
+    setting = [[1, 16, 1, 1], [6, 24, 1, 2]]
+    net = mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=setting)
     module = ClassifierLitModule(net, optimizer=_sgd(lr=0.1), ema_decay=0.5, ema_every_n_steps=2)
     data = TensorDataModule(_random_images(32, 4, seed=1), _random_images(8, 4, seed=2), batch_size=8)
     trainer = _trainer(max_epochs=1, enable_checkpointing=False)
@@ -234,6 +234,19 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
     torch.testing.assert_close(state["ema.module.features.0.0.weight"], averaged["features.0.0.weight"])
     # Best accuracy is a buffer: it travels in the checkpoint and survives a resume.
     assert state["acc1_best"].item() == pytest.approx(trainer.callback_metrics["val/acc1_best"].item())
+    assert state["acc1_best_epoch"].item() == 0
+    resumed = ClassifierLitModule(
+        mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=setting),
+        optimizer=_sgd(lr=0.1),
+        ema_decay=0.5,
+        ema_every_n_steps=2,
+    )
+    _trainer(max_epochs=1).fit(resumed, datamodule=data, ckpt_path=path)  # restores, nothing left to run
+    assert resumed.acc1_best.item() == pytest.approx(state["acc1_best"].item())
+    assert resumed.ema.n_averaged.item() == 2
+    torch.testing.assert_close(
+        resumed.ema.module.state_dict()["features.0.0.weight"], averaged["features.0.0.weight"]
+    )
 
 
 def test_ema_restarts_during_warmup():

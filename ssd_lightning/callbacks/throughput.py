@@ -278,6 +278,11 @@ class ThroughputBenchmark(pl.Callback):
     def total_iterations(self) -> int:
         return self.warmup + self.iterations
 
+    @property
+    def iteration_times(self) -> list[float]:
+        """Seconds of each timed iteration on this rank (warm-up excluded), in order."""
+        return list(self._times)
+
     # -- state ------------------------------------------------------------------------------------------
     def _reset(self) -> None:
         self._seen = 0  # iterations finished (warm-up included)

@@ -13,14 +13,14 @@ from torch import Tensor, nn
 
 from ssd_lightning.models.backbones import RESNET_NAMES, resnet_backbone
 
-__all__ = ["SSD300", "ssd300", "BACKBONES", "NUM_DEFAULTS", "FEATURE_SIZES"]
+__all__ = ["SSD300", "ssd300", "BACKBONES", "EXTRA_MID_CHANNELS", "NUM_DEFAULTS", "FEATURE_SIZES"]
 
 #: Default boxes per location on each of the six levels.
 NUM_DEFAULTS: tuple[int, ...] = (4, 6, 6, 6, 4, 4)
 #: Feature map sides for a 300x300 input.
 FEATURE_SIZES: tuple[int, ...] = (38, 19, 10, 5, 3, 1)
 #: Mid (1x1 conv) channels of the extra block that produces level i, for i = 1..5.
-_EXTRA_MID_CHANNELS: tuple[int, ...] = (256, 256, 128, 128, 128)
+EXTRA_MID_CHANNELS: tuple[int, ...] = (256, 256, 128, 128, 128)
 
 #: Output channels of levels 0..5 per backbone (levels the backbone does not produce are extras).
 _LEVEL_CHANNELS: dict[str, tuple[int, ...]] = {
@@ -58,6 +58,8 @@ class SSD300(nn.Module):
             ``len(backbone.out_channels) + len(extra_channels) == 6``.
         num_classes: number of classes including background (81 for COCO).
         num_defaults: default boxes per location on each level.
+        extra_mid_channels: 1x1-conv channels of the extra block producing level i, i = 1..5 (entries for
+            levels the backbone produces are unused).
 
     ``forward(images (N, 3, 300, 300))`` returns ``(locs (N, 4, 8732), logits (N, num_classes, 8732))``;
     box ``b`` of ``locs``/``logits`` belongs to default box ``b`` of :func:`dboxes300_coco`.
@@ -69,6 +71,7 @@ class SSD300(nn.Module):
         extra_channels: Sequence[int],
         num_classes: int,
         num_defaults: Sequence[int] = NUM_DEFAULTS,
+        extra_mid_channels: Sequence[int] = EXTRA_MID_CHANNELS,
     ) -> None:
         super().__init__()
         backbone_channels = list(getattr(backbone, "out_channels", []))
@@ -80,6 +83,10 @@ class SSD300(nn.Module):
                 f"backbone levels ({len(backbone_channels)}) + extra_channels ({len(extra_channels)}) "
                 f"must equal the number of levels, {len(num_defaults)}"
             )
+        if len(extra_mid_channels) != len(num_defaults) - 1:
+            raise ValueError(
+                f"extra_mid_channels needs {len(num_defaults) - 1} entries, got {len(extra_mid_channels)}"
+            )
         if num_classes < 2:
             raise ValueError(f"num_classes counts the background too and must be >= 2, got {num_classes}")
         self.num_classes = num_classes
@@ -89,7 +96,7 @@ class SSD300(nn.Module):
 
         first_extra_level = len(backbone_channels)
         self.additional_blocks = nn.ModuleList(
-            _extra_block(channels[level - 1], _EXTRA_MID_CHANNELS[level - 1], channels[level], level)
+            _extra_block(channels[level - 1], extra_mid_channels[level - 1], channels[level], level)
             for level in range(first_extra_level, len(channels))
         )
         self.loc = nn.ModuleList(

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
-from pytorch_lightning.trainer.states import TrainerFn
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy

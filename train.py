@@ -1,8 +1,8 @@
 """Train or evaluate from a Hydra config.
 
-    python train.py experiment=demo
-    python train.py experiment=ssd300_fp16_8gpu data.root=/coco
-    python train.py experiment=ssd300_eval ckpt_path=outputs/.../last.ckpt
+python train.py experiment=demo
+python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+python train.py experiment=ssd300_eval ckpt_path=outputs/.../last.ckpt
 """
 
 import hydra

@@ -1,7 +1,7 @@
 """The ``benchmark_training`` / ``benchmark_inference`` tasks: drive a configured Trainer for a timed run.
 
 ``train(cfg)`` instantiates trainer, model and datamodule exactly as for ``fit`` and hands them to
-:func:`run_benchmark_task`; the measuring is done by :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark`.
+:func:`run_benchmark_task`; :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark` measures.
 
 Sweep summary: ``python -m ssd_lightning.benchmark multirun/<date>/<time>`` prints one row per
 ``benchmark.json`` found below the directory (e.g. img/s per ``data.eval_batch_size``).
@@ -26,13 +26,21 @@ log = logging.getLogger(__name__)
 
 TASK_MODES = {"benchmark_training": "training", "benchmark_inference": "inference"}
 
-__all__ = ["TASK_MODES", "collect_results", "config_summary_from_cfg", "format_sweep_table", "run_benchmark_task"]
+__all__ = [
+    "TASK_MODES",
+    "collect_results",
+    "config_summary_from_cfg",
+    "format_sweep_table",
+    "run_benchmark_task",
+]
 
 
 def _find_callback(trainer: pl.Trainer) -> ThroughputBenchmark | None:
     found = [cb for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)]
     if len(found) > 1:
-        raise ValueError(f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)")
+        raise ValueError(
+            f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)"
+        )
     return found[0] if found else None
 
 
@@ -47,9 +55,9 @@ def run_benchmark_task(
 ) -> dict[str, float]:
     """Run a throughput benchmark and return its statistics (floats; see ``throughput_statistics``).
 
-    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches (``max_steps``;
-    ``trainer.max_epochs`` epochs must hold that many), validation and checkpointing switched off
-    (checkpoint callbacks are removed from the trainer).
+    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches
+    (``max_steps``; ``trainer.max_epochs`` epochs must hold that many), validation and checkpointing
+    switched off (checkpoint callbacks are removed from the trainer).
     ``benchmark_inference``: ``trainer.validate`` on ``warmup + iterations`` validation batches
     (``limit_val_batches``), i.e. the datamodule's ``eval_batch_size``; forward + decode/NMS per batch.
 
@@ -138,16 +146,18 @@ def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
 def format_sweep_table(results: Sequence[Mapping[str, Any]]) -> str:
     """Markdown table, one row per result: the reference's img/s-per-batch-size layout."""
     header = (
-        "| mode | precision | GPUs | batch/device | img/s median | img/s mean | img/s p90 | latency ms p90 | "
+        "| mode | precision | devices | batch/device | img/s median | img/s mean | img/s p90 | latency ms p90 | "
         "peak MiB |\n|---|---|---|---|---|---|---|---|---|"
     )
-    rows = [
-        f"| {r['mode']} | {r['precision']} | {r['world_size']} | {r['batch_size_per_device']} | "
-        f"{r['statistics']['images_per_second_median']:.1f} | {r['statistics']['images_per_second_mean']:.1f} | "
-        f"{r['statistics']['images_per_second_p90']:.1f} | {r['statistics']['latency_ms_p90']:.1f} | "
-        f"{r['peak_memory_bytes'] / 2**20:.0f} |"
-        for r in results
-    ]
+    rows = []
+    for r in results:
+        s = r["statistics"]
+        rows.append(
+            f"| {r['mode']} | {r['precision']} | {r['world_size']} | {r['batch_size_per_device']} | "
+            f"{s['images_per_second_median']:.1f} | {s['images_per_second_mean']:.1f} | "
+            f"{s['images_per_second_p90']:.1f} | {s['latency_ms_p90']:.1f} | "
+            f"{r['peak_memory_bytes'] / 2**20:.0f} |"
+        )
     return "\n".join([header, *rows])
 
 

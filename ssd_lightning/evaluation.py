@@ -59,9 +59,6 @@ COCO_STAT_NAMES: tuple[str, ...] = (
 
 BACKENDS: tuple[str, ...] = ("pycocotools", "faster_coco_eval")
 
-#: Columns of the compact (M, 7) float64 result array used internally and by ``COCO.loadNumpyAnnotations``.
-_ARRAY_COLUMNS = ("image_id", "x", "y", "w", "h", "score", "category_id")
-
 
 class _LabelMapper(Protocol):
     def label_to_category_id(self, labels: Any) -> Any: ...

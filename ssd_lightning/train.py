@@ -30,7 +30,7 @@ register_resolvers()
 
 
 def _silence_known_harmless_warnings() -> None:
-    # Lightning suggests more DataLoader workers; DALI iterators are not DataLoaders and have their own threads.
+    # Lightning suggests more DataLoader workers; DALI iterators are no DataLoaders and run their own threads.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*The number of training batches \(\d+\) is smaller.*")
 
@@ -50,13 +50,21 @@ def validate_config(cfg: DictConfig) -> None:
     if any(e < 0 for e in epochs) or epochs != sorted(set(epochs)):
         raise ValueError(f"eval_epochs must be increasing non-negative 0-based epochs, got {epochs}")
     max_epochs = cfg.trainer.get("max_epochs")
-    if cfg.task == "fit" and max_epochs is not None and max_epochs > 0 and epochs and epochs[-1] >= max_epochs:
+    if (
+        cfg.task == "fit"
+        and max_epochs is not None
+        and max_epochs > 0
+        and epochs
+        and epochs[-1] >= max_epochs
+    ):
         raise ValueError(
             f"eval_epochs={epochs} has epoch {epochs[-1]} but trainer.max_epochs={max_epochs} "
             f"(epochs are 0-based, so the last one is {max_epochs - 1})"
         )
     if cfg.data.get("batch_size") is not None and cfg.data.batch_size <= 0:
-        raise ValueError(f"data.batch_size must be a positive per-device batch size, got {cfg.data.batch_size}")
+        raise ValueError(
+            f"data.batch_size must be a positive per-device batch size, got {cfg.data.batch_size}"
+        )
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

@@ -33,7 +33,9 @@ def shapes_imagefolder(tmp_path_factory) -> Path:
     from ssd_lightning.data.shapes import make_classification_dataset
 
     root = tmp_path_factory.mktemp("shapes_cls") / "shapes"
-    return make_classification_dataset(root, num_train_per_class=16, num_val_per_class=5, seed=1, image_size=64)
+    return make_classification_dataset(
+        root, num_train_per_class=16, num_val_per_class=5, seed=1, image_size=64
+    )
 
 
 def compose_config(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:

@@ -45,7 +45,9 @@ def test_benchmark_task_runs_and_reports(experiment, task, mode, per_device, mak
     cfg = make_cfg([f"experiment={experiment}", *TINY])
     assert cfg.task == task and "logger" not in cfg  # logger off: nothing reads metrics back per step
     trainer, model, datamodule = _objects(cfg)
-    assert [type(cb) for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)] == [ThroughputBenchmark]
+    assert [type(cb) for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)] == [
+        ThroughputBenchmark
+    ]
 
     stats = run_benchmark_task(
         task,
@@ -59,7 +61,12 @@ def test_benchmark_task_runs_and_reports(experiment, task, mode, per_device, mak
     assert stats["iterations"] == 2.0 and stats["world_size"] == 1.0
     assert stats["global_batch_size"] == float(per_device)
     assert all(isinstance(v, float) for v in stats.values())
-    assert 0 < stats["images_per_second_min"] <= stats["images_per_second_median"] <= stats["images_per_second_max"]
+    assert (
+        0
+        < stats["images_per_second_min"]
+        <= stats["images_per_second_median"]
+        <= stats["images_per_second_max"]
+    )
     # img/s and latency describe the same iterations: all images / all time = batch / mean latency
     assert stats["images_per_second_average"] == pytest.approx(per_device * 1e3 / stats["latency_ms_mean"])
     data = json.loads((tmp_path / RESULTS_FILENAME).read_text())

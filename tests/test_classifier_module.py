@@ -9,6 +9,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.accelerators import CPUAccelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -229,7 +230,7 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
 
     path = tmp_path / "ema.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]  # plain values only
     assert state["ema.n_averaged"].item() == 2
     torch.testing.assert_close(state["ema.module.features.0.0.weight"], averaged["features.0.0.weight"])
     # Best accuracy is a buffer: it travels in the checkpoint and survives a resume.
@@ -241,7 +242,7 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
         ema_decay=0.5,
         ema_every_n_steps=2,
     )
-    _trainer(max_epochs=1).fit(resumed, datamodule=data, ckpt_path=path)  # restores, nothing left to run
+    _trainer(max_epochs=1).fit(resumed, datamodule=data, ckpt_path=path)  # nothing to run
     assert resumed.acc1_best.item() == pytest.approx(state["acc1_best"].item())
     assert resumed.ema.n_averaged.item() == 2
     torch.testing.assert_close(
@@ -267,12 +268,17 @@ def test_ema_restarts_during_warmup():
         assert torch.equal(module.ema.module.state_dict()[key], value), key
 
 
-def test_sync_batchnorm_only_with_several_processes():
-    for world_size, expected in [(1, nn.BatchNorm2d), (2, nn.SyncBatchNorm)]:
+def test_sync_batchnorm_only_with_several_gpu_processes():
+    cases = [
+        (1, SimpleNamespace(), nn.BatchNorm2d),  # one process: nothing to sync
+        (2, CPUAccelerator(), nn.BatchNorm2d),  # torch's SyncBatchNorm refuses CPU modules
+        (2, SimpleNamespace(), nn.SyncBatchNorm),  # stands for a GPU accelerator
+    ]
+    for world_size, accelerator, expected in cases:
         net = mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=[[1, 16, 1, 1]])
         module = ClassifierLitModule(net, optimizer=_sgd(), sync_batchnorm=True)
         params_before = [id(p) for p in module.net.parameters()]
-        module._trainer = SimpleNamespace(world_size=world_size)
+        module._trainer = SimpleNamespace(world_size=world_size, accelerator=accelerator)
         module.configure_model()
         norms = [m for m in module.net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         assert norms and all(type(m) is expected for m in norms)

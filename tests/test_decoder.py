@@ -145,3 +145,17 @@ def test_input_shape_errors(coder):
         coder.decode(torch.zeros(1, 4, 100), torch.zeros(1, 3, 100))
     with pytest.raises(ValueError, match="logits must have shape"):
         coder.decode(torch.zeros(1, 4, B), torch.zeros(2, 3, B))
+
+
+def test_nms_long_suppression_chain():
+    # Boxes sliding right by 0.3 of their width: neighbours overlap with IoU 0.7 / 1.3 = 0.54, boxes
+    # two apart 0.4 / 1.6 = 0.25. Greedy in order keeps 0, drops 1 (by 0), keeps 2 (1 is gone), ...
+    from ssd_lightning.models.boxes import _batched_greedy_nms
+
+    k = 50
+    left = torch.arange(k, dtype=torch.float32) * 0.03
+    boxes = torch.stack([left, torch.zeros(k), left + 0.1, torch.full((k,), 0.5)], dim=1)
+    rows = torch.stack([boxes, boxes.flip(0)])  # second row: processed right to left
+    keep = _batched_greedy_nms(rows, torch.ones(2, k, dtype=torch.bool), 0.5)
+    expected = torch.arange(k) % 2 == 0
+    assert torch.equal(keep, torch.stack([expected, expected]))

@@ -215,3 +215,25 @@ def test_ssd300_with_mobilenet_v2_backbone():
         locs, logits = model(torch.randn(2, 3, 300, 300))
     assert locs.shape == (2, 4, 8732)
     assert logits.shape == (2, 5, 8732)
+
+
+def test_weights_are_loaded_through_torchvision_enum(monkeypatch):
+    """The torchvision download is replaced by a local state dict; the loading path is ours."""
+    torch.manual_seed(5)
+    fake = torchvision.models.mobilenet_v2().state_dict()  # 1000 classes, like the real file
+    calls = []
+
+    def fake_get_state_dict(self, *args, **kwargs):
+        calls.append(self.name)
+        return fake
+
+    monkeypatch.setattr(MobileNet_V2_Weights, "get_state_dict", fake_get_state_dict)
+    model = mobilenet_v2(weights="IMAGENET1K_V2", num_classes=10)
+    assert calls == ["IMAGENET1K_V2"]
+    assert model.classifier[1].out_features == 10
+    for key, value in fake.items():
+        if not key.startswith("classifier."):
+            assert torch.equal(model.state_dict()[key], value), key
+    backbone = MobileNetV2SSDBackbone(weights="IMAGENET1K_V1")
+    assert calls[-1] == "IMAGENET1K_V1"
+    assert torch.equal(backbone.stage1[0][0].weight, fake["features.0.0.weight"])

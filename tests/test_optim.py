@@ -17,12 +17,16 @@ from ssd_lightning.optim import build_optimizer, build_scheduler, lr_factor, par
     [(1, 32, 2.6e-3), (8, 64, 2.6e-3 * 16), (2, 8, 2.6e-3 * 0.5), (4, 256, 2.6e-3 * 32)],
 )
 def test_linear_rule_is_the_reference_formula(world_size, batch_size, expected):
-    lr = scale_lr(2.6e-3, rule="linear", world_size=world_size, batch_size=batch_size, reference_batch_size=32)
+    lr = scale_lr(
+        2.6e-3, rule="linear", world_size=world_size, batch_size=batch_size, reference_batch_size=32
+    )
     assert lr == pytest.approx(expected)
 
 
 def test_sqrt_and_none_rules():
-    assert scale_lr(0.1, rule="sqrt", world_size=4, batch_size=32, reference_batch_size=32) == pytest.approx(0.2)
+    assert scale_lr(0.1, rule="sqrt", world_size=4, batch_size=32, reference_batch_size=32) == pytest.approx(
+        0.2
+    )
     assert scale_lr(0.1, rule="none", world_size=8, batch_size=256) == 0.1
 
 
@@ -74,8 +78,14 @@ def test_depthwise_decay_option_and_optimizer():
 
 
 def test_warmup_then_multistep_known_values():
-    kw = {"schedule": "multistep", "steps_per_epoch": 10, "total_steps": 100, "warmup_steps": 4,
-          "milestones": (3, 6), "gamma": 0.1}
+    kw = {
+        "schedule": "multistep",
+        "steps_per_epoch": 10,
+        "total_steps": 100,
+        "warmup_steps": 4,
+        "milestones": (3, 6),
+        "gamma": 0.1,
+    }
     assert [lr_factor(s, **kw) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lr_factor(29, **kw) == 1.0
     assert lr_factor(30, **kw) == pytest.approx(0.1)

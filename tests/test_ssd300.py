@@ -89,6 +89,7 @@ def test_custom_backbone_and_argument_errors():
         SSD300(_TinyBackbone(), [128] * 5, num_classes=1)
 
 
+@pytest.mark.slow  # ~30-80 s on a shared 2-core CPU
 def test_tiny_overfit_recovers_boxes():
     """Model + BoxCoder.encode + SSDLoss + decode end to end: 2 images, a few boxes each."""
     torch.manual_seed(0)

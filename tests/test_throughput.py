@@ -1,4 +1,4 @@
-"""ThroughputBenchmark: exact statistics on a fake clock, warm-up and stopping, DDP aggregation, JSON schema."""
+"""ThroughputBenchmark: exact statistics on a fake clock, warm-up, stopping, DDP aggregation, JSON schema."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class ListClock:
 
 
 class RankClock:
-    """Start/end pairs: iteration ``i`` on rank ``r`` lasts ``durations[r][i]`` seconds (gaps of 100 s between)."""
+    """Start/end pairs: iteration ``i`` on rank ``r`` lasts ``durations[r][i]`` s (100 s gaps between)."""
 
     def __init__(self, durations: list[list[float]]) -> None:
         self.durations = durations
@@ -54,7 +54,7 @@ class RankClock:
 
 
 class Batches:
-    """A sized iterable of ready batches (one loader, not a list of loaders; no sampler for DDP to replace)."""
+    """A sized iterable of ready batches (one loader, not a list of loaders; no sampler for DDP)."""
 
     def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
         self.batches = batches
@@ -283,7 +283,11 @@ def test_benchmark_json_schema(tmp_path):
         assert isinstance(data[key], kind), (key, data[key])
     assert data["dali_version"] is None or isinstance(data["dali_version"], str)
     assert data["mode"] == "training" and data["model"] == "TinyModule" and data["backbone"] == "tiny"
-    assert data["precision"] == "bf16-mixed" and data["world_size"] == 1 and data["torch_version"] == torch.__version__
+    assert (
+        data["precision"] == "bf16-mixed"
+        and data["world_size"] == 1
+        and data["torch_version"] == torch.__version__
+    )
     assert data["batch_size_per_device"] == 4 and data["iterations"] == 2 and data["warmup"] == 1
     assert data["peak_memory_kind"] == "process_peak_rss" and data["peak_memory_bytes"] > 2**20
     assert data["config"]["sweep"] == [2, 4]
@@ -325,3 +329,15 @@ def test_ddp_global_throughput_sums_rank_batches_over_the_slowest_rank(tmp_path)
     assert s["images_per_second_max"] == pytest.approx(16.0)
     assert s["images_per_second_mean"] == pytest.approx(32 / 3)
     assert s["images_per_second_average"] == pytest.approx(24 / 2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_run_synchronises_and_reports_device_memory(tmp_path):
+    callback = ThroughputBenchmark("training", warmup=1, iterations=2, print_table=False)
+    trainer = _trainer(callback, tmp_path, accelerator="gpu")
+    trainer.fit(TinyModule(num_batches=10))
+    data = callback.results
+    assert trainer.global_step == 3
+    assert data["device"] == "cuda" and data["device_name"] == torch.cuda.get_device_name(0)
+    assert data["peak_memory_kind"] == "cuda_max_memory_allocated" and data["peak_memory_bytes"] > 0

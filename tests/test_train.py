@@ -22,10 +22,10 @@ def _logged_epochs(run_dir: Path, key: str) -> list[int]:
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, shapes_coco):
     """Two tiny epochs of the demo experiment, evaluated after epoch 0 and after the last one."""
-    from tests.conftest import compose_config  # composed here: make_cfg is function-scoped
-
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
+
+    from tests.conftest import compose_config  # composed here: make_cfg is function-scoped
 
     run_dir = tmp_path_factory.mktemp("demo_run")
     cfg = compose_config(

@@ -1,4 +1,4 @@
-"""Images/s of training or inference iterations, measured inside a Lightning run (the reference's benchmark modes).
+"""Images/s of training or inference iterations measured inside a Lightning run (the reference's benchmarks).
 
 Timing model
 ------------
@@ -189,7 +189,8 @@ def format_table(results: Mapping[str, Any]) -> str:
         f"{int(results['world_size'])} x {results.get('batch_size_per_device')} images, "
         f"{results.get('precision')}, channels_last={results.get('channels_last')}, "
         f"data loading {'timed' if results.get('include_data_loading') else 'excluded'}, "
-        f"{int(s['iterations'])} iterations after {results.get('warmup')} warm-up, {results.get('device_name')}"
+        f"{int(s['iterations'])} iterations after {results.get('warmup')} warm-up, "
+        f"{results.get('device_name')}"
     )
     rows = [
         ("img/s median", s["images_per_second_median"]),
@@ -302,10 +303,8 @@ class ThroughputBenchmark(pl.Callback):
         return self.warmup <= self._seen < self.total_iterations
 
     def _loop_start(self, pl_module: pl.LightningModule) -> None:
-        if self._seen == 0 and self.results is None:
-            device = pl_module.device
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+        if self._seen == 0 and pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)  # peak of this measured loop only
         if self.include_data_loading and self._seen < self.total_iterations:
             self._last_end = self._now(pl_module.device)
 

@@ -377,7 +377,7 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
     other; those pairs are found with a sort and a binary search per row instead of all K^2 pairs.
     Other rows take the dense path.
     """
-    num_rows, width = valid.shape
+    num_rows_all, width = valid.shape
     keep = valid.clone()
     if width < 2:
         return keep
@@ -434,31 +434,27 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
         iw = (torch.minimum(sx2[i], sx2[j]) - sx1[j]).clamp_(min=0)  # sx1[j] >= sx1[i]
         ih = (torch.minimum(sy2[i], sy2[j]) - torch.maximum(sy1[i], sy1[j])).clamp_(min=0)
         inter = iw.mul_(ih)
-        hit = ~(inter / (sarea[i] + sarea[j] - inter) < iou_threshold)
+        hit = (~(inter / (sarea[i] + sarea[j] - inter) < iou_threshold)).nonzero().squeeze(1)
         i, j = orig[i[hit]], orig[j[hit]]
         src_all.append(torch.minimum(i, j))  # the earlier box in score order suppresses the later
         dst_all.append(torch.maximum(i, j))
     if not src_all:
         return keep
     src, dst = torch.cat(src_all), torch.cat(dst_all)
-    # Resolve greedily by rank: when rank r is reached, the status of every box at rank r is final.
-    rank = src % width
-    order = torch.argsort(rank, stable=True)
-    src, dst = src[order], dst[order]
-    keep_flat = keep.view(-1)
-    per_rank = torch.bincount(rank, minlength=width).tolist()
-    for s, d in zip(src.split(per_rank), dst.split(per_rank), strict=True):
-        if s.numel():
-            keep_flat[d] = keep_flat[d] & ~keep_flat[s]
-    return keep
-
-
-def _pair_iou(boxes: Tensor, area: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """IoU of the box pairs (a[p], b[p]) of flat (M, 4) ltrb ``boxes``, reference arithmetic."""
-    ba, bb = boxes[a], boxes[b]
-    wh = (torch.minimum(ba[:, 2:], bb[:, 2:]) - torch.maximum(ba[:, :2], bb[:, :2])).clamp(min=0)
-    inter = wh[:, 0] * wh[:, 1]
-    return inter / (area[a] + area[b] - inter)
+    # Greedy outcome on the suppression graph (edges earlier -> later box): a box is kept iff no kept
+    # box has an edge to it. Iterating "kept = valid and not hit by a currently kept box" fixes, pass
+    # after pass, every box whose predecessors are fixed, so it reaches the greedy result after the
+    # longest edge chain + 1 passes; that fixed point is unique (induction over the score order), so
+    # stopping at the first repeat is exact.
+    valid_flat = keep.view(-1).clone()
+    alive = valid_flat
+    while True:
+        hit = torch.zeros_like(valid_flat)
+        hit[dst[alive[src]]] = True
+        new = valid_flat & ~hit
+        if torch.equal(new, alive):
+            return new.view(num_rows_all, width)
+        alive = new
 
 
 def _greedy_nms_dense(boxes: Tensor, area: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:

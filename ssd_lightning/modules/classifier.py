@@ -7,7 +7,9 @@ from collections.abc import Callable, Mapping
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -65,7 +67,8 @@ class ClassifierLitModule(pl.LightningModule):
             update, as torchvision's reference does.
         ema_every_n_steps: optimizer steps between EMA updates.
         sync_batchnorm: convert BatchNorm to SyncBatchNorm in :meth:`configure_model` when training on
-            more than one process (off by default: reported worse for MobileNetV2). This is the one
+            more than one process on GPUs (off by default: reported worse for MobileNetV2; ignored with a
+            warning on CPU, where torch has no SyncBatchNorm). This is the one
             place it is done; leave the Trainer's own ``sync_batchnorm`` flag off.
         channels_last: run the network in NHWC memory format (faster with AMP on GPUs).
         num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
@@ -89,7 +92,10 @@ class ClassifierLitModule(pl.LightningModule):
         num_classes: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # Plain values only (the optimizer factory is kept as an attribute), so checkpoints load with
+        # torch.load(weights_only=True).
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
+        self.optimizer_factory = optimizer
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if ema_every_n_steps < 1:
@@ -116,10 +122,14 @@ class ClassifierLitModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
-        if self.hparams.sync_batchnorm and not self._sync_bn_done and self.trainer.world_size > 1:
-            # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
-            self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
-            self._sync_bn_done = True
+        if not self.hparams.sync_batchnorm or self._sync_bn_done or self.trainer.world_size <= 1:
+            return
+        if isinstance(self.trainer.accelerator, CPUAccelerator):
+            rank_zero_warn("sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules")
+            return
+        # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
+        self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+        self._sync_bn_done = True
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, self.num_classes, "model.net.num_classes")
@@ -211,7 +221,7 @@ class ClassifierLitModule(pl.LightningModule):
         config = configure_recipe_optimizers(
             self,
             self.net,
-            optimizer=hp.optimizer,
+            optimizer=self.optimizer_factory,
             lr_scaling=hp.lr_scaling,
             scheduler=hp.scheduler,
             norm_weight_decay=hp.norm_weight_decay,

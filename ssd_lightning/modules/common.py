@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
@@ -25,10 +26,20 @@ def per_device_batch_size(trainer: pl.Trainer) -> int:
 
 def steps_per_epoch(trainer: pl.Trainer) -> int:
     """Optimizer steps in one training epoch, as Lightning will run them."""
-    total = trainer.estimated_stepping_batches
-    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+    total = trainer.estimated_stepping_batches  # also sets up the train dataloader, so its length is known
+    batches = trainer.num_training_batches
+    if math.isfinite(batches):
+        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+    if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(total):
         return max(1, int(total) // trainer.max_epochs)
-    return max(1, int(trainer.num_training_batches))
+    raise ValueError("the per-iteration LR schedule needs a training dataloader with a length")
+
+
+def total_epochs(trainer: pl.Trainer, epoch_steps: int) -> int:
+    """Epochs the schedule spans: ``trainer.max_epochs``, or what ``trainer.max_steps`` amounts to."""
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        return trainer.max_epochs
+    return max(1, math.ceil(trainer.estimated_stepping_batches / epoch_steps))
 
 
 def configure_recipe_optimizers(
@@ -73,11 +84,12 @@ def configure_recipe_optimizers(
         return {"optimizer": opt}
     scheduler = dict(scheduler)
     schedule = scheduler.pop("name", "constant")
+    epoch_steps = steps_per_epoch(trainer)
     lr_scheduler = build_scheduler(
         opt,
         schedule=schedule,
-        steps_per_epoch=steps_per_epoch(trainer),
-        max_epochs=max(1, trainer.max_epochs or 1),
+        steps_per_epoch=epoch_steps,
+        max_epochs=total_epochs(trainer, epoch_steps),
         **scheduler,
     )
     return {"optimizer": opt, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step", "frequency": 1}}

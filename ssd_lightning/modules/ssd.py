@@ -42,8 +42,11 @@ class SSDLitModule(pl.LightningModule):
         nvidia_checkpoint: str | Path | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(logger=False, ignore=["net"])
+        # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
+        # config is in the run's .hydra/ and in the loggers.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
         self.net = net
+        self.optimizer_factory = optimizer
         if nvidia_checkpoint is not None:
             self.net.load_state_dict(load_nvidia_checkpoint(nvidia_checkpoint), strict=True)
         if channels_last:
@@ -101,7 +104,7 @@ class SSDLitModule(pl.LightningModule):
         return configure_recipe_optimizers(
             self,
             self.net,
-            optimizer=self.hparams.optimizer,
+            optimizer=self.optimizer_factory,
             lr_scaling=self.hparams.lr_scaling,
             scheduler=self.hparams.scheduler,
         )

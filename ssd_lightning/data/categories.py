@@ -1,0 +1,113 @@
+"""The one place that maps a dataset's category ids to contiguous training labels and back.
+
+Contiguous labels are ``1..K`` with ``0`` reserved for background. The order is the order of the
+``categories`` list in the COCO annotation file (not sorted by id): this is the rule DALI's
+``fn.readers.coco`` applies when it remaps category ids (``avoid_class_remapping=False``), and the tests
+pin that both agree. Categories that no annotation uses still get a label, exactly as in DALI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["CategoryMap"]
+
+_T = TypeVar("_T", int, Tensor, np.ndarray)
+
+
+@dataclass(frozen=True)
+class CategoryMap:
+    """Dataset category ids <-> contiguous labels (0 = background).
+
+    Attributes:
+        category_ids: dataset category id of label ``k`` at index ``k - 1`` (annotation-file order).
+        names: class name of label ``k`` at index ``k``; ``names[0] == "background"``.
+    """
+
+    category_ids: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.category_ids) + 1:
+            raise ValueError(
+                f"names needs one entry per category plus 'background' at index 0: got {len(self.names)} "
+                f"names for {len(self.category_ids)} categories"
+            )
+        if len(set(self.category_ids)) != len(self.category_ids):
+            raise ValueError(f"category_ids must be unique, got {list(self.category_ids)}")
+
+    @classmethod
+    def from_coco(cls, source: str | os.PathLike | Mapping[str, Any]) -> CategoryMap:
+        """Build from a COCO annotation file (path) or its parsed dict (only ``categories`` is read)."""
+        if isinstance(source, Mapping):
+            data, where = source, "the annotation dict"
+        else:
+            where = os.fspath(source)
+            with open(where, encoding="utf-8") as f:
+                data = json.load(f)
+        cats = data.get("categories") if isinstance(data, Mapping) else None
+        if not isinstance(cats, list) or not cats:
+            raise ValueError(f"{where}: 'categories' must be a non-empty list of {{'id', 'name'}} dicts")
+        ids, names = [], ["background"]
+        for cat in cats:
+            if not isinstance(cat, Mapping) or not isinstance(cat.get("id"), int):
+                raise ValueError(f"{where}: every category needs an integer 'id', got {cat!r}")
+            ids.append(int(cat["id"]))
+            names.append(str(cat.get("name", cat["id"])))
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"{where}: duplicate category ids {dup}; each category needs a unique id")
+        return cls(tuple(ids), tuple(names))
+
+    @classmethod
+    def from_names(cls, names: Sequence[str]) -> CategoryMap:
+        """Categories ``1..K`` named ``names`` (category id == label), for data without dataset ids."""
+        return cls(tuple(range(1, len(names) + 1)), ("background", *names))
+
+    @property
+    def num_classes(self) -> int:
+        """K + 1 (includes background)."""
+        return len(self.category_ids) + 1
+
+    def label_to_category_id(self, labels: _T) -> _T:
+        """Contiguous labels (1..K) -> dataset category ids; int, int64 tensor or numpy array in, same out."""
+        table = np.asarray(self.category_ids, dtype=np.int64)
+        return self._lookup(labels, table, offset=1, what="label", valid=f"1..{len(table)}")
+
+    def category_id_to_label(self, category_ids: _T) -> _T:
+        """Dataset category ids -> contiguous labels (1..K); same types as :meth:`label_to_category_id`."""
+        max_id = max(self.category_ids)
+        min_id = min(min(self.category_ids), 0)
+        table = np.full(max_id - min_id + 1, -1, dtype=np.int64)
+        table[np.asarray(self.category_ids) - min_id] = np.arange(1, len(self.category_ids) + 1)
+        return self._lookup(category_ids, table, offset=min_id, what="category id", valid=self.category_ids)
+
+    @staticmethod
+    def _lookup(values: _T, table: np.ndarray, *, offset: int, what: str, valid: object) -> _T:
+        if isinstance(values, Tensor):
+            idx = values.long() - offset
+            bad = (idx < 0) | (idx >= len(table))
+            if not bad.any():
+                out = torch.as_tensor(table, device=values.device)[idx.clamp(0, len(table) - 1)]
+                bad = out < 0
+            if bad.any():
+                raise ValueError(f"unknown {what}(s) {values[bad].unique().tolist()}; valid: {valid}")
+            return out
+        arr = np.asarray(values, dtype=np.int64)
+        idx = arr - offset
+        bad = (idx < 0) | (idx >= len(table))
+        out = table[np.clip(idx, 0, len(table) - 1)]
+        bad |= out < 0
+        if bad.any():
+            raise ValueError(f"unknown {what}(s) {np.unique(arr[bad]).tolist()}; valid: {valid}")
+        if isinstance(values, np.ndarray):
+            return out
+        return int(out)

@@ -1,0 +1,307 @@
+"""COCO-layout detection data for SSD300 through DALI, as a LightningDataModule."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import pytorch_lightning as pl
+import torch
+
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split, find_undecodable_images
+from ssd_lightning.data.dali_iterator import Batch, DALILoader
+from ssd_lightning.data.dali_pipelines import (
+    coco_train_pipeline,
+    coco_val_pipeline,
+    dali_output_dtype,
+    resolve_device,
+)
+
+__all__ = ["CocoDALIDataModule", "rank_info", "check_loader_args", "decode_error_reporter"]
+
+
+def rank_info(module: pl.LightningDataModule) -> tuple[int, int, int | None]:
+    """(global rank, world size, CUDA device index) of the attached trainer; (0, 1, None) without one."""
+    trainer = getattr(module, "trainer", None)
+    if trainer is None:
+        return 0, 1, (torch.cuda.current_device() if torch.cuda.is_available() else None)
+    root = getattr(trainer.strategy, "root_device", None)
+    index = root.index if root is not None and root.type == "cuda" else None
+    if index is None and torch.cuda.is_available():
+        index = trainer.local_rank
+    return trainer.global_rank, trainer.world_size, index
+
+
+def check_loader_args(batch_size: int, eval_batch_size: int | None, num_threads: int, device: str) -> None:
+    """Raise ``ValueError`` for the arguments every DALI datamodule shares."""
+    for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size or 1)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+
+
+def decode_error_reporter(paths_fn, what: str):
+    """``on_error`` for :class:`DALILoader`: name the files PIL cannot decode when DALI fails."""
+
+    def report(exc: Exception) -> Exception:
+        paths = paths_fn()
+        bad = find_undecodable_images(paths)
+        if bad:
+            return ValueError(
+                f"DALI failed while reading {what}; these image files are corrupt or truncated: "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. Remove or re-encode them. "
+                f"(DALI said: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
+            )
+        return RuntimeError(f"DALI pipeline failed while reading {what}: {exc}")
+
+    return report
+
+
+class CocoDALIDataModule(pl.LightningDataModule):
+    """SSD300 data from a COCO-layout directory, decoded and augmented by DALI.
+
+    Layout (defaults derived from ``root``): ``<root>/train2017``, ``<root>/val2017``,
+    ``<root>/annotations/instances_{train,val}2017.json``.
+
+    Args:
+        root: dataset root.
+        train_images, val_images, train_annotations, val_annotations: override the default paths.
+        batch_size: training batch size PER DEVICE (the reference's ``--bs``); the global batch is
+            ``batch_size * world_size``.
+        eval_batch_size: validation batch size per device (default: ``batch_size``).
+        num_threads: DALI CPU worker threads per pipeline.
+        prefetch_queue_depth: batches DALI prepares ahead.
+        seed: augmentation seed (offset by the global rank) and global shuffle seed (same on all ranks).
+        device: ``"auto"`` (GPU pipelines when CUDA is available), ``"cpu"`` or ``"gpu"``.
+        output_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` images.
+        image_size: square network input side (300 for SSD300).
+        shuffle: global reshuffle every epoch (``shuffle_after_epoch``); off: fixed order per shard.
+        augment: the reference augmentation; False gives decode + resize only (tests, debugging).
+        include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
+        check_files: check that every listed image exists and looks like an image, in ``setup()``.
+
+    Batches (see docs/architecture.md): training ``{"images" (N, 3, S, S), "boxes" (N, 8732, 4) float32
+    (cx, cy, w, h) in [0, 1], "labels" (N, 8732) int64}``; validation ``{"images", "image_ids" (N,) int64,
+    "image_sizes" (N, 2) int64 (height, width) of the original}``. Training drops the incomplete last
+    batch per rank; validation yields every image exactly once across ranks (see
+    :mod:`ssd_lightning.data.dali_iterator`). Training skips images without boxes; validation keeps them.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        train_images: str | os.PathLike | None = None,
+        val_images: str | os.PathLike | None = None,
+        train_annotations: str | os.PathLike | None = None,
+        val_annotations: str | os.PathLike | None = None,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_threads: int = 2,
+        prefetch_queue_depth: int = 2,
+        seed: int = 42,
+        device: str = "auto",
+        output_dtype: str = "float32",
+        image_size: int = 300,
+        shuffle: bool = True,
+        augment: bool = True,
+        include_crowd: bool = True,
+        check_files: bool = True,
+    ) -> None:
+        super().__init__()
+        check_loader_args(batch_size, eval_batch_size, num_threads, device)
+        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
+        if image_size != 300:
+            # box_encoder's anchors are dboxes300_coco(), in relative units; other sizes need other anchors
+            raise ValueError(f"image_size must be 300 (SSD300 default boxes), got {image_size}")
+        self.root = Path(root)
+        self.train_images = Path(train_images) if train_images else self.root / "train2017"
+        self.val_images = Path(val_images) if val_images else self.root / "val2017"
+        ann = self.root / "annotations"
+        self.train_annotations = (
+            Path(train_annotations) if train_annotations else ann / "instances_train2017.json"
+        )
+        self.val_annotations = Path(val_annotations) if val_annotations else ann / "instances_val2017.json"
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_threads = num_threads
+        self.prefetch_queue_depth = prefetch_queue_depth
+        self.seed = seed
+        self.device = device
+        self.output_dtype = output_dtype
+        self.image_size = image_size
+        self.shuffle = shuffle
+        self.augment = augment
+        self.include_crowd = include_crowd
+        self.check_files = check_files
+        self._splits: dict[str, CocoSplitInfo] = {}
+        self._category_map: CategoryMap | None = None
+        self._anchors: list[float] | None = None
+
+    # ----------------------------------------------------------------- metadata other code reads
+    @property
+    def val_annotation_file(self) -> Path:
+        """The original validation annotation file (ground truth for COCO evaluation)."""
+        return self.val_annotations
+
+    @property
+    def category_map(self) -> CategoryMap:
+        """Contiguous labels <-> category ids, in the annotation file's category order (DALI's order)."""
+        if self._category_map is None:
+            source = self.val_annotations if self.val_annotations.is_file() else self.train_annotations
+            if not source.is_file():
+                raise FileNotFoundError(
+                    f"no annotation file at {self.val_annotations} or {self.train_annotations}; "
+                    "the category map needs one (generate/download the dataset first)"
+                )
+            self._category_map = CategoryMap.from_coco(source)
+        return self._category_map
+
+    @property
+    def num_classes(self) -> int:
+        """K + 1 (includes background)."""
+        return self.category_map.num_classes
+
+    # ----------------------------------------------------------------- Lightning hooks
+    def setup(self, stage: str | None = None) -> None:
+        if stage in (None, "fit"):
+            self._split("train")
+        if stage in (None, "fit", "validate", "test"):
+            self._split("val")
+
+    def train_dataloader(self) -> DALILoader:
+        rank, world, _ = rank_info(self)
+        return self.make_loader("train", shard_id=rank, num_shards=world)
+
+    def val_dataloader(self) -> DALILoader:
+        rank, world, _ = rank_info(self)
+        return self.make_loader("val", shard_id=rank, num_shards=world)
+
+    def test_dataloader(self) -> DALILoader:
+        """COCO has no public test annotations: testing runs on the validation split."""
+        return self.val_dataloader()
+
+    # ----------------------------------------------------------------- building blocks
+    def _split(self, split: Literal["train", "val"]) -> CocoSplitInfo:
+        if split not in self._splits:
+            images, ann = (
+                (self.train_images, self.train_annotations)
+                if split == "train"
+                else (self.val_images, self.val_annotations)
+            )
+            info = check_coco_split(images, ann, check_files=self.check_files)
+            other = self._splits.get("val" if split == "train" else "train")
+            if other is not None and other.category_map.category_ids != info.category_map.category_ids:
+                raise ValueError(
+                    f"{self.train_annotations} and {self.val_annotations} list different categories (or the "
+                    "same in a different order); DALI numbers labels by that order, so they must agree"
+                )
+            if self._category_map is None:
+                self._category_map = info.category_map
+            self._splits[split] = info
+        return self._splits[split]
+
+    def _anchor_list(self) -> list[float]:
+        if self._anchors is None:
+            from ssd_lightning.models import dboxes300_coco
+
+            self._anchors = dboxes300_coco().ltrb.flatten().tolist()
+        return self._anchors
+
+    def make_loader(
+        self,
+        split: Literal["train", "val"],
+        *,
+        shard_id: int = 0,
+        num_shards: int = 1,
+        with_image_ids: bool = False,
+    ) -> DALILoader:
+        """The loader of one split for one shard (the hooks pass the trainer's rank and world size).
+
+        ``with_image_ids`` adds ``"image_ids"`` to training batches (tests and debugging only).
+        """
+        info = self._split(split)
+        device = resolve_device(self.device)
+        _, _, cuda_index = rank_info(self)
+        rank_seed = self.seed + 1009 * shard_id  # different augmentation per rank
+        common = {
+            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
+            "num_threads": self.num_threads,
+            "device_id": cuda_index if device == "gpu" else None,
+            "prefetch_queue_depth": self.prefetch_queue_depth,
+            "seed": rank_seed,
+            "file_root": str(info.image_dir),
+            "annotations_file": str(info.reader_annotation_file),
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "device": device,
+            "dtype": self._dali_dtype,
+            "image_size": self.image_size,
+        }
+        on_error = decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
+        if split == "train":
+            anchors = self._anchor_list()
+
+            def factory():
+                return coco_train_pipeline(
+                    **common,
+                    anchors_ltrb=anchors,
+                    shuffle=self.shuffle,
+                    shuffle_seed=self.seed,
+                    augment=self.augment,
+                    include_crowd=self.include_crowd,
+                    output_image_ids=with_image_ids,
+                )
+
+            names = ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else [])
+            return DALILoader(
+                factory,
+                names,
+                mode="train",
+                shard_id=shard_id,
+                num_shards=num_shards,
+                postprocess=self._postprocess_train,
+                on_error=on_error,
+            )
+
+        def val_factory():
+            return coco_val_pipeline(**common)
+
+        return DALILoader(
+            val_factory,
+            ["images", "image_ids", "shapes"],
+            mode="eval",
+            shard_id=shard_id,
+            num_shards=num_shards,
+            postprocess=self._postprocess_val,
+            on_error=on_error,
+        )
+
+    def _postprocess_train(self, batch: Batch) -> Batch:
+        out = {
+            "images": batch["images"] if self._cast is None else batch["images"].to(self._cast),
+            "boxes": batch["boxes"].float(),
+            "labels": batch["labels"].long(),
+        }
+        if "image_ids" in batch:
+            out["image_ids"] = batch["image_ids"].reshape(-1).long()
+        return out
+
+    def _postprocess_val(self, batch: Batch) -> Batch:
+        return {
+            "images": batch["images"] if self._cast is None else batch["images"].to(self._cast),
+            "image_ids": batch["image_ids"].reshape(-1).long(),
+            "image_sizes": batch["shapes"][:, :2].long(),
+        }
+
+
+def _listed_files(info: CocoSplitInfo) -> list[Path]:
+    with open(info.annotation_file, encoding="utf-8") as f:
+        data = json.load(f)
+    return [info.image_dir / img["file_name"] for img in data["images"]]

@@ -1,0 +1,267 @@
+"""DALI pipeline graphs for SSD300 (COCO) and ImageFolder classification.
+
+Every graph exists once; ``device="gpu"`` only changes the ``device=`` of the decoder ("mixed") and of the
+image operators ("gpu"). Box operators always run on the CPU, as in the NVIDIA reference.
+
+All readers are named ``"Reader"`` (the iterator asks it for the epoch size), use ``pad_last_batch=True``
+(the last batch of a shard is filled with copies of its last sample; the iterator trims or drops them) and
+never change shard between epochs (``stick_to_shard``, or ``shuffle_after_epoch``, which DALI implements as
+one global permutation per epoch, identical on every rank because the seed is, then split into fixed shards).
+
+Outputs (per sample):
+
+* ``coco_train_pipeline``: image (3, S, S) float, boxes (8732, 4) float32 (cx, cy, w, h) in [0, 1] (unmatched
+  default boxes carry themselves), labels (8732,) int32 contiguous (0 = background); optionally image id.
+* ``coco_val_pipeline``: image (3, S, S), image id (1,) int32, decoded shape (3,) int64 (H, W, C).
+* ``classification_*_pipeline``: image (3, S, S), label (1,) int32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from nvidia.dali import fn, pipeline_def, types
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "resolve_device",
+    "dali_output_dtype",
+    "coco_train_pipeline",
+    "coco_val_pipeline",
+    "classification_train_pipeline",
+    "classification_val_pipeline",
+]
+
+IMAGENET_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+IMAGENET_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+_DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` -> ``"gpu"`` if CUDA is available else ``"cpu"``; ``"cpu"``/``"gpu"`` pass through."""
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    if device == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if device == "gpu" and not torch.cuda.is_available():
+        raise ValueError("device='gpu' needs CUDA, which is not available; use device='auto' or 'cpu'")
+    return device
+
+
+def dali_output_dtype(output_dtype: str) -> tuple[types.DALIDataType, torch.dtype | None]:
+    """DALI image dtype and the torch dtype to cast to afterwards (None: no cast).
+
+    DALI has no bfloat16: it emits float32 and the iterator casts.
+    """
+    if output_dtype not in _DTYPES:
+        raise ValueError(f"output_dtype must be one of {sorted(_DTYPES)}, got {output_dtype!r}")
+    return _DTYPES[output_dtype], (torch.bfloat16 if output_dtype == "bfloat16" else None)
+
+
+def _devices(device: str) -> tuple[str, str]:
+    """(decoder device, image-op device) for a resolved ``"cpu"``/``"gpu"``."""
+    return ("mixed", "gpu") if device == "gpu" else ("cpu", "cpu")
+
+
+def _normalize(images, *, dtype: types.DALIDataType, device: str, crop=None, mirror=None):
+    kwargs = {"crop": crop} if crop is not None else {}
+    if mirror is not None:
+        kwargs["mirror"] = mirror
+    return fn.crop_mirror_normalize(
+        images,
+        device=device,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        dtype=dtype,
+        output_layout="CHW",
+        **kwargs,
+    )
+
+
+@pipeline_def
+def coco_train_pipeline(
+    *,
+    file_root: str,
+    annotations_file: str,
+    anchors_ltrb: Sequence[float],
+    shard_id: int = 0,
+    num_shards: int = 1,
+    shuffle: bool = True,
+    shuffle_seed: int = 42,
+    device: str = "cpu",
+    dtype: types.DALIDataType = types.FLOAT,
+    image_size: int = 300,
+    augment: bool = True,
+    include_crowd: bool = True,
+    output_image_ids: bool = False,
+):
+    """SSD300 training graph (NVIDIA reference augmentation); ``augment=False`` is decode + resize only.
+
+    ``anchors_ltrb``: the default boxes as a flat ltrb list (``dboxes300_coco().ltrb.flatten().tolist()``).
+    Images without boxes are skipped (``skip_empty``). Crowd boxes are kept as ordinary boxes, as in the
+    reference (``include_iscrowd`` defaults to True there).
+    """
+    decoder_device, image_device = _devices(device)
+    reader_kwargs = {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": shuffle_seed}
+    if not shuffle:
+        reader_kwargs = {"stick_to_shard": True}
+    outputs = fn.readers.coco(
+        name="Reader",
+        file_root=file_root,
+        annotations_file=annotations_file,
+        ltrb=True,
+        ratio=True,
+        skip_empty=True,
+        include_iscrowd=include_crowd,
+        image_ids=output_image_ids,
+        shard_id=shard_id,
+        num_shards=num_shards,
+        pad_last_batch=True,
+        **reader_kwargs,
+    )
+    jpegs, bboxes, labels = outputs[:3]
+    if augment:
+        crop_begin, crop_size, bboxes, labels = fn.random_bbox_crop(
+            bboxes,
+            labels,
+            aspect_ratio=[0.5, 2.0],
+            thresholds=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9],
+            scaling=[0.3, 1.0],
+            bbox_layout="xyXY",
+            allow_no_crop=True,
+            num_attempts=1,
+        )
+        images = fn.decoders.image_slice(
+            jpegs, crop_begin, crop_size, device=decoder_device, output_type=types.RGB
+        )
+        flip = fn.random.coin_flip(probability=0.5)
+        images = fn.flip(images, horizontal=flip, device=image_device)
+        bboxes = fn.bb_flip(bboxes, horizontal=flip, ltrb=True)
+        images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+        # hue is in degrees in DALI; U[-0.5, 0.5] is the reference's value (a very mild jitter).
+        images = fn.hsv(
+            images,
+            hue=fn.random.uniform(range=[-0.5, 0.5]),
+            saturation=fn.random.uniform(range=[0.5, 1.5]),
+            dtype=types.FLOAT,  # float keeps the intermediate from clipping/quantising
+            device=image_device,
+        )
+        images = fn.brightness_contrast(
+            images,
+            brightness=fn.random.uniform(range=[0.875, 1.125]),
+            contrast=fn.random.uniform(range=[0.5, 1.5]),
+            contrast_center=128,
+            dtype=types.UINT8,
+            device=image_device,
+        )
+    else:
+        images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
+        images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+    images = _normalize(images, dtype=dtype, device=image_device)
+    bboxes, labels = fn.box_encoder(bboxes, labels, criteria=0.5, anchors=list(anchors_ltrb))
+    if device == "gpu":
+        bboxes, labels = bboxes.gpu(), labels.gpu()
+    if output_image_ids:
+        return images, bboxes, labels, outputs[3]
+    return images, bboxes, labels
+
+
+@pipeline_def
+def coco_val_pipeline(
+    *,
+    file_root: str,
+    annotations_file: str,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    device: str = "cpu",
+    dtype: types.DALIDataType = types.FLOAT,
+    image_size: int = 300,
+):
+    """Validation graph: every image (empty ones too) once per shard, decode RGB, resize, normalise."""
+    decoder_device, image_device = _devices(device)
+    jpegs, _, _, image_ids = fn.readers.coco(
+        name="Reader",
+        file_root=file_root,
+        annotations_file=annotations_file,
+        ltrb=True,
+        ratio=True,
+        skip_empty=False,
+        image_ids=True,
+        shard_id=shard_id,
+        num_shards=num_shards,
+        pad_last_batch=True,
+        stick_to_shard=True,
+    )
+    images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
+    shapes = images.shape(dtype=types.INT64)  # (H, W, C) of the decoded original
+    images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+    images = _normalize(images, dtype=dtype, device=image_device)
+    return images, image_ids, shapes
+
+
+def _file_reader(file_root: str, shard_id: int, num_shards: int, shuffle: bool, seed: int):
+    kwargs = {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": seed} if shuffle else {}
+    if not shuffle:
+        kwargs["stick_to_shard"] = True
+    return fn.readers.file(
+        name="Reader",
+        file_root=file_root,
+        shard_id=shard_id,
+        num_shards=num_shards,
+        pad_last_batch=True,
+        **kwargs,
+    )
+
+
+@pipeline_def
+def classification_train_pipeline(
+    *,
+    file_root: str,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    shuffle: bool = True,
+    shuffle_seed: int = 42,
+    device: str = "cpu",
+    dtype: types.DALIDataType = types.FLOAT,
+    image_size: int = 224,
+):
+    """Random-resized crop (area 0.08-1, aspect 3/4-4/3), resize, flip p=0.5, normalise."""
+    decoder_device, image_device = _devices(device)
+    jpegs, labels = _file_reader(file_root, shard_id, num_shards, shuffle, shuffle_seed)
+    images = fn.decoders.image_random_crop(
+        jpegs,
+        device=decoder_device,
+        output_type=types.RGB,
+        random_area=[0.08, 1.0],
+        random_aspect_ratio=[3 / 4, 4 / 3],
+        num_attempts=100,
+    )
+    images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+    images = _normalize(images, dtype=dtype, device=image_device, mirror=fn.random.coin_flip(probability=0.5))
+    if device == "gpu":
+        labels = labels.gpu()
+    return images, labels
+
+
+@pipeline_def
+def classification_val_pipeline(
+    *,
+    file_root: str,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    device: str = "cpu",
+    dtype: types.DALIDataType = types.FLOAT,
+    image_size: int = 224,
+    resize_size: int = 256,
+):
+    """Resize the shorter side to ``resize_size``, centre-crop ``image_size``, normalise."""
+    decoder_device, image_device = _devices(device)
+    jpegs, labels = _file_reader(file_root, shard_id, num_shards, False, 0)
+    images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
+    images = fn.resize(images, resize_shorter=resize_size, device=image_device)
+    images = _normalize(images, dtype=dtype, device=image_device, crop=(image_size, image_size))
+    if device == "gpu":
+        labels = labels.gpu()
+    return images, labels

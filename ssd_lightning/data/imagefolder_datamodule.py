@@ -1,0 +1,195 @@
+"""ImageFolder-layout classification data (MobileNetV2) through DALI, as a LightningDataModule."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytorch_lightning as pl
+
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.data.coco_datamodule import check_loader_args, decode_error_reporter, rank_info
+from ssd_lightning.data.coco_validation import check_image_headers
+from ssd_lightning.data.dali_iterator import Batch, DALILoader
+from ssd_lightning.data.dali_pipelines import (
+    classification_train_pipeline,
+    classification_val_pipeline,
+    dali_output_dtype,
+    resolve_device,
+)
+
+__all__ = ["ImageFolderDALIDataModule", "list_image_folder"]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+
+
+def list_image_folder(directory: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+    """(sorted class names, [(file, class index)]) of ``directory/<class>/<image>``.
+
+    Class index = position in the sorted folder names, as DALI's file reader assigns labels.
+
+    Raises:
+        FileNotFoundError: ``directory`` is missing.
+        ValueError: no class sub-directories, or no images in them.
+    """
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"image folder {directory} does not exist; expected <root>/train and <root>/val with one "
+            "sub-directory per class (or pass train_dir/val_dir)"
+        )
+    classes = sorted(p.name for p in directory.iterdir() if p.is_dir())
+    if not classes:
+        raise ValueError(f"image folder {directory} has no class sub-directories (<class>/<image>.jpg)")
+    files = [
+        (p, idx)
+        for idx, name in enumerate(classes)
+        for p in sorted((directory / name).iterdir())
+        if p.suffix.lower() in IMAGE_EXTENSIONS
+    ]
+    if not files:
+        raise ValueError(
+            f"image folder {directory} has class directories {classes[:5]} but no images in them"
+        )
+    return classes, files
+
+
+class ImageFolderDALIDataModule(pl.LightningDataModule):
+    """``<root>/train/<class>/*.jpg`` and ``<root>/val/<class>/*.jpg`` decoded and augmented by DALI.
+
+    Class index = position of the folder name in sorted order (``class_names``). Training: random-resized
+    crop (area 0.08-1) to ``image_size``, horizontal flip p=0.5, ImageNet normalisation; validation: shorter
+    side resized to ``val_resize``, centre crop ``image_size``. Batches: ``{"images" (N, 3, S, S),
+    "labels" (N,) int64}``. Same iterator and last-batch policy as :class:`CocoDALIDataModule`
+    (training drops the incomplete last batch; validation sees every image exactly once).
+
+    Args:
+        batch_size: training batch size PER DEVICE; ``eval_batch_size`` defaults to it.
+        Other arguments as in :class:`~ssd_lightning.data.coco_datamodule.CocoDALIDataModule`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        train_dir: str | os.PathLike | None = None,
+        val_dir: str | os.PathLike | None = None,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_threads: int = 2,
+        prefetch_queue_depth: int = 2,
+        seed: int = 42,
+        device: str = "auto",
+        output_dtype: str = "float32",
+        image_size: int = 224,
+        val_resize: int = 256,
+        shuffle: bool = True,
+        check_files: bool = True,
+    ) -> None:
+        super().__init__()
+        check_loader_args(batch_size, eval_batch_size, num_threads, device)
+        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
+        if val_resize < image_size:
+            raise ValueError(f"val_resize ({val_resize}) must be >= image_size ({image_size})")
+        self.root = Path(root)
+        self.train_dir = Path(train_dir) if train_dir else self.root / "train"
+        self.val_dir = Path(val_dir) if val_dir else self.root / "val"
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_threads = num_threads
+        self.prefetch_queue_depth = prefetch_queue_depth
+        self.seed = seed
+        self.device = device
+        self.output_dtype = output_dtype
+        self.image_size = image_size
+        self.val_resize = val_resize
+        self.shuffle = shuffle
+        self.check_files = check_files
+        self._listing: dict[str, tuple[list[str], list[tuple[Path, int]]]] = {}
+
+    @property
+    def class_names(self) -> list[str]:
+        """Sorted class folder names of the training split (class index = position)."""
+        return self._split("train" if self.train_dir.is_dir() else "val")[0]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def category_map(self) -> CategoryMap:
+        """Label k <-> class ``class_names[k]`` (no background: ids equal labels, offset by one)."""
+        return CategoryMap.from_names(self.class_names)
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in (None, "fit"):
+            self._split("train")
+        if stage in (None, "fit", "validate", "test"):
+            self._split("val")
+
+    def _split(self, split: str) -> tuple[list[str], list[tuple[Path, int]]]:
+        if split not in self._listing:
+            directory = self.train_dir if split == "train" else self.val_dir
+            classes, files = list_image_folder(directory)
+            if self.check_files:
+                check_image_headers(p for p, _ in files)
+            other = self._listing.get("val" if split == "train" else "train")
+            if other is not None and other[0] != classes:
+                raise ValueError(
+                    f"{self.train_dir} and {self.val_dir} have different class folders "
+                    f"({other[0][:5]}... vs {classes[:5]}...); class indices would not match"
+                )
+            self._listing[split] = (classes, files)
+        return self._listing[split]
+
+    def train_dataloader(self) -> DALILoader:
+        rank, world, _ = rank_info(self)
+        return self.make_loader("train", shard_id=rank, num_shards=world)
+
+    def val_dataloader(self) -> DALILoader:
+        rank, world, _ = rank_info(self)
+        return self.make_loader("val", shard_id=rank, num_shards=world)
+
+    def test_dataloader(self) -> DALILoader:
+        return self.val_dataloader()
+
+    def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
+        """The loader of ``"train"`` or ``"val"`` for one shard."""
+        _, files = self._split(split)
+        device = resolve_device(self.device)
+        _, _, cuda_index = rank_info(self)
+        directory = self.train_dir if split == "train" else self.val_dir
+        common = {
+            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
+            "num_threads": self.num_threads,
+            "device_id": cuda_index if device == "gpu" else None,
+            "prefetch_queue_depth": self.prefetch_queue_depth,
+            "seed": self.seed + 1009 * shard_id,
+            "file_root": str(directory),
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "device": device,
+            "dtype": self._dali_dtype,
+            "image_size": self.image_size,
+        }
+        if split == "train":
+
+            def factory():
+                return classification_train_pipeline(**common, shuffle=self.shuffle, shuffle_seed=self.seed)
+        else:
+
+            def factory():
+                return classification_val_pipeline(**common, resize_size=self.val_resize)
+
+        return DALILoader(
+            factory,
+            ["images", "labels"],
+            mode="train" if split == "train" else "eval",
+            shard_id=shard_id,
+            num_shards=num_shards,
+            postprocess=self._postprocess,
+            on_error=decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}"),
+        )
+
+    def _postprocess(self, batch: Batch) -> Batch:
+        images = batch["images"] if self._cast is None else batch["images"].to(self._cast)
+        return {"images": images, "labels": batch["labels"].reshape(-1).long()}

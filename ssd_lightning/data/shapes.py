@@ -1,0 +1,602 @@
+"""Synthetic "shapes" datasets, so the project can be trained and evaluated without downloading COCO.
+
+Two kinds, both written as JPEG (quality 90, RGB) and fully deterministic from ``seed``:
+
+* detection (:func:`make_detection_dataset`): the real COCO 2017 layout::
+
+      root/train2017/000000000001.jpg ...
+      root/val2017/...
+      root/annotations/instances_train2017.json
+      root/annotations/instances_val2017.json
+
+  Images have varied size and aspect ratio, 0-6 shapes each (rectangles, ellipses, triangles, stars) of
+  varied scale, colour and rotation on textured backgrounds (gradient + blotches + clutter lines + noise).
+  Later shapes are drawn over earlier ones; an object less than 25 % visible is left out of the
+  annotations (its pixels stay in the image). Every 20th image (index 3, 23, 43, ... of each split) has
+  no objects at all and is still listed in ``images``.
+
+  Annotation conventions (COCO): ``bbox`` is ``[x, y, w, h]`` in pixels of the *visible* drawn pixels of
+  the shape (pixel ``i`` covers ``[i, i + 1)``), ``area`` is the number of visible pixels,
+  ``segmentation`` is the full (amodal) outline of the shape as one polygon ``[x1, y1, x2, y2, ...]``,
+  ``iscrowd`` is 0. Category ids are deliberately non-contiguous (see :data:`SHAPE_CATEGORIES`) so that
+  code mapping category ids to training labels is exercised.
+
+* classification (:func:`make_classification_dataset`): ImageFolder layout ``root/{train,val}/<name>/*.jpg``
+  with one shape per image.
+
+Generation writes into a temporary sibling directory and renames it into place, so an interrupted run
+never leaves a dataset that looks complete. :func:`ensure_detection_dataset` and
+:func:`ensure_classification_dataset` generate only when ``root`` does not exist yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = [
+    "SHAPE_CATEGORIES",
+    "ShapeObject",
+    "make_classification_dataset",
+    "make_detection_dataset",
+    "ensure_classification_dataset",
+    "ensure_detection_dataset",
+    "render_classification_image",
+    "render_detection_image",
+]
+
+log = logging.getLogger(__name__)
+
+SHAPE_CATEGORIES: list[dict] = [
+    {"id": 3, "name": "rectangle", "supercategory": "shape"},
+    {"id": 7, "name": "ellipse", "supercategory": "shape"},
+    {"id": 11, "name": "triangle", "supercategory": "shape"},
+    {"id": 20, "name": "star", "supercategory": "shape"},
+]
+"""COCO-style categories; ids are non-contiguous on purpose."""
+
+JPEG_QUALITY = 90
+MAX_OBJECTS = 6
+EMPTY_EVERY = 20  # image index i of a split has no objects when i % EMPTY_EVERY == EMPTY_OFFSET
+EMPTY_OFFSET = 3
+MIN_VISIBLE_FRACTION = 0.25
+SPLITS = {"train": ("train2017", 0), "val": ("val2017", 1)}
+CLS_SPLITS = {"train": 2, "val": 3}
+METADATA_FILE = "shapes_dataset.json"
+# Upper bound of objects per image, used to build unique annotation ids: image_id * 10 + k.
+_ANN_ID_STRIDE = 10
+
+_KINDS = [c["name"] for c in SHAPE_CATEGORIES]
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering primitives
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class ShapeObject:
+    """One shape drawn into an image.
+
+    Attributes:
+        category_id: COCO category id from :data:`SHAPE_CATEGORIES`.
+        colour: fill colour, ``(3,)`` uint8 RGB, before the final per-image noise.
+        polygon: full outline, ``(P, 2)`` float64 ``(x, y)`` pixel coordinates (pixel centres at ``+0.5``).
+        full_area: number of pixels the shape covered when drawn.
+        visible: ``(H, W)`` bool mask of its pixels still visible in the finished image.
+    """
+
+    category_id: int
+    colour: np.ndarray
+    polygon: np.ndarray
+    full_area: int
+    visible: np.ndarray
+
+    @property
+    def visible_fraction(self) -> float:
+        return float(self.visible.sum()) / max(self.full_area, 1)
+
+    def bbox(self) -> list[float]:
+        """Tight ``[x, y, w, h]`` pixel box of the visible pixels (``[0, 0, 0, 0]`` if none)."""
+        rows = np.flatnonzero(self.visible.any(axis=1))
+        cols = np.flatnonzero(self.visible.any(axis=0))
+        if rows.size == 0:
+            return [0.0, 0.0, 0.0, 0.0]
+        y0, y1 = int(rows[0]), int(rows[-1]) + 1
+        x0, x1 = int(cols[0]), int(cols[-1]) + 1
+        return [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    """Independent generator per (seed, split, index): images do not depend on how many are drawn."""
+    return np.random.default_rng([int(seed), *(int(k) for k in keys)])
+
+
+def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """Textured background: linear colour gradient + low-frequency blotches + clutter lines.
+
+    Returns ``(H, W, 3)`` uint8.
+    """
+    c0 = rng.uniform(0, 255, 3).astype(np.float32)
+    c1 = rng.uniform(0, 255, 3).astype(np.float32)
+    theta = rng.uniform(0, 2 * math.pi)
+    xs = np.arange(width, dtype=np.float32) * math.cos(theta)
+    ys = np.arange(height, dtype=np.float32) * math.sin(theta)
+    t = ys[:, None] + xs[None, :]
+    t -= t.min()
+    t /= max(float(t.max()), 1e-6)
+    img = c0 + t[..., None] * (c1 - c0)  # (H, W, 3)
+
+    # Blotches: coarse random field, bilinearly upsampled per channel.
+    gh, gw = max(2, height // 40), max(2, width // 40)
+    amp = rng.uniform(10, 45)
+    coarse = rng.uniform(-amp, amp, (gh, gw, 3)).astype(np.float32)
+    blot = np.stack(
+        [
+            np.asarray(Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR))
+            for c in range(3)
+        ],
+        axis=-1,
+    )
+    img += blot
+    out = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), mode="RGB")
+
+    draw = ImageDraw.Draw(out)
+    for _ in range(int(rng.integers(3, 13))):
+        x0, x1 = rng.uniform(-0.2, 1.2, 2) * width
+        y0, y1 = rng.uniform(-0.2, 1.2, 2) * height
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        draw.line([(x0, y0), (x1, y1)], fill=colour, width=int(rng.integers(1, 4)))
+    return np.array(out)
+
+
+def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
+    a = phase + np.arange(n) * (2 * math.pi / n)
+    return np.stack([radius * np.cos(a), radius * np.sin(a)], axis=1)
+
+
+def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
+    c, s = math.cos(angle), math.sin(angle)
+    return points @ np.array([[c, s], [-s, c]])
+
+
+def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np.ndarray, tuple | None]:
+    """Outline centred at the origin, ``(P, 2)`` float (x, y), with the shape's extent about ``size``.
+
+    For ellipses also returns ``(a, b, angle)`` so the mask can be rasterised analytically.
+    """
+    angle = rng.uniform(0, 2 * math.pi)
+    if kind == "rectangle":
+        aspect = math.exp(rng.uniform(math.log(0.4), math.log(2.5)))
+        w, h = size * math.sqrt(aspect), size / math.sqrt(aspect)
+        if rng.random() < 0.5:  # half of them axis-aligned
+            angle = 0.0
+        pts = np.array([[-w, -h], [w, -h], [w, h], [-w, h]]) / 2
+        return _rotate(pts, angle), None
+    if kind == "ellipse":
+        aspect = math.exp(rng.uniform(math.log(0.45), math.log(1.0)))
+        a, b = size / 2, size * aspect / 2
+        pts = np.stack([a * np.cos(t := np.linspace(0, 2 * math.pi, 32, endpoint=False)), b * np.sin(t)], 1)
+        return _rotate(pts, angle), (a, b, angle)
+    if kind == "triangle":
+        pts = _regular_polygon(3, size / 2, angle)
+        pts = pts + rng.uniform(-0.15, 0.15, (3, 2)) * size  # irregular but never degenerate
+        return pts - pts.mean(axis=0), None
+    if kind == "star":
+        outer = _regular_polygon(5, size / 2, angle)
+        inner = _regular_polygon(5, size / 2 * rng.uniform(0.38, 0.55), angle + math.pi / 5)
+        pts = np.empty((10, 2))
+        pts[0::2], pts[1::2] = outer, inner
+        return pts, None
+    raise ValueError(f"unknown shape kind {kind!r}; expected one of {_KINDS}")
+
+
+def _rasterise(
+    polygon: np.ndarray, ellipse: tuple | None, x0: int, y0: int, x1: int, y1: int, centre: np.ndarray
+) -> np.ndarray:
+    """Bool mask of pixels of region ``[y0:y1, x0:x1]`` whose centres lie inside the shape.
+
+    Polygons use the even-odd crossing rule (handles the concave star); ellipses are exact.
+    """
+    py = np.arange(y0, y1, dtype=np.float64)[:, None] + 0.5  # (h, 1)
+    px = np.arange(x0, x1, dtype=np.float64)[None, :] + 0.5  # (1, w)
+    if ellipse is not None:
+        a, b, angle = ellipse
+        dx, dy = px - centre[0], py - centre[1]
+        c, s = math.cos(angle), math.sin(angle)
+        u = dx * c + dy * s
+        v = -dx * s + dy * c
+        return (u / a) ** 2 + (v / b) ** 2 <= 1.0
+    inside = np.zeros((y1 - y0, x1 - x0), dtype=bool)
+    nxt = np.roll(polygon, -1, axis=0)
+    for (ax, ay), (bx, by) in zip(polygon, nxt, strict=True):
+        if ay == by:
+            continue
+        crosses = (ay > py) != (by > py)  # (h, 1)
+        x_int = ax + (py - ay) * (bx - ax) / (by - ay)  # (h, 1)
+        inside ^= crosses & (px < x_int)
+    return inside
+
+
+def _pick_colour(rng: np.random.Generator, under: np.ndarray) -> np.ndarray:
+    """Random saturated-ish colour that differs clearly from the mean colour ``under`` it."""
+    colour = rng.integers(0, 256, 3)
+    for _ in range(20):
+        if np.abs(colour - under).sum() > 120:
+            break
+        colour = rng.integers(0, 256, 3)
+    return colour.astype(np.uint8)
+
+
+def _draw_shapes(
+    rng: np.random.Generator,
+    img: np.ndarray,
+    kinds: list[str],
+    sizes: list[float],
+    centres: list[np.ndarray] | None = None,
+) -> list[ShapeObject]:
+    """Draw shapes in order into ``img`` ``(H, W, 3)`` uint8 (in place); later ones occlude earlier ones."""
+    height, width = img.shape[:2]
+    owner = np.full((height, width), -1, dtype=np.int8)
+    drawn: list[tuple[ShapeObject, tuple[int, int, int, int]]] = []
+    for k, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
+        outline, ellipse = _shape_outline(rng, kind, size)
+        if ellipse is not None:
+            a, b, angle = ellipse
+            ex = math.hypot(a * math.cos(angle), b * math.sin(angle))
+            ey = math.hypot(a * math.sin(angle), b * math.cos(angle))
+        else:
+            ex, ey = np.abs(outline).max(axis=0)
+        if centres is None:
+            cx = rng.uniform(ex, max(ex, width - ex))
+            cy = rng.uniform(ey, max(ey, height - ey))
+            centre = np.array([cx, cy])
+        else:
+            centre = np.clip(centres[k], [ex, ey], [max(ex, width - ex), max(ey, height - ey)])
+        polygon = outline + centre
+        x0, y0 = max(0, int(math.floor(centre[0] - ex))), max(0, int(math.floor(centre[1] - ey)))
+        x1 = min(width, int(math.ceil(centre[0] + ex)) + 1)
+        y1 = min(height, int(math.ceil(centre[1] + ey)) + 1)
+        mask = _rasterise(polygon, ellipse, x0, y0, x1, y1, centre)
+        region = img[y0:y1, x0:x1]
+        under = region[mask].mean(axis=0) if mask.any() else np.full(3, 128.0)
+        colour = _pick_colour(rng, under)
+        region[mask] = colour
+        owner[y0:y1, x0:x1][mask] = k
+        cat = SHAPE_CATEGORIES[_KINDS.index(kind)]["id"]
+        obj = ShapeObject(cat, colour, polygon, int(mask.sum()), np.zeros(0, dtype=bool))
+        drawn.append((obj, (x0, y0, x1, y1)))
+    for k, (obj, _) in enumerate(drawn):
+        obj.visible = owner == k
+    return [obj for obj, _ in drawn]
+
+
+def _finish(rng: np.random.Generator, img: np.ndarray) -> np.ndarray:
+    """Add per-pixel noise, uniform in ``[-a, a]`` with ``a`` drawn from 3..14 (sigma 1.7-8), as uint8.
+
+    (Uniform integer noise is ~7x cheaper to draw than Gaussian noise and looks the same after JPEG.)
+    """
+    half = int(rng.integers(3, 15))
+    out = img.astype(np.int16)
+    out += rng.integers(-half, half + 1, img.shape, dtype=np.int16)
+    return np.clip(out, 0, 255, out=out).astype(np.uint8)
+
+
+def render_detection_image(
+    seed: int, split: str, index: int, *, min_size: int = 160, max_size: int = 480
+) -> tuple[np.ndarray, list[ShapeObject]]:
+    """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
+
+    Returns:
+        image: ``(H, W, 3)`` uint8 RGB, before JPEG compression; ``min_size <= H, W <= max_size``.
+        objects: every shape drawn, in drawing order (including ones that end up < 25 % visible).
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    _check_sizes(min_size, max_size)
+    rng = _rng(seed, SPLITS[split][1], index)
+    width, height = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
+    img = _background(rng, height, width)
+    n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, MAX_OBJECTS + 1))
+    short = min(width, height)
+    kinds = [_KINDS[int(i)] for i in rng.integers(0, len(_KINDS), n)]
+    # Log-uniform scale from ~7 % to ~75 % of the short side (at least 10 px).
+    sizes = [max(10.0, short * math.exp(rng.uniform(math.log(0.07), math.log(0.75)))) for _ in range(n)]
+    objects = _draw_shapes(rng, img, kinds, sizes)
+    return _finish(rng, img), objects
+
+
+def render_classification_image(
+    seed: int, split: str, class_index: int, index: int, *, image_size: int = 96
+) -> np.ndarray:
+    """Render one classification image: a single shape of class ``class_index`` near the centre.
+
+    Returns ``(image_size, image_size, 3)`` uint8 RGB, before JPEG compression.
+    """
+    if split not in CLS_SPLITS:
+        raise ValueError(f"split must be one of {list(CLS_SPLITS)}, got {split!r}")
+    if not 0 <= class_index < len(_KINDS):
+        raise ValueError(f"class_index must be in [0, {len(_KINDS)}), got {class_index}")
+    rng = _rng(seed, CLS_SPLITS[split], class_index, index)
+    img = _background(rng, image_size, image_size)
+    size = image_size * rng.uniform(0.3, 0.8)
+    centre = image_size / 2 + rng.uniform(-0.15, 0.15, 2) * image_size
+    _draw_shapes(rng, img, [_KINDS[class_index]], [size], centres=[centre])
+    return _finish(rng, img)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing datasets (atomic)
+# --------------------------------------------------------------------------------------------------
+def _check_sizes(min_size: int, max_size: int) -> None:
+    if not 32 <= min_size <= max_size:
+        raise ValueError(f"need 32 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
+
+
+def _save_jpeg(array: np.ndarray, path: Path) -> None:
+    Image.fromarray(array, mode="RGB").save(path, format="JPEG", quality=JPEG_QUALITY)
+
+
+def _annotation_path(root: Path, split: str) -> Path:
+    return root / "annotations" / f"instances_{SPLITS[split][0]}.json"
+
+
+def _polygon_list(polygon: np.ndarray, width: int, height: int) -> list[float]:
+    clipped = np.clip(polygon, 0, [width, height])
+    return [round(float(v), 2) for v in clipped.reshape(-1)]
+
+
+def _write_detection_split(
+    root: Path, split: str, count: int, id_offset: int, seed: int, min_size: int, max_size: int
+) -> None:
+    folder, _ = SPLITS[split]
+    (root / folder).mkdir(parents=True)
+    images, annotations = [], []
+    for i in range(count):
+        image_id = id_offset + i + 1
+        array, objects = render_detection_image(seed, split, i, min_size=min_size, max_size=max_size)
+        height, width = array.shape[:2]
+        file_name = f"{image_id:012d}.jpg"
+        _save_jpeg(array, root / folder / file_name)
+        images.append({"id": image_id, "file_name": file_name, "width": width, "height": height})
+        for k, obj in enumerate(objects):
+            if obj.visible_fraction < MIN_VISIBLE_FRACTION:
+                continue
+            annotations.append(
+                {
+                    "id": image_id * _ANN_ID_STRIDE + k,
+                    "image_id": image_id,
+                    "category_id": obj.category_id,
+                    "bbox": obj.bbox(),
+                    "area": float(obj.visible.sum()),
+                    "iscrowd": 0,
+                    "segmentation": [_polygon_list(obj.polygon, width, height)],
+                }
+            )
+    coco = {
+        "info": {
+            "description": f"ssd_lightning synthetic shapes, {split} split (seed {seed})",
+            "version": "1.0",
+            "year": 2024,
+            "contributor": "ssd_lightning.data.shapes",
+            "date_created": "",
+        },
+        "licenses": [],
+        "images": images,
+        "annotations": annotations,
+        "categories": [dict(c) for c in SHAPE_CATEGORIES],
+    }
+    path = _annotation_path(root, split)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(coco, separators=(",", ":")))
+
+
+def _write_metadata(root: Path, kind: str, params: dict) -> None:
+    (root / METADATA_FILE).write_text(json.dumps({"kind": kind, **params}, indent=2, sort_keys=True) + "\n")
+
+
+def _atomic_generate(
+    root: Path, fill: Callable[[Path], None], is_complete: Callable[[Path], str | None]
+) -> Path:
+    """Run ``fill(tmp)`` in a temporary sibling of ``root``, then rename it to ``root``.
+
+    If another process renamed a complete dataset into place first, ours is discarded and ``root`` used.
+    """
+    root = Path(root)
+    if root.exists() and not (root.is_dir() and not any(root.iterdir())):
+        raise FileExistsError(
+            f"{root} already exists; delete it to regenerate, or use ensure_*_dataset() to reuse it"
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        try:
+            os.replace(tmp, root)
+        except OSError:
+            if is_complete(root) is None:  # another process won the race
+                shutil.rmtree(tmp, ignore_errors=True)
+                return root
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def make_detection_dataset(
+    root: str | os.PathLike,
+    *,
+    num_train: int = 2000,
+    num_val: int = 200,
+    seed: int = 0,
+    min_size: int = 160,
+    max_size: int = 480,
+) -> Path:
+    """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
+
+    Train image ids are ``1..num_train``, val ids ``num_train + 1 .. num_train + num_val``; annotation ids
+    are ``image_id * 10 + k`` for the k-th shape drawn in the image. Image ``i`` of a split depends only
+    on ``(seed, split, i, min_size, max_size)``.
+
+    Returns:
+        ``root`` as a :class:`~pathlib.Path`.
+    """
+    if num_train < 0 or num_val < 0:
+        raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
+    _check_sizes(min_size, max_size)
+    params = {
+        "num_train": num_train,
+        "num_val": num_val,
+        "seed": seed,
+        "min_size": min_size,
+        "max_size": max_size,
+    }
+
+    def fill(tmp: Path) -> None:
+        _write_detection_split(tmp, "train", num_train, 0, seed, min_size, max_size)
+        _write_detection_split(tmp, "val", num_val, num_train, seed, min_size, max_size)
+        _write_metadata(tmp, "detection", params)
+
+    return _atomic_generate(Path(root), fill, _detection_problem)
+
+
+def make_classification_dataset(
+    root: str | os.PathLike,
+    *,
+    num_train_per_class: int = 100,
+    num_val_per_class: int = 20,
+    seed: int = 0,
+    image_size: int = 96,
+) -> Path:
+    """Generate an ImageFolder shapes classification dataset: ``root/{train,val}/<class_name>/*.jpg``.
+
+    Class names are the ``name`` fields of :data:`SHAPE_CATEGORIES`; images are
+    ``image_size x image_size`` RGB JPEGs.
+    """
+    if num_train_per_class < 1 or num_val_per_class < 1:
+        raise ValueError(
+            f"num_train_per_class and num_val_per_class must be >= 1, "
+            f"got {num_train_per_class} and {num_val_per_class}"
+        )
+    if image_size < 32:
+        raise ValueError(f"image_size must be >= 32, got {image_size}")
+    params = {
+        "num_train_per_class": num_train_per_class,
+        "num_val_per_class": num_val_per_class,
+        "seed": seed,
+        "image_size": image_size,
+    }
+
+    def fill(tmp: Path) -> None:
+        for split, count in (("train", num_train_per_class), ("val", num_val_per_class)):
+            for c, name in enumerate(_KINDS):
+                folder = tmp / split / name
+                folder.mkdir(parents=True)
+                for i in range(count):
+                    array = render_classification_image(seed, split, c, i, image_size=image_size)
+                    _save_jpeg(array, folder / f"{name}_{i:05d}.jpg")
+        _write_metadata(tmp, "classification", params)
+
+    return _atomic_generate(Path(root), fill, _classification_problem)
+
+
+# --------------------------------------------------------------------------------------------------
+# ensure_*: generate only when missing
+# --------------------------------------------------------------------------------------------------
+def _detection_problem(root: Path) -> str | None:
+    """``None`` if ``root`` holds a complete COCO-layout dataset, else what is missing."""
+    for split, (folder, _) in SPLITS.items():
+        ann = _annotation_path(root, split)
+        if not ann.is_file():
+            return f"missing annotation file {ann}"
+        if not (root / folder).is_dir():
+            return f"missing image folder {root / folder}"
+        try:
+            images = json.loads(ann.read_text())["images"]
+        except (ValueError, KeyError) as e:
+            return f"unreadable annotation file {ann} ({e})"
+        present = set(os.listdir(root / folder))
+        missing = [im["file_name"] for im in images if im["file_name"] not in present]
+        if missing:
+            return f"{len(missing)} images listed in {ann} are missing from {root / folder}"
+    return None
+
+
+def _classification_problem(root: Path) -> str | None:
+    meta = {}
+    if (root / METADATA_FILE).is_file():
+        meta = json.loads((root / METADATA_FILE).read_text())
+    for split in CLS_SPLITS:
+        expected = meta.get(f"num_{split}_per_class")
+        for name in _KINDS:
+            folder = root / split / name
+            if not folder.is_dir():
+                return f"missing class folder {folder}"
+            count = sum(1 for p in folder.iterdir() if p.suffix == ".jpg")
+            if count == 0 or (expected is not None and count != expected):
+                return f"{folder} holds {count} images, expected {expected or 'at least 1'}"
+    return None
+
+
+def _ensure(
+    root: str | os.PathLike,
+    kind: str,
+    make: Callable[..., Path],
+    problem: Callable[[Path], str | None],
+    kwargs: dict,
+) -> Path:
+    root = Path(root)
+    if root.exists() and not (root.is_dir() and not any(root.iterdir())):  # an empty folder counts as missing
+        issue = problem(root)
+        if issue is not None:
+            raise FileExistsError(
+                f"{root} exists but is not a complete shapes {kind} dataset: {issue}. "
+                f"If it is left over from an interrupted or older run, delete {root} and run again; "
+                f"otherwise pass a different path."
+            )
+        meta_path = root / METADATA_FILE
+        if meta_path.is_file() and kwargs:
+            meta = json.loads(meta_path.read_text())
+            differ = {k: (meta.get(k), v) for k, v in kwargs.items() if meta.get(k) != v}
+            if differ:
+                log.warning(
+                    "Reusing shapes %s dataset at %s generated with different settings "
+                    "(existing, requested): %s; delete it to regenerate",
+                    kind,
+                    root,
+                    differ,
+                )
+        return root
+    start = time.perf_counter()
+    make(root, **kwargs)
+    log.info("Generated shapes %s dataset at %s in %.1f s", kind, root, time.perf_counter() - start)
+    return root
+
+
+def ensure_detection_dataset(root: str | os.PathLike, **kwargs) -> Path:
+    """Return ``root``, generating it with :func:`make_detection_dataset` (``**kwargs``) if it does not exist.
+
+    Raises:
+        FileExistsError: ``root`` exists but is not a complete COCO-layout dataset.
+    """
+    return _ensure(root, "detection", make_detection_dataset, _detection_problem, kwargs)
+
+
+def ensure_classification_dataset(root: str | os.PathLike, **kwargs) -> Path:
+    """Return ``root``, generating it with :func:`make_classification_dataset` if it does not exist.
+
+    Raises:
+        FileExistsError: ``root`` exists but is not a complete ImageFolder shapes dataset.
+    """
+    return _ensure(root, "classification", make_classification_dataset, _classification_problem, kwargs)

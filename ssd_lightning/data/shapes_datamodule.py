@@ -1,0 +1,60 @@
+"""The demos' data: the DALI datamodules over generated shapes datasets, made on first use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+from ssd_lightning.data.imagefolder_datamodule import ImageFolderDALIDataModule
+from ssd_lightning.data.shapes import ensure_classification_dataset, ensure_detection_dataset
+
+
+class ShapesDataModule(CocoDALIDataModule):
+    """:class:`CocoDALIDataModule` reading ``root``, which is generated there if missing.
+
+    The dataset is written in COCO's own layout, so everything downstream (reader, category map, COCO
+    evaluation) is the code path real COCO takes. Generation is atomic and happens once, on the process
+    Lightning picks for ``prepare_data`` (local rank 0).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        num_train: int = 2000,
+        num_val: int = 200,
+        dataset_seed: int = 0,
+        **kwargs,
+    ) -> None:
+        super().__init__(root, **kwargs)
+        self.dataset_root = Path(root)
+        self.dataset_kwargs = {"num_train": num_train, "num_val": num_val, "seed": dataset_seed}
+
+    def prepare_data(self) -> None:
+        ensure_detection_dataset(self.dataset_root, **self.dataset_kwargs)
+
+
+class ShapesClassificationDataModule(ImageFolderDALIDataModule):
+    """:class:`ImageFolderDALIDataModule` reading ``root``, which is generated there if missing."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        num_train_per_class: int = 300,
+        num_val_per_class: int = 50,
+        dataset_seed: int = 0,
+        dataset_image_size: int = 96,
+        **kwargs,
+    ) -> None:
+        super().__init__(root, **kwargs)
+        self.dataset_root = Path(root)
+        self.dataset_kwargs = {
+            "num_train_per_class": num_train_per_class,
+            "num_val_per_class": num_val_per_class,
+            "seed": dataset_seed,
+            "image_size": dataset_image_size,
+        }
+
+    def prepare_data(self) -> None:
+        ensure_classification_dataset(self.dataset_root, **self.dataset_kwargs)

@@ -1,0 +1,192 @@
+"""Synthetic batches (no dataset, no DALI) for measuring model throughput.
+
+The batches follow docs/architecture.md exactly, so any LightningModule runs on them unchanged. The data is
+generated once (a handful of distinct batches, reused every step), so producing a batch costs nothing and
+the measured speed is the model's. Synthetic data is for benchmarking only: it has no annotation file, so
+``val_annotation_file`` is ``None`` and COCO mAP cannot be computed on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.data.dali_pipelines import dali_output_dtype
+
+__all__ = ["SyntheticDetectionDataModule", "SyntheticClassificationDataModule", "make_detection_targets"]
+
+_NUM_DISTINCT = 4  # distinct precomputed batches cycled through
+
+
+class _RepeatBatches:
+    """Iterable with a fixed ``len``; yields ``steps`` batches cycling through ``batches``."""
+
+    def __init__(self, batches: list[dict[str, Tensor]], steps: int) -> None:
+        self.batches, self.steps = batches, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        for i in range(self.steps):
+            yield self.batches[i % len(self.batches)]
+
+
+def _image_dtype(output_dtype: str) -> torch.dtype:
+    dali_output_dtype(output_dtype)  # validates the name
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[output_dtype]
+
+
+def make_detection_targets(
+    num_images: int, num_classes: int, generator: torch.Generator, max_objects: int = 4
+) -> tuple[Tensor, Tensor]:
+    """Encoded SSD300 targets of random valid ground truth.
+
+    Returns boxes (N, 8732, 4) float32 (cx, cy, w, h) and labels (N, 8732) int64.
+
+    Each image gets 1..``max_objects`` boxes with sides in [0.1, 0.6] of the image, labels in 1..K, encoded
+    with :class:`~ssd_lightning.models.boxes.BoxCoder` (IoU threshold 0.5).
+    """
+    from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
+
+    coder = BoxCoder(dboxes300_coco())
+    all_boxes, all_labels = [], []
+    for _ in range(num_images):
+        m = int(torch.randint(1, max_objects + 1, (1,), generator=generator))
+        wh = 0.1 + 0.5 * torch.rand(m, 2, generator=generator)
+        lt = torch.rand(m, 2, generator=generator) * (1 - wh)
+        gt = torch.cat([lt, lt + wh], dim=1)
+        labels = torch.randint(1, num_classes, (m,), generator=generator)
+        boxes, enc_labels = coder.encode(gt, labels)
+        all_boxes.append(boxes.float())
+        all_labels.append(enc_labels.long())
+    return torch.stack(all_boxes), torch.stack(all_labels)
+
+
+class SyntheticDetectionDataModule(pl.LightningDataModule):
+    """Random SSD300 batches: images (N, 3, 300, 300) ~ N(0, 1) and valid encoded targets.
+
+    Args:
+        batch_size: per-device batch size.
+        num_classes: K + 1 (includes background).
+        steps_per_epoch: training (and validation) batches per epoch.
+        eval_batch_size: validation batch size (default: ``batch_size``).
+        output_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` images.
+        seed: generator seed.
+
+    Validation batches: ``{"images", "image_ids" (N,) int64 (unique, from 1), "image_sizes" (N, 2) = 300}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_classes: int = 81,
+        steps_per_epoch: int = 100,
+        eval_batch_size: int | None = None,
+        output_dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or steps_per_epoch < 1 or num_classes < 2:
+            raise ValueError(
+                f"need batch_size >= 1, steps_per_epoch >= 1, num_classes >= 2; got {batch_size}, "
+                f"{steps_per_epoch}, {num_classes}"
+            )
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self._num_classes = num_classes
+        self.dtype = _image_dtype(output_dtype)
+        self.seed = seed
+        self.val_annotation_file = None  # benchmarking only: no COCO evaluation
+        self._train: list[dict[str, Tensor]] | None = None
+        self._val: list[dict[str, Tensor]] | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    @property
+    def category_map(self) -> CategoryMap:
+        return CategoryMap.from_names([f"class{k}" for k in range(1, self._num_classes)])
+
+    def _make(self) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        n, self._train = self.batch_size, []
+        for _ in range(_NUM_DISTINCT):
+            boxes, labels = make_detection_targets(n, self._num_classes, g)
+            images = torch.randn(n, 3, 300, 300, generator=g).to(self.dtype)
+            self._train.append({"images": images, "boxes": boxes, "labels": labels})
+        m, self._val = self.eval_batch_size, []
+        for i in range(_NUM_DISTINCT):
+            self._val.append(
+                {
+                    "images": torch.randn(m, 3, 300, 300, generator=g).to(self.dtype),
+                    "image_ids": torch.arange(i * m + 1, (i + 1) * m + 1, dtype=torch.int64),
+                    "image_sizes": torch.full((m, 2), 300, dtype=torch.int64),
+                }
+            )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is None:
+            self._make()
+
+    def train_dataloader(self) -> _RepeatBatches:
+        self.setup()
+        return _RepeatBatches(self._train, self.steps_per_epoch)
+
+    def val_dataloader(self) -> _RepeatBatches:
+        self.setup()
+        return _RepeatBatches(self._val, self.steps_per_epoch)
+
+
+class SyntheticClassificationDataModule(pl.LightningDataModule):
+    """Random classification batches: images (N, 3, S, S) ~ N(0, 1), labels (N,) int64 in [0, num_classes)."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_classes: int = 1000,
+        steps_per_epoch: int = 100,
+        eval_batch_size: int | None = None,
+        output_dtype: str = "float32",
+        image_size: int = 224,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or steps_per_epoch < 1 or num_classes < 1:
+            raise ValueError(
+                f"need batch_size, steps_per_epoch, num_classes >= 1; got {batch_size}, {steps_per_epoch}, "
+                f"{num_classes}"
+            )
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self.num_classes = num_classes
+        self.class_names = [f"class{k}" for k in range(num_classes)]
+        self.image_size = image_size
+        self.dtype = _image_dtype(output_dtype)
+        self.seed = seed
+
+    def _batches(self, n: int, offset: int) -> list[dict[str, Tensor]]:
+        g = torch.Generator().manual_seed(self.seed + offset)
+        s = self.image_size
+        return [
+            {
+                "images": torch.randn(n, 3, s, s, generator=g).to(self.dtype),
+                "labels": torch.randint(0, self.num_classes, (n,), generator=g),
+            }
+            for _ in range(_NUM_DISTINCT)
+        ]
+
+    def train_dataloader(self) -> _RepeatBatches:
+        return _RepeatBatches(self._batches(self.batch_size, 0), self.steps_per_epoch)
+
+    def val_dataloader(self) -> _RepeatBatches:
+        return _RepeatBatches(self._batches(self.eval_batch_size, 1), self.steps_per_epoch)

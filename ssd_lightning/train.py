@@ -117,5 +117,6 @@ def _print_summary(cfg: DictConfig, trainer: pl.Trainer, metrics: dict[str, floa
     ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
     if ckpt:
         lines.append(f"  last checkpoint: {ckpt}")
-    lines.append(f"  logs: {out / 'csv' / 'metrics.csv'} (CSV), tensorboard --logdir {out / 'tensorboard'}")
+    for logger in trainer.loggers:
+        lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
     log.info("\n".join(lines))

@@ -1,6 +1,7 @@
-"""Callbacks: COCO mAP, evaluation-epoch schedule."""
+"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark."""
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+from ssd_lightning.callbacks.throughput import ThroughputBenchmark
 
-__all__ = ["CocoMAPCallback", "EvalSchedule"]
+__all__ = ["CocoMAPCallback", "EvalSchedule", "ThroughputBenchmark"]

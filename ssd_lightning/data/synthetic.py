@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.data.dali_pipelines import dali_output_dtype
 
 __all__ = ["SyntheticDetectionDataModule", "SyntheticClassificationDataModule", "make_detection_targets"]
 
@@ -36,9 +35,14 @@ class _RepeatBatches:
             yield self.batches[i % len(self.batches)]
 
 
+_IMAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def _image_dtype(output_dtype: str) -> torch.dtype:
-    dali_output_dtype(output_dtype)  # validates the name
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[output_dtype]
+    """Torch dtype of the images; no DALI involved, so synthetic data works where DALI is absent."""
+    if output_dtype not in _IMAGE_DTYPES:
+        raise ValueError(f"output_dtype must be one of {sorted(_IMAGE_DTYPES)}, got {output_dtype!r}")
+    return _IMAGE_DTYPES[output_dtype]
 
 
 def make_detection_targets(

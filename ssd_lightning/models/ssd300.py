@@ -152,4 +152,6 @@ def ssd300(
 
         net = MobileNetV2SSDBackbone(weights=weights_backbone)
     extra = _LEVEL_CHANNELS[backbone][len(net.out_channels) :]
-    return SSD300(net, extra, num_classes)
+    model = SSD300(net, extra, num_classes)
+    model.backbone_name = backbone  # recorded for checkpoint import and benchmark reports
+    return model

@@ -48,7 +48,12 @@ class SSDLitModule(pl.LightningModule):
         self.net = net
         self.optimizer_factory = optimizer
         if nvidia_checkpoint is not None:
-            self.net.load_state_dict(load_nvidia_checkpoint(nvidia_checkpoint), strict=True)
+            state = load_nvidia_checkpoint(
+                nvidia_checkpoint,
+                backbone=getattr(net, "backbone_name", "resnet50"),
+                num_classes=getattr(net, "num_classes", 81),
+            )
+            self.net.load_state_dict(state, strict=True)
         if channels_last:
             self.net.to(memory_format=torch.channels_last)
         default_boxes = dboxes300_coco()

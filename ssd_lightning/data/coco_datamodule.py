@@ -7,11 +7,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-import pytorch_lightning as pl
-import torch
-
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split, find_undecodable_images
+from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split
+from ssd_lightning.data.dali_datamodule import (
+    DALIDataModule,
+    check_loader_args,
+    decode_error_reporter,
+    rank_info,
+)
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     coco_train_pipeline,
@@ -20,50 +23,10 @@ from ssd_lightning.data.dali_pipelines import (
     resolve_device,
 )
 
-__all__ = ["CocoDALIDataModule", "rank_info", "check_loader_args", "decode_error_reporter"]
+__all__ = ["CocoDALIDataModule"]
 
 
-def rank_info(module: pl.LightningDataModule) -> tuple[int, int, int | None]:
-    """(global rank, world size, CUDA device index) of the attached trainer; (0, 1, None) without one."""
-    trainer = getattr(module, "trainer", None)
-    if trainer is None:
-        return 0, 1, (torch.cuda.current_device() if torch.cuda.is_available() else None)
-    root = getattr(trainer.strategy, "root_device", None)
-    index = root.index if root is not None and root.type == "cuda" else None
-    if index is None and torch.cuda.is_available():
-        index = trainer.local_rank
-    return trainer.global_rank, trainer.world_size, index
-
-
-def check_loader_args(batch_size: int, eval_batch_size: int | None, num_threads: int, device: str) -> None:
-    """Raise ``ValueError`` for the arguments every DALI datamodule shares."""
-    for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size or 1)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-
-
-def decode_error_reporter(paths_fn, what: str):
-    """``on_error`` for :class:`DALILoader`: name the files PIL cannot decode when DALI fails."""
-
-    def report(exc: Exception) -> Exception:
-        paths = paths_fn()
-        bad = find_undecodable_images(paths)
-        if bad:
-            return ValueError(
-                f"DALI failed while reading {what}; these image files are corrupt or truncated: "
-                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. Remove or re-encode them. "
-                f"(DALI said: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
-            )
-        return RuntimeError(f"DALI pipeline failed while reading {what}: {exc}")
-
-    return report
-
-
-class CocoDALIDataModule(pl.LightningDataModule):
+class CocoDALIDataModule(DALIDataModule):
     """SSD300 data from a COCO-layout directory, decoded and augmented by DALI.
 
     Layout (defaults derived from ``root``): ``<root>/train2017``, ``<root>/val2017``,
@@ -174,18 +137,6 @@ class CocoDALIDataModule(pl.LightningDataModule):
             self._split("train")
         if stage in (None, "fit", "validate", "test"):
             self._split("val")
-
-    def train_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
-        return self.make_loader("train", shard_id=rank, num_shards=world)
-
-    def val_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
-        return self.make_loader("val", shard_id=rank, num_shards=world)
-
-    def test_dataloader(self) -> DALILoader:
-        """COCO has no public test annotations: testing runs on the validation split."""
-        return self.val_dataloader()
 
     # ----------------------------------------------------------------- building blocks
     def _split(self, split: Literal["train", "val"]) -> CocoSplitInfo:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytorch_lightning as pl
-
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.data.coco_datamodule import check_loader_args, decode_error_reporter, rank_info
 from ssd_lightning.data.coco_validation import check_image_headers
+from ssd_lightning.data.dali_datamodule import (
+    DALIDataModule,
+    check_loader_args,
+    decode_error_reporter,
+    rank_info,
+)
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     classification_train_pipeline,
@@ -53,7 +56,7 @@ def list_image_folder(directory: Path) -> tuple[list[str], list[tuple[Path, int]
     return classes, files
 
 
-class ImageFolderDALIDataModule(pl.LightningDataModule):
+class ImageFolderDALIDataModule(DALIDataModule):
     """``<root>/train/<class>/*.jpg`` and ``<root>/val/<class>/*.jpg`` decoded and augmented by DALI.
 
     Class index = position of the folder name in sorted order (``class_names``). Training: random-resized
@@ -140,17 +143,6 @@ class ImageFolderDALIDataModule(pl.LightningDataModule):
                 )
             self._listing[split] = (classes, files)
         return self._listing[split]
-
-    def train_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
-        return self.make_loader("train", shard_id=rank, num_shards=world)
-
-    def val_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
-        return self.make_loader("val", shard_id=rank, num_shards=world)
-
-    def test_dataloader(self) -> DALILoader:
-        return self.val_dataloader()
 
     def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
         """The loader of ``"train"`` or ``"val"`` for one shard."""

@@ -73,6 +73,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     validate_config(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.get("matmul_precision"):
+        torch.set_float32_matmul_precision(cfg.matmul_precision)  # TF32 on Ampere+ GPUs
+        torch.backends.cudnn.allow_tf32 = cfg.matmul_precision != "highest"
 
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)

@@ -1,0 +1,58 @@
+"""The command line as README shows it: `python train.py ...` through @hydra.main, in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_cfg_job_prints_the_composed_config():
+    result = _run("experiment=ssd300_fp16_8gpu", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["trainer"]["devices"] == 8 and cfg["trainer"]["precision"] == "16-mixed"
+    assert cfg["data"]["batch_size"] == 64 and cfg["data"]["output_dtype"] == "float16"
+    assert cfg["eval_epochs"] == [21, 31, 37, 42, 48, 53, 59, 64]
+
+
+def test_unknown_experiment_fails_with_the_accepted_names():
+    result = _run("experiment=ssd300_fp17")
+    assert result.returncode != 0
+    assert "ssd300_fp16_8gpu" in result.stderr  # Hydra lists the available options
+
+
+@pytest.mark.dali
+@pytest.mark.slow
+def test_demo_run_writes_the_documented_run_directory(shapes_coco, tmp_path):
+    run_dir = tmp_path / "run"
+    result = _run(
+        "experiment=demo",
+        "debug=fast",
+        f"data.root={shapes_coco}",
+        "data.batch_size=4",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for path in (
+        ".hydra/config.yaml",
+        ".hydra/overrides.yaml",
+        "demo.log",
+        "csv/metrics.csv",
+        "checkpoints/last.ckpt",
+        "detections_epoch_0.json",
+    ):
+        assert (run_dir / path).is_file(), path
+    saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert saved["data"]["root"] == str(shapes_coco)
+    assert "val/mAP" in (run_dir / "csv" / "metrics.csv").read_text()

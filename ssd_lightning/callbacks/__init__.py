@@ -1,7 +1,8 @@
-"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark."""
+"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark, pictures."""
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark
 
-__all__ = ["CocoMAPCallback", "EvalSchedule", "ThroughputBenchmark"]
+__all__ = ["CocoMAPCallback", "EvalSchedule", "PredictionPictures", "ThroughputBenchmark"]

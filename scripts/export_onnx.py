@@ -1,0 +1,109 @@
+"""Export a trained SSD300 to ONNX (the network only; decoding is a post-processing step).
+
+    python scripts/export_onnx.py ckpt_path=outputs/demo/<run>/checkpoints/last.ckpt output=model.onnx
+    python scripts/export_onnx.py nvidia_checkpoint=nvidia_ssdpyt_amp.pt output=ssd300_coco.onnx
+
+Arguments are ``key=value`` (OmegaConf): ``ckpt_path`` or ``nvidia_checkpoint`` (+ ``backbone``,
+``num_classes``), ``run_config`` (default ``<run>/.hydra/config.yaml``), ``output``, ``opset`` (17),
+``check`` (true: run the file with onnxruntime at batch 2 and print the largest difference to PyTorch).
+
+The ONNX graph: input ``images`` (N, 3, 300, 300) float32, preprocessed as in ``ssd_lightning.predict.
+preprocess`` (RGB, resized to 300×300, ImageNet mean/std); outputs ``locs`` (N, 4, 8732) box offsets and
+``logits`` (N, C, 8732) class logits, the reference layout. N is dynamic. Decoding (softmax, score
+threshold, per-class NMS, top-k) is not in the graph: NMS in ONNX needs NonMaxSuppression with its own
+padding/ordering rules that differ between runtimes. Decode the outputs with the same code as training::
+
+    from ssd_lightning.models import BoxCoder, dboxes300_coco
+    locs, logits = session.run(["locs", "logits"], {"images": batch})
+    detections = BoxCoder(dboxes300_coco()).decode(torch.from_numpy(locs), torch.from_numpy(logits))
+    # per image: boxes (k, 4) ltrb in [0, 1] (multiply by width, height, width, height), scores, labels
+
+Uses the TorchScript-based exporter (``dynamo=False``): the dynamo exporter needs ``onnxscript``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+DEFAULTS = {
+    "ckpt_path": None,
+    "nvidia_checkpoint": None,
+    "backbone": "resnet50",
+    "num_classes": 81,
+    "run_config": None,
+    "output": "model.onnx",
+    "opset": 17,
+    "check": True,
+}
+
+
+def export_onnx(net: nn.Module, output: str | Path, *, opset: int = 17) -> Path:
+    """Write ``net`` (images (N, 3, 300, 300) -> locs, logits) to ``output`` with a dynamic batch size."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    net = net.eval().float().cpu()
+    example = torch.zeros(2, 3, 300, 300)
+    dynamic = {"images": {0: "batch"}, "locs": {0: "batch"}, "logits": {0: "batch"}}
+    with torch.no_grad(), warnings.catch_warnings():
+        # "legacy TorchScript-based exporter": chosen on purpose (the dynamo exporter needs onnxscript)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            net,
+            (example,),
+            str(output),
+            input_names=["images"],
+            output_names=["locs", "logits"],
+            dynamic_axes=dynamic,
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    import onnx
+
+    onnx.checker.check_model(str(output))
+    return output
+
+
+def max_difference(net: nn.Module, onnx_file: str | Path, batch_size: int = 2, seed: int = 0) -> float:
+    """Largest |PyTorch - onnxruntime (CPU)| over both outputs on a random batch."""
+    import onnxruntime as ort
+
+    images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = net.eval()(images)
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    got = session.run(["locs", "logits"], {"images": images.numpy()})
+    return max(float((torch.from_numpy(g) - e).abs().max()) for g, e in zip(got, expected, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ssd_lightning.predict import load_detector
+
+    unknown = [a for a in (argv or []) if a.split("=", 1)[0].lstrip("+") not in DEFAULTS]
+    if unknown:
+        print(f"unknown argument(s) {unknown}; accepted keys: {sorted(DEFAULTS)}", file=sys.stderr)
+        return 2
+    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv or []))
+    detector = load_detector(
+        cfg.ckpt_path,
+        nvidia_checkpoint=cfg.nvidia_checkpoint,
+        run_config=cfg.run_config,
+        backbone=cfg.backbone,
+        num_classes=cfg.num_classes,
+    )
+    path = export_onnx(detector.net, cfg.output, opset=cfg.opset)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): images (N, 3, 300, 300) -> locs, logits")
+    print("classes:", ", ".join(detector.class_names[1:]))
+    if cfg.check:
+        print(f"onnxruntime vs PyTorch, batch 2: max |diff| = {max_difference(detector.net, path):.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,241 @@
+"""What a person looks at during training: detections drawn on validation images, and the curves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+from PIL import Image, ImageOps
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities import rank_zero_warn
+
+from ssd_lightning.visualize import draw_detections, plot_curves
+
+__all__ = ["PredictionPictures"]
+
+log = logging.getLogger(__name__)
+
+
+class PredictionPictures(Callback):
+    """After evaluations, draw detections on a few validation images; keep ``curves.png`` up to date.
+
+    Pictures: on rank 0, the first ``max_images`` validation images that rank 0 sees (the same ones every
+    time: validation order is fixed) are written to ``<output_dir>/predictions/epoch_<e>/<image_id>.jpg``
+    with predicted boxes (score >= ``score_thresh``, colour per class, "name score" tags) over the ground
+    truth (green). Images whose longer side is under ``min_display_size`` pixels are enlarged first so
+    lines and text stay readable.
+
+    Curves: ``<output_dir>/curves.png`` (training loss and LR over steps, validation mAP over epochs) is
+    redrawn from the run's ``CSVLogger`` file after each drawn evaluation and at the end of ``fit``; no
+    CSVLogger, no curves (said once).
+
+    Inputs (docs/architecture.md): ``validation_step`` returns ``{"detections": [per-image dict]}`` with
+    ``image_id``, ``boxes`` (k, 4) ltrb in original-image pixels, ``scores``, ``labels`` (1..K). The original
+    JPEGs are read from ``image_dir`` (default ``trainer.datamodule.val_images``), file names and ground truth
+    from ``annotation_file`` (default ``trainer.datamodule.val_annotation_file``), class names from
+    ``trainer.datamodule.category_map.names``. Pictures are a convenience: a problem drawing them (missing
+    file, unknown image id) is warned about and never stops training.
+
+    Args:
+        output_dir: run directory; default ``trainer.default_root_dir``.
+        max_images: images drawn per evaluation.
+        every_n_evals: draw after every n-th evaluation of ``fit`` (the last epoch's is always drawn);
+            ``trainer.validate`` always draws.
+        score_thresh: minimum score of a drawn prediction.
+        min_display_size: enlarge smaller images to this longer side (0: keep the original size).
+        curves: write ``curves.png``.
+        image_dir, annotation_file, category_map: override what is read from the datamodule.
+    """
+
+    def __init__(
+        self,
+        *,
+        output_dir: str | os.PathLike | None = None,
+        max_images: int = 8,
+        every_n_evals: int = 1,
+        score_thresh: float = 0.3,
+        min_display_size: int = 480,
+        curves: bool = True,
+        image_dir: str | os.PathLike | None = None,
+        annotation_file: str | os.PathLike | None = None,
+        category_map: Any = None,
+    ) -> None:
+        super().__init__()
+        if max_images < 0:
+            raise ValueError(f"max_images must be >= 0, got {max_images}")
+        if every_n_evals < 1:
+            raise ValueError(f"every_n_evals must be >= 1, got {every_n_evals}")
+        if min_display_size < 0:
+            raise ValueError(f"min_display_size must be >= 0, got {min_display_size}")
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.max_images = max_images
+        self.every_n_evals = every_n_evals
+        self.score_thresh = score_thresh
+        self.min_display_size = min_display_size
+        self.curves = curves
+        self.image_dir = image_dir
+        self.annotation_file = annotation_file
+        self.category_map = category_map
+        self._evals = 0
+        self._active = False
+        self._collected: list[dict[str, Any]] = []
+        self._annotations: tuple[Path, dict[int, dict], dict[int, list[dict]]] | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ helpers
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"PredictionPictures: {message}")
+
+    def _out_dir(self, trainer: pl.Trainer) -> Path:
+        return self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir)
+
+    def _drawing_this_eval(self, trainer: pl.Trainer) -> bool:
+        if trainer.state.fn != "fit":
+            return True
+        last_epoch = trainer.max_epochs is not None and trainer.current_epoch >= trainer.max_epochs - 1
+        return last_epoch or trainer.should_stop or (self._evals + 1) % self.every_n_evals == 0
+
+    def _load_annotations(self, path: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+        if self._annotations is None or self._annotations[0] != path:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            images = {int(img["id"]): img for img in data.get("images", [])}
+            anns: dict[int, list[dict]] = {}
+            for ann in data.get("annotations", []):
+                anns.setdefault(int(ann["image_id"]), []).append(ann)
+            self._annotations = (path, images, anns)
+        return self._annotations[1], self._annotations[2]
+
+    # ------------------------------------------------------------------ hooks
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._collected = []
+        self._active = (
+            trainer.is_global_zero
+            and not trainer.sanity_checking
+            and self.max_images > 0
+            and self._drawing_this_eval(trainer)
+        )
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if not self._active or len(self._collected) >= self.max_images:
+            return
+        if not isinstance(outputs, Mapping) or "detections" not in outputs:
+            self._warn_once("outputs", "validation_step did not return {'detections': [...]}; no pictures")
+            self._active = False
+            return
+        for det in outputs["detections"][: self.max_images - len(self._collected)]:
+            self._collected.append(
+                {
+                    "image_id": int(det["image_id"]),
+                    "boxes": det["boxes"].detach().float().cpu(),
+                    "scores": det["scores"].detach().float().cpu(),
+                    "labels": det["labels"].detach().cpu(),
+                }
+            )
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        drawn_now = self._drawing_this_eval(trainer)
+        if trainer.state.fn == "fit":
+            self._evals += 1
+        if not trainer.is_global_zero:
+            return
+        if self._collected:
+            try:
+                self._write_pictures(trainer)
+            except Exception as e:  # a picture must never end a training run
+                self._warn_once(f"pictures:{type(e).__name__}", f"could not draw pictures: {e}")
+        self._collected = []
+        if drawn_now and trainer.state.fn == "fit":
+            self._write_curves(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._write_curves(trainer)
+
+    # ------------------------------------------------------------------ writers
+    def _write_pictures(self, trainer: pl.Trainer) -> None:
+        dm = trainer.datamodule
+        image_dir = self.image_dir if self.image_dir is not None else getattr(dm, "val_images", None)
+        ann_file = (
+            self.annotation_file
+            if self.annotation_file is not None
+            else getattr(dm, "val_annotation_file", None)
+        )
+        cmap = self.category_map if self.category_map is not None else getattr(dm, "category_map", None)
+        if image_dir is None or ann_file is None:
+            self._warn_once(
+                "inputs",
+                "needs the validation image folder and annotation file: a datamodule with `val_images` and "
+                "`val_annotation_file`, or image_dir= and annotation_file=; no pictures",
+            )
+            return
+        images, anns = self._load_annotations(Path(ann_file))
+        names = list(cmap.names) if cmap is not None else None
+        folder = self._out_dir(trainer) / "predictions" / f"epoch_{trainer.current_epoch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for det in self._collected:
+            info = images.get(det["image_id"])
+            if info is None:
+                self._warn_once("id", f"image id {det['image_id']} is not in {ann_file}; skipped")
+                continue
+            path = Path(image_dir) / info["file_name"]
+            with Image.open(path) as img:
+                original = ImageOps.exif_transpose(img).convert("RGB")
+            gt = [a for a in anns.get(det["image_id"], []) if "bbox" in a]
+            gt_boxes = [[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in gt)]
+            gt_labels = None
+            if cmap is not None and gt:
+                gt_labels = cmap.category_id_to_label(np.asarray([int(a["category_id"]) for a in gt]))
+            longer = max(original.size)
+            scale = self.min_display_size / longer if 0 < longer < self.min_display_size else 1.0
+            picture = draw_detections(
+                original,
+                det["boxes"],
+                det["labels"],
+                det["scores"],
+                class_names=names,
+                gt_boxes=gt_boxes,
+                gt_labels=gt_labels,
+                score_thresh=self.score_thresh,
+                scale=scale,
+            )
+            # 4:4:4 chroma: thin coloured lines stay crisp
+            picture.save(folder / f"{det['image_id']}.jpg", quality=92, subsampling=0)
+        log.info("PredictionPictures: wrote %d pictures to %s", len(self._collected), folder)
+
+    def _write_curves(self, trainer: pl.Trainer) -> None:
+        if not self.curves:
+            return
+        csv_loggers = [lg for lg in trainer.loggers if isinstance(lg, CSVLogger)]
+        if not csv_loggers:
+            self._warn_once("csv", "curves.png needs a CSVLogger (logger=default or csv); no curves")
+            return
+        csv_logger = csv_loggers[0]
+        try:
+            csv_logger.save()  # flush what is buffered so the curves include the latest values
+            metrics_file = Path(csv_logger.experiment.metrics_file_path)
+            if not metrics_file.is_file():
+                return
+            title = f"{Path(self._out_dir(trainer)).name}: epoch {trainer.current_epoch}"
+            plot_curves({"run": metrics_file}, self._out_dir(trainer) / "curves.png", title=title)
+        except Exception as e:  # never end a training run over a plot
+            self._warn_once(f"curves:{type(e).__name__}", f"could not draw curves.png: {e}")

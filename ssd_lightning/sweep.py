@@ -1,0 +1,239 @@
+"""``summary.csv`` and ``summary.md`` of a Hydra multirun: one row per job, its overrides and final metrics.
+
+Registered in ``configs/hydra/default.yaml`` under ``hydra.callbacks``, so every ``python train.py -m ...``
+ends with a table in the sweep directory (``multirun/<date>/<time>/summary.{csv,md}``)::
+
+    | job | overrides              | status    | val/mAP | train/loss_epoch |
+    |   0 | model.optimizer.lr=1e-3 | COMPLETED |  0.1234 |           3.2100 |
+
+How it works, so that any launcher (in-process, joblib, SLURM) gives the same table:
+
+- ``on_job_end`` runs where the job ran. It writes ``<job dir>/.hydra/job_summary.json``: the job number,
+  its overrides, its status (and error), the value ``train.py`` returned (the ``optimized_metric``) and the
+  last logged value of every selected metric, read from the job's CSV log (``csv/metrics.csv``). Then it
+  refreshes the sweep's summary, so a sweep that stops at a failed job still leaves a table of what ran.
+- ``on_multirun_end`` (on the submitting machine) collects every ``job_summary.json`` under the sweep
+  directory and writes the final ``summary.csv`` and ``summary.md``.
+
+This module imports only the standard library and OmegaConf: Hydra instantiates callbacks in every run.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+__all__ = ["SweepSummary", "read_last_metrics", "collect_jobs", "write_summary"]
+
+RECORD_NAME = "job_summary.json"
+
+
+def read_last_metrics(metrics_csv: str | Path, patterns: Iterable[str] = ("*",)) -> dict[str, float]:
+    """Last non-empty value of every column of a Lightning ``CSVLogger`` file whose name matches a pattern.
+
+    Columns ``epoch`` and ``step`` are bookkeeping and never returned. Patterns are ``fnmatch`` style
+    (``"val/*"``). A missing file gives ``{}`` (the job may have logged elsewhere, or failed early).
+    """
+    path = Path(metrics_csv)
+    if not path.is_file():
+        return {}
+    patterns = tuple(patterns)
+    last: dict[str, float] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key in (None, "epoch", "step") or value in (None, ""):
+                    continue
+                if not any(fnmatch.fnmatchcase(key, p) for p in patterns):
+                    continue
+                try:
+                    last[key] = float(value)
+                except ValueError:
+                    continue
+    return last
+
+
+def _to_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def collect_jobs(sweep_dir: str | Path) -> list[dict]:
+    """Every job record (``job_summary.json``) under ``sweep_dir``, sorted by job number."""
+    records = []
+    for path in Path(sweep_dir).rglob(RECORD_NAME):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # being written by a concurrent job; the next refresh picks it up
+    return sorted(records, key=lambda r: (r.get("num", -1), r.get("output_dir", "")))
+
+
+def _varying_overrides(jobs: Sequence[dict]) -> tuple[list[list[str]], list[str]]:
+    """Per job, the overrides that not every job shares; and the shared ones (all of them for one job)."""
+    lists = [list(job.get("overrides") or []) for job in jobs]
+    if len(lists) < 2:
+        return lists, []
+    common = set(lists[0]).intersection(*map(set, lists[1:]))
+    return [[o for o in overrides if o not in common] for overrides in lists], [
+        o for o in lists[0] if o in common
+    ]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+TABLE_METRICS = (
+    "val/mAP",
+    "val/mAP_50",
+    "val/mAP_best",
+    "val/acc1",
+    "val/acc5",
+    "val/acc1_best",
+    "train/loss_epoch",
+)
+
+
+def write_summary(
+    sweep_dir: str | Path,
+    jobs: Sequence[dict] | None = None,
+    table_metrics: Iterable[str] = TABLE_METRICS,
+) -> tuple[Path, Path]:
+    """Write ``summary.csv`` (every metric, full precision) and ``summary.md`` (readable) in ``sweep_dir``.
+
+    CSV columns: ``job``, ``overrides`` (the ones that vary across jobs, space-separated), ``status``, every
+    metric any job reported (sorted, the returned ``optimized_metric`` first), ``output_dir``. The markdown
+    table has the returned metric and those matching ``table_metrics`` (``fnmatch`` patterns), 4 significant
+    digits, and lists the overrides shared by all jobs and the errors of failed jobs. ``jobs`` defaults to
+    :func:`collect_jobs` of ``sweep_dir``. Returns the two paths.
+    """
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    jobs = collect_jobs(sweep_dir) if jobs is None else list(jobs)
+    varying, common = _varying_overrides(jobs)
+    optimized = [j["optimized_metric"] for j in jobs if j.get("optimized_metric")]
+    first = optimized[0] if optimized else None
+    names = sorted({k for j in jobs for k in (j.get("metrics") or {})})
+    if first in names:
+        names = [first] + [n for n in names if n != first]
+
+    header = ["job", "overrides", "status", *names, "output_dir"]
+    rows = []
+    for job, overrides in zip(jobs, varying, strict=True):
+        metrics = job.get("metrics") or {}
+        rows.append(
+            [job.get("num"), " ".join(overrides), job.get("status"), *[metrics.get(n) for n in names]]
+            + [job.get("output_dir")]
+        )
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    writer.writerows([["" if v is None else v for v in row] for row in rows])
+    csv_path = sweep_dir / "summary.csv"
+    _atomic_write(csv_path, buffer.getvalue())
+
+    lines = [f"# Sweep summary: {sweep_dir}", ""]
+    if common:
+        lines += ["Shared overrides: " + " ".join(f"`{o}`" for o in common), ""]
+    patterns = tuple(table_metrics)
+    shown = [i for i, n in enumerate(names) if n == first or any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    md_header = ["job", "overrides", "status", *[names[i] for i in shown]]
+    lines.append("| " + " | ".join(md_header) + " |")
+    lines.append("|" + "|".join("---:" if i == 0 or i >= 3 else "---" for i in range(len(md_header))) + "|")
+    for row in rows:
+        overrides = f"`{row[1]}`" if row[1] else ""
+        cells = [_fmt(row[0]), overrides, _fmt(row[2]), *[_fmt(row[3 + i]) for i in shown]]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [j for j in jobs if j.get("status") != JobStatus.COMPLETED.name]
+    for job in failed:
+        lines += ["", f"Job {job.get('num')} {job.get('status')}: {job.get('error') or ''}".rstrip()]
+    md_path = sweep_dir / "summary.md"
+    _atomic_write(md_path, "\n".join(lines) + "\n")
+    return csv_path, md_path
+
+
+class SweepSummary(Callback):
+    """Hydra callback writing ``summary.csv``/``summary.md`` in the sweep directory of a multirun.
+
+    Args:
+        metrics: ``fnmatch`` patterns of the logged metrics to report (the returned ``optimized_metric``
+            is always reported).
+        metrics_file: the job's CSV log, relative to its output directory (``configs/logger``'s CSVLogger).
+        table_metrics: ``fnmatch`` patterns of the metrics shown in ``summary.md`` (the CSV has all).
+    """
+
+    def __init__(
+        self,
+        metrics: Sequence[str] = ("val/*", "train/*_epoch"),
+        metrics_file: str = "csv/metrics.csv",
+        table_metrics: Sequence[str] = TABLE_METRICS,
+    ) -> None:
+        self.metrics = tuple(metrics)
+        self.metrics_file = metrics_file
+        self.table_metrics = tuple(table_metrics)
+
+    @staticmethod
+    def _is_multirun(config: DictConfig) -> bool:
+        return config.hydra.get("mode") == RunMode.MULTIRUN
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not self._is_multirun(config):
+            return
+        hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else config.hydra
+        output_dir = Path(hydra_cfg.runtime.output_dir)
+        metrics = read_last_metrics(output_dir / self.metrics_file, self.metrics)
+        optimized = config.get("optimized_metric")
+        error = None
+        if job_return.status == JobStatus.COMPLETED:
+            returned = _to_float(job_return.return_value)
+            if optimized and returned is not None:
+                metrics[optimized] = returned  # what train() returned is the reference value
+        else:
+            exc = job_return._return_value  # the property re-raises for failed jobs
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        record = {
+            "num": int(hydra_cfg.job.num),
+            "overrides": list(job_return.overrides or []),
+            "status": job_return.status.name,
+            "error": error,
+            "optimized_metric": optimized,
+            "metrics": metrics,
+            "output_dir": str(output_dir),
+        }
+        subdir = hydra_cfg.get("output_subdir")
+        record_dir = output_dir / subdir if subdir else output_dir
+        record_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(record_dir / RECORD_NAME, json.dumps(record, indent=2) + "\n")
+        write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            write_summary(sweep_dir, table_metrics=self.table_metrics)

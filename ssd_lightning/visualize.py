@@ -1,0 +1,323 @@
+"""Pictures a person looks at: detections drawn on images, and a run's training curves.
+
+* :func:`draw_detections` draws boxes (ltrb, in pixels of the given image) with class names and scores
+  on a copy of a PIL image; ground truth, when given, is drawn underneath in :data:`GT_COLOUR`.
+* :func:`read_metrics_csv` / :func:`plot_curves` read the ``metrics.csv`` that Lightning's ``CSVLogger``
+  writes and draw training loss and learning rate over steps and the validation metric over epochs,
+  one line per run. Drawing uses matplotlib's object API (no pyplot, no GUI backend), so it is safe in
+  training processes and on machines without a display.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+__all__ = [
+    "GT_COLOUR",
+    "PALETTE",
+    "class_colour",
+    "draw_detections",
+    "read_metrics_csv",
+    "plot_curves",
+]
+
+# Prediction colours by class label (label k uses PALETTE[(k - 1) % len(PALETTE)]); saturated colours
+# that stay readable on photos. Ground truth uses GT_COLOUR, which is not in the palette.
+PALETTE: tuple[tuple[int, int, int], ...] = (
+    (255, 56, 56),
+    (255, 157, 0),
+    (0, 140, 255),
+    (255, 0, 200),
+    (255, 230, 0),
+    (0, 230, 230),
+    (160, 80, 255),
+    (255, 120, 160),
+    (120, 70, 0),
+    (0, 0, 200),
+)
+GT_COLOUR: tuple[int, int, int] = (0, 255, 0)
+
+
+def class_colour(label: int) -> tuple[int, int, int]:
+    """RGB colour of contiguous label ``label`` (1..K) for predicted boxes."""
+    return PALETTE[(int(label) - 1) % len(PALETTE)]
+
+
+@lru_cache(maxsize=16)
+def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.load_default(size=size)  # scalable font when Pillow has FreeType
+    except (TypeError, OSError, ImportError):
+        return ImageFont.load_default()
+
+
+def _as_array(values, shape_tail: tuple[int, ...], name: str, dtype=np.float64) -> np.ndarray:
+    if values is None:
+        return np.zeros((0, *shape_tail), dtype=dtype)
+    if hasattr(values, "detach"):  # torch tensor, on any device
+        values = values.detach().float().cpu().numpy()
+    arr = np.asarray(values, dtype=dtype)
+    if arr.size == 0:
+        return arr.reshape(0, *shape_tail)
+    if arr.shape[1:] != shape_tail:
+        raise ValueError(
+            f"{name} must have shape (k{''.join(f', {s}' for s in shape_tail)}), got {arr.shape}"
+        )
+    return arr
+
+
+def _label_text(label: int, class_names: Sequence[str] | None, score: float | None) -> str:
+    name = class_names[label] if class_names is not None and 0 <= label < len(class_names) else str(label)
+    return name if score is None else f"{name} {score:.2f}"
+
+
+def _text_colour(fill: tuple[int, int, int]) -> tuple[int, int, int]:
+    luminance = 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2]
+    return (0, 0, 0) if luminance > 140 else (255, 255, 255)
+
+
+def draw_detections(
+    image: Image.Image,
+    boxes=None,
+    labels=None,
+    scores=None,
+    *,
+    class_names: Sequence[str] | None = None,
+    gt_boxes=None,
+    gt_labels=None,
+    score_thresh: float = 0.0,
+    scale: float = 1.0,
+    line_width: int | None = None,
+    show_labels: bool = True,
+) -> Image.Image:
+    """Draw predicted (and ground-truth) boxes on a copy of ``image``.
+
+    Args:
+        image: the original image (any mode; converted to RGB).
+        boxes: (k, 4) float ltrb in pixels of ``image`` (tensor, array or list), or None.
+        labels: (k,) contiguous class labels (1..K) of ``boxes``; they pick the colour (:func:`class_colour`)
+            and the name ``class_names[label]``.
+        scores: (k,) confidences, shown after the name; boxes with ``score < score_thresh`` are left out.
+        class_names: name of label ``k`` at index ``k`` (index 0 = background, as ``CategoryMap.names``).
+        gt_boxes: (m, 4) ground-truth ltrb boxes in pixels, drawn first in :data:`GT_COLOUR`.
+        gt_labels: (m,) their labels (names written at the bottom-left corner, inside the box).
+        score_thresh: minimum score of a drawn prediction.
+        scale: resize factor applied to the image (bilinear) and the boxes before drawing, so that small
+            images get readable lines and text; 1.0 keeps the pixels of ``image`` unchanged off the boxes.
+        line_width: box outline width in output pixels; default ``max(2, round(side / 250))``.
+        show_labels: write names/scores in a filled tag at the top-left corner of each box.
+
+    Returns:
+        a new RGB image of size ``round(scale * size)``. Predictions are drawn in ascending score order
+        so the most confident box ends on top. A rectangle outline covers ``line_width`` pixels inward
+        from its ltrb coordinates (rounded to the nearest pixel).
+    """
+    if scale <= 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    out = image.convert("RGB")
+    if scale != 1.0:
+        out = out.resize(
+            (max(1, round(out.width * scale)), max(1, round(out.height * scale))), Image.BILINEAR
+        )
+    else:
+        out = out.copy()
+    boxes_a = _as_array(boxes, (4,), "boxes") * scale
+    labels_a = _as_array(labels, (), "labels", np.int64)
+    scores_a = None if scores is None else _as_array(scores, (), "scores")
+    if len(labels_a) != len(boxes_a) or (scores_a is not None and len(scores_a) != len(boxes_a)):
+        raise ValueError(
+            f"boxes, labels and scores need the same length, got {len(boxes_a)}, {len(labels_a)}"
+            f"{'' if scores_a is None else f' and {len(scores_a)}'}"
+        )
+    gt_a = _as_array(gt_boxes, (4,), "gt_boxes") * scale
+    gt_labels_a = None if gt_labels is None else _as_array(gt_labels, (), "gt_labels", np.int64)
+
+    width = line_width or max(2, round(max(out.size) / 250))
+    font_size = max(10, round(max(out.size) / 40))
+    font = _font(font_size)
+    draw = ImageDraw.Draw(out)
+
+    def rect(box: np.ndarray, colour: tuple[int, int, int]) -> tuple[int, int, int, int] | None:
+        if not np.all(np.isfinite(box)):
+            return None
+        left, t, r, b = (round(float(v)) for v in box)
+        if r < left or b < t:
+            return None
+        draw.rectangle((left, t, r, b), outline=colour, width=width)
+        return left, t, r, b
+
+    def tag(text: str, x: int, y: int, colour: tuple[int, int, int], above: bool) -> None:
+        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+        tw, th = right - left + 4, bottom - top + 4
+        y0 = y - th if above and y - th >= 0 else y
+        draw.rectangle((x, y0, x + tw - 1, y0 + th - 1), fill=colour)
+        draw.text((x + 2 - left, y0 + 2 - top), text, fill=_text_colour(colour), font=font)
+
+    for i, box in enumerate(gt_a):
+        drawn = rect(box, GT_COLOUR)
+        if drawn and show_labels and gt_labels_a is not None:
+            text = _label_text(int(gt_labels_a[i]), class_names, None)
+            th = draw.textbbox((0, 0), text, font=font)
+            tag(text, drawn[0], drawn[3] - (th[3] - th[1] + 4) + 1, GT_COLOUR, above=False)
+
+    order = np.argsort(scores_a, kind="stable") if scores_a is not None else np.arange(len(boxes_a))
+    for i in order:
+        score = None if scores_a is None else float(scores_a[i])
+        if score is not None and score < score_thresh:
+            continue
+        colour = class_colour(int(labels_a[i]))
+        drawn = rect(boxes_a[i], colour)
+        if drawn and show_labels:
+            tag(_label_text(int(labels_a[i]), class_names, score), drawn[0], drawn[1], colour, above=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- curves
+def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
+    """Rows of a Lightning ``CSVLogger`` ``metrics.csv`` as dicts of floats (empty cells left out).
+
+    Raises:
+        FileNotFoundError: no such file (the message says where CSVLogger writes it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no metrics file at {path}; CSVLogger writes <run dir>/csv/metrics.csv (logger=default or csv)"
+        )
+    rows = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for key, value in raw.items():
+                if key is None or value in (None, ""):
+                    continue
+                try:
+                    row[key] = float(value)
+                except ValueError:
+                    continue
+            rows.append(row)
+    return rows
+
+
+def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [(r[x], r[key]) for r in rows if key in r and x in r and math.isfinite(r[key])]
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    xs, ys = np.asarray(pairs, dtype=np.float64).T
+    order = np.argsort(xs, kind="stable")
+    return xs[order], ys[order]
+
+
+def _first_key(
+    rows: Sequence[Mapping[str, float]], candidates: Sequence[str], prefix: str = ""
+) -> str | None:
+    keys = set().union(*rows) if rows else set()
+    for key in candidates:
+        if key in keys:
+            return key
+    if prefix:
+        matching = sorted(k for k in keys if k.startswith(prefix))
+        return matching[0] if matching else None
+    return None
+
+
+def _smooth(ys: np.ndarray, window: int) -> np.ndarray:
+    if len(ys) < 3 * window or window < 2:
+        return ys
+    kernel = np.ones(window) / window
+    padded = np.concatenate([np.full(window - 1, ys[0]), ys])
+    return np.convolve(padded, kernel, mode="valid")
+
+
+def plot_curves(
+    runs: Mapping[str, Sequence[Mapping[str, float]] | str | os.PathLike],
+    output: str | os.PathLike,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Draw training loss and LR over steps and the validation metric over epochs; one line per run.
+
+    Args:
+        runs: label -> rows (from :func:`read_metrics_csv`) or the path of a ``metrics.csv``.
+        output: PNG file to write (parent folders are created).
+        title: figure title.
+
+    Columns used: loss ``train/loss_step`` (else ``train/loss``), learning rate ``lr`` (else the first
+    ``lr-*`` column of ``LearningRateMonitor``), validation ``val/mAP`` (else the first ``val/*`` column),
+    x axes ``step`` and ``epoch`` (0-based, as logged). A panel without data says so.
+
+    Returns:
+        the path written.
+    """
+    from matplotlib.figure import Figure  # imported here: matplotlib is only needed for curves
+
+    loaded = {
+        label: read_metrics_csv(rows) if isinstance(rows, (str, os.PathLike)) else list(rows)
+        for label, rows in runs.items()
+    }
+    fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    ax_loss, ax_lr, ax_val = fig.subplots(1, 3)
+    colours = [f"C{i % 10}" for i in range(len(loaded))]
+    single = len(loaded) == 1
+    val_names: set[str] = set()
+    has = {"loss": False, "lr": False, "val": False}
+    for (label, rows), colour in zip(loaded.items(), colours, strict=True):
+        key = _first_key(rows, ["train/loss_step", "train/loss"])
+        if key:
+            xs, ys = _series(rows, key, "step")
+            if len(xs):
+                has["loss"] = True
+                window = max(1, len(ys) // 50)
+                smooth = _smooth(ys, window)
+                if smooth is not ys:
+                    ax_loss.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
+                ax_loss.plot(xs, smooth, color=colour, linewidth=1.5, label=label)
+        key = _first_key(rows, ["lr"], prefix="lr-")
+        if key:
+            xs, ys = _series(rows, key, "step")
+            if len(xs):
+                has["lr"] = True
+                ax_lr.plot(xs, ys, color=colour, linewidth=1.5, label=label)
+        key = _first_key(rows, ["val/mAP"], prefix="val/")
+        if key:
+            xs, ys = _series(rows, key, "epoch")
+            if len(xs):
+                has["val"] = True
+                val_names.add(key)
+                ax_val.plot(xs, ys, color=colour, marker="o", linewidth=1.5, label=f"{label} {key}")
+                if single and key == "val/mAP":
+                    xs50, ys50 = _series(rows, "val/mAP_50", "epoch")
+                    if len(xs50):
+                        ax_val.plot(xs50, ys50, color=colour, marker="s", linestyle="--", label="val/mAP_50")
+    val_title = next(iter(val_names)) if len(val_names) == 1 else "validation metric"
+    for ax, what, name, xlabel in (
+        (ax_loss, "loss", "training loss", "step"),
+        (ax_lr, "lr", "learning rate", "step"),
+        (ax_val, "val", val_title, "epoch (0-based)"),
+    ):
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        if not has[what]:
+            ax.text(
+                0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="grey"
+            )
+        elif not single or ax is ax_val:
+            ax.legend(fontsize=8)
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if title:
+        fig.suptitle(title)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp.png")
+    fig.savefig(tmp)
+    os.replace(tmp, output)
+    return output

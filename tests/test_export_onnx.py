@@ -1,0 +1,89 @@
+"""ONNX export: onnxruntime gives PyTorch's outputs at any batch size, and the same decoded detections."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.util import module_from_spec, spec_from_file_location
+
+import numpy as np
+import pytest
+import torch
+
+from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
+from tests.conftest import REPO_ROOT
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+
+def _script():
+    spec = spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    torch.manual_seed(0)
+    net = ssd300(backbone="resnet18", num_classes=5).eval()
+    path = _script().export_onnx(net, tmp_path_factory.mktemp("onnx") / "model.onnx")
+    return net, path
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_onnxruntime_matches_pytorch_and_decodes_the_same(exported, batch_size):
+    net, path = exported
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["images"]
+    assert [o.name for o in session.get_outputs()] == ["locs", "logits"]
+    images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(batch_size))
+    with torch.no_grad():
+        locs, logits = net(images)
+    ort_locs, ort_logits = session.run(["locs", "logits"], {"images": images.numpy()})
+    assert ort_locs.shape == (batch_size, 4, 8732) and ort_logits.shape == (batch_size, 5, 8732)
+    assert np.abs(ort_locs - locs.numpy()).max() <= 1e-4
+    assert np.abs(ort_logits - logits.numpy()).max() <= 1e-4
+    coder = BoxCoder(dboxes300_coco())
+    ours = coder.decode(locs, logits, max_detections=50)
+    theirs = coder.decode(torch.from_numpy(ort_locs), torch.from_numpy(ort_logits), max_detections=50)
+    for a, b in zip(ours, theirs, strict=True):
+        assert len(a["scores"]) > 0
+        assert torch.equal(a["labels"], b["labels"])
+        torch.testing.assert_close(a["boxes"], b["boxes"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(a["scores"], b["scores"], atol=1e-5, rtol=0)
+
+
+def test_cli_exports_a_run_checkpoint(tmp_path):
+    """export_onnx.py with a Lightning checkpoint next to its run config (the layout train.py writes)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from tests.conftest import compose_config
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    cfg = compose_config(["experiment=demo", "model.net.backbone=resnet18", f"data.root={tmp_path / 'none'}"])
+    with open_dict(cfg):
+        del cfg["hydra"]
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    net = ssd300(backbone="resnet18", num_classes=5)
+    torch.save(
+        {"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}},
+        run / "checkpoints" / "last.ckpt",
+    )
+    result = subprocess.run(
+        [sys.executable, "scripts/export_onnx.py", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+         f"output={tmp_path / 'm.onnx'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "m.onnx").is_file()
+    assert "class_1, class_2, class_3, class_4" in result.stdout  # no annotation file: class_<k>
+    diff = float(result.stdout.split("max |diff| = ")[1].split()[0])
+    assert diff <= 1e-4
+    bad = subprocess.run(
+        [sys.executable, "scripts/export_onnx.py", "ckpt=x"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "ckpt_path" in bad.stderr

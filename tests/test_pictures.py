@@ -1,0 +1,260 @@
+"""Pictures: boxes drawn where they belong, the callback's files in a real Trainer run, plot_run's PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+from pytorch_lightning.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from ssd_lightning.callbacks.pictures import PredictionPictures
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.visualize import GT_COLOUR, class_colour, draw_detections, plot_curves, read_metrics_csv
+from tests.conftest import REPO_ROOT
+
+
+def _val(shapes_coco: Path) -> tuple[dict, Path]:
+    ann_file = shapes_coco / "annotations" / "instances_val2017.json"
+    return json.loads(ann_file.read_text()), ann_file
+
+
+def _image_with_objects(data: dict, min_objects: int = 1) -> tuple[dict, list[dict]]:
+    for img in data["images"]:
+        anns = [a for a in data["annotations"] if a["image_id"] == img["id"]]
+        if len(anns) >= min_objects:
+            return img, anns
+    raise AssertionError("no image with objects in the generated set")
+
+
+def test_draw_detections_changes_exactly_the_box_outlines(shapes_coco):
+    data, _ = _val(shapes_coco)
+    info, _ = _image_with_objects(data)
+    original = Image.open(shapes_coco / "val2017" / info["file_name"]).convert("RGB")
+    w, h = original.size
+    boxes = np.array([[10.0, 12.0, w * 0.6, h * 0.7], [w * 0.3, h * 0.4, w - 5.0, h - 8.0]])
+    drawn = draw_detections(original, boxes, [1, 2], [0.9, 0.5], show_labels=False, line_width=3)
+    a, b = np.asarray(original), np.asarray(drawn)
+    assert b.shape == a.shape
+    changed = np.any(a != b, axis=-1)
+    # the only pixels allowed to change: the 3-px-wide inner bands of the two rectangles
+    band = np.zeros((h, w), dtype=bool)
+    for x0, t, r, bt in np.round(boxes).astype(int):
+        band[t : bt + 1, x0 : x0 + 3] = band[t : bt + 1, r - 2 : r + 1] = True
+        band[t : t + 3, x0 : r + 1] = band[bt - 2 : bt + 1, x0 : r + 1] = True
+    assert not (changed & ~band).any(), "pixels off the box outlines changed"
+    # on an edge the pixel has the class colour; the higher score (label 1) is drawn last, so on top
+    x0, t, r, bt = np.round(boxes[0]).astype(int)
+    assert tuple(b[(t + bt) // 2, x0]) == class_colour(1)
+    assert tuple(b[t + 1, (x0 + r) // 2 - 20]) == class_colour(1)
+    l2, t2, r2, b2 = np.round(boxes[1]).astype(int)
+    assert tuple(b[(t2 + b2) // 2, r2]) == class_colour(2)
+    # inside a box, away from every outline, nothing changed
+    assert tuple(b[t + 10, x0 + 10]) == tuple(a[t + 10, x0 + 10])
+
+
+def test_draw_detections_threshold_ground_truth_labels_and_scale():
+    image = Image.new("RGB", (100, 80), (40, 40, 40))
+    kept = draw_detections(image, [[20, 20, 60, 60]], [1], [0.29], score_thresh=0.3)
+    assert np.array_equal(np.asarray(kept), np.asarray(image)), "a box under score_thresh was drawn"
+    gt = draw_detections(image, gt_boxes=[[10, 10, 50, 50]], gt_labels=[1], class_names=["bg", "a"])
+    assert tuple(np.asarray(gt)[30, 10]) == GT_COLOUR
+    big = draw_detections(image, [[20, 20, 60, 60]], [3], [0.8], scale=4.0, class_names=["bg", "a", "b", "c"])
+    assert big.size == (400, 320)
+    arr = np.asarray(big)
+    assert tuple(arr[200, 80]) == class_colour(3)  # left edge at 20 * 4 = 80
+    # the "c 0.80" tag sits above the box's top-left corner, filled with the class colour
+    tag = arr[70:80, 80:100].reshape(-1, 3)
+    assert (tag == class_colour(3)).all(axis=1).mean() > 0.6
+    assert (arr[60:80, 140:200] == 40).all()  # the tag is short: nothing further right
+    with pytest.raises(ValueError, match="same length"):
+        draw_detections(image, [[0, 0, 1, 1]], [1, 2])
+    with pytest.raises(ValueError, match="shape"):
+        draw_detections(image, [[0, 0, 1]], [1])
+
+
+# ------------------------------------------------------------------------------------------ callback
+class _ValImages(pl.LightningDataModule):
+    """The generated val set as batches of image ids, with the metadata the callback reads."""
+
+    def __init__(self, root: Path, image_ids: list[int]) -> None:
+        super().__init__()
+        self.val_images = root / "val2017"
+        self.val_annotation_file = root / "annotations" / "instances_val2017.json"
+        self.category_map = CategoryMap.from_coco(self.val_annotation_file)
+        self.image_ids = image_ids
+
+    def train_dataloader(self):
+        return DataLoader([{"x": torch.randn(4)} for _ in range(4)], batch_size=2)
+
+    def val_dataloader(self):
+        return DataLoader([{"image_ids": i} for i in self.image_ids], batch_size=2)
+
+
+class _StubDetector(pl.LightningModule):
+    """Emits known detections: each ground-truth box (score 0.9) and one low-score box (0.1)."""
+
+    def __init__(self, detections: dict[int, dict]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.detections = detections
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch["x"]).pow(2).mean()
+        self.log("train/loss", loss, on_step=True, on_epoch=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/mAP", 0.1 * (self.current_epoch + 1), on_epoch=True)
+        return {"detections": [self.detections[int(i)] for i in batch["image_ids"]]}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_callback_writes_pictures_and_curves_in_a_trainer_run(shapes_coco, tmp_path):
+    data, _ = _val(shapes_coco)
+    dm_probe = CategoryMap.from_coco(data)
+    ids = [img["id"] for img in data["images"]][:5]
+    detections = {}
+    for image_id in ids:
+        anns = [a for a in data["annotations"] if a["image_id"] == image_id]
+        boxes = [[x + 3, y + 3, x + w - 3, y + h - 3] for x, y, w, h in (a["bbox"] for a in anns)]
+        boxes.append([2.0, 2.0, 40.0, 40.0])
+        labels = [int(dm_probe.category_id_to_label(a["category_id"])) for a in anns] + [1]
+        detections[image_id] = {
+            "image_id": image_id,
+            "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+            "scores": torch.tensor([0.9] * len(anns) + [0.1]),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+        }
+    callback = PredictionPictures(output_dir=tmp_path, max_images=3, min_display_size=0)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(_StubDetector(detections), datamodule=_ValImages(shapes_coco, ids))
+
+    for epoch in (0, 1):
+        written = sorted(p.name for p in (tmp_path / "predictions" / f"epoch_{epoch}").iterdir())
+        assert written == sorted(f"{i}.jpg" for i in ids[:3]), written  # max_images, first ones seen
+    assert not (tmp_path / "predictions" / "epoch_-1").exists()  # sanity check draws nothing
+
+    by_id = {img["id"]: img for img in data["images"]}
+    checked = 0
+    for image_id in ids[:3]:
+        original = np.asarray(
+            Image.open(shapes_coco / "val2017" / by_id[image_id]["file_name"]).convert("RGB")
+        )
+        picture = np.asarray(Image.open(tmp_path / "predictions" / "epoch_1" / f"{image_id}.jpg"))
+        assert picture.shape == original.shape  # min_display_size=0: original size
+        det = detections[image_id]
+        for box, label, score in zip(det["boxes"], det["labels"], det["scores"], strict=True):
+            x0, t, r, b = (round(float(v)) for v in box)
+            y = (t + b) // 2
+            if score < 0.3 or b - t < 12:
+                continue
+            # JPEG (q92, 4:4:4): the middle of the 2-px left edge keeps the class colour within a few levels
+            diff = np.abs(picture[y, x0].astype(int) - np.array(class_colour(int(label))))
+            assert diff.max() <= 40, (image_id, tuple(picture[y, x0]), class_colour(int(label)))
+            checked += 1
+        # the 0.1 box (left edge at x=2) is not drawn: compare with the original away from other boxes
+        assert np.abs(picture[30, 2].astype(int) - original[30, 2].astype(int)).max() <= 40 or any(
+            float(bx[0]) - 4 <= 2 <= float(bx[2]) + 4 for bx in det["boxes"][:-1]
+        )
+    assert checked >= 1
+
+    curves = tmp_path / "curves.png"
+    assert curves.is_file() and Image.open(curves).size[0] > 500
+    rows = read_metrics_csv(tmp_path / "csv" / "metrics.csv")
+    assert any("train/loss_step" in r for r in rows) and any("val/mAP" in r for r in rows)
+
+
+def test_callback_arguments_are_checked():
+    with pytest.raises(ValueError, match="every_n_evals"):
+        PredictionPictures(every_n_evals=0)
+    with pytest.raises(ValueError, match="max_images"):
+        PredictionPictures(max_images=-1)
+
+
+# ------------------------------------------------------------------------------------------ curves
+_CSV = """epoch,lr,step,train/loss_epoch,train/loss_step,val/mAP,val/mAP_50
+0,0.001,0,,5.0,,
+0,0.002,1,,4.0,,
+0,,1,,,0.10,0.30
+0,,1,4.5,,,
+1,0.003,2,,3.0,,
+1,0.004,3,,2.5,,
+1,,3,,,0.20,0.45
+"""
+
+
+def test_read_metrics_csv_skips_empty_cells(tmp_path):
+    (tmp_path / "metrics.csv").write_text(_CSV)
+    rows = read_metrics_csv(tmp_path / "metrics.csv")
+    assert len(rows) == 7
+    assert rows[0] == {"epoch": 0.0, "lr": 0.001, "step": 0.0, "train/loss_step": 5.0}
+    assert rows[6] == {"epoch": 1.0, "step": 3.0, "val/mAP": 0.2, "val/mAP_50": 0.45}
+    with pytest.raises(FileNotFoundError, match="csv/metrics.csv"):
+        read_metrics_csv(tmp_path / "missing.csv")
+
+
+def test_plot_curves_draws_one_line_per_run(tmp_path):
+    (tmp_path / "metrics.csv").write_text(_CSV)
+    out = plot_curves(
+        {"a": tmp_path / "metrics.csv", "b": read_metrics_csv(tmp_path / "metrics.csv")[:3]},
+        tmp_path / "x" / "curves.png",
+    )
+    img = np.asarray(Image.open(out).convert("RGB"))
+    assert img.shape[1] == 1500 and img.shape[0] == 420
+    # matplotlib's C0 (blue) and C1 (orange) lines are both there
+    assert (np.abs(img.astype(int) - (31, 119, 180)).max(axis=-1) < 10).sum() > 50
+    assert (np.abs(img.astype(int) - (255, 127, 14)).max(axis=-1) < 10).sum() > 50
+
+
+def test_plot_run_script_on_a_run_and_a_sweep(tmp_path):
+    run = tmp_path / "run"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text(_CSV)
+    sweep = tmp_path / "sweep"
+    for job, lr in ((0, "1e-3"), (1, "2e-3")):
+        (sweep / str(job) / "csv").mkdir(parents=True)
+        (sweep / str(job) / "csv" / "metrics.csv").write_text(_CSV)
+        (sweep / str(job) / ".hydra").mkdir()
+        (sweep / str(job) / ".hydra" / "overrides.yaml").write_text(
+            f"- experiment=demo\n- model.optimizer.lr={lr}\n"
+        )
+    result = subprocess.run(
+        [sys.executable, "scripts/plot_run.py", str(run), str(sweep)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    for d in (run, sweep):
+        png = Image.open(d / "curves.png")
+        assert png.format == "PNG" and png.size == (1500, 420)
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("plot_run", REPO_ROOT / "scripts" / "plot_run.py")
+    plot_run = module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    assert list(plot_run.find_runs(sweep)) == ["0: model.optimizer.lr=1e-3", "1: model.optimizer.lr=2e-3"]
+    with pytest.raises(FileNotFoundError, match="no csv/metrics.csv"):
+        plot_run.find_runs(tmp_path / "run" / "csv")

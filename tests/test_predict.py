@@ -1,0 +1,175 @@
+"""predict.py: a fake run directory (config + random resnet18 weights), images of any size, a corrupt file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf, open_dict
+from PIL import Image
+
+from ssd_lightning.models import ssd300
+from ssd_lightning.modules.ssd import SSDLitModule
+from ssd_lightning.predict import (
+    COCO_CATEGORY_IDS,
+    COCO_CLASS_NAMES,
+    collect_inputs,
+    load_detector,
+    open_image,
+    predict_images,
+    preprocess,
+)
+from tests.conftest import REPO_ROOT, compose_config
+
+SHAPE_NAMES = {"rectangle", "ellipse", "triangle", "star"}
+DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 30}
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory, shapes_coco) -> tuple[Path, torch.nn.Module]:
+    """<run>/.hydra/config.yaml as train.py saves it (unresolved) + <run>/checkpoints/last.ckpt."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = compose_config(["experiment=demo", "model.net.backbone=resnet18", f"data.root={shapes_coco}"])
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "hydra.yaml").write_text(
+        OmegaConf.to_yaml({"hydra": {"runtime": {"cwd": str(REPO_ROOT), "output_dir": str(run)}}})
+    )
+    with open_dict(cfg):
+        del cfg["hydra"]
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))  # keeps ${paths...} unresolved
+    torch.manual_seed(0)
+    net = ssd300(backbone="resnet18", num_classes=5).eval()
+    (run / "checkpoints").mkdir()
+    checkpoint = {
+        "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()},
+        "hyper_parameters": {"decoder": DECODER},
+    }
+    torch.save(checkpoint, run / "checkpoints" / "last.ckpt")
+    return run, net
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (360, 640, 3), dtype=np.uint8)).save(folder / "wide.png")
+    Image.fromarray(rng.integers(0, 255, (300, 200, 3), dtype=np.uint8)).save(folder / "tall.jpg")
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
+    (folder / "notes.txt").write_text("not an image, ignored")
+    return folder
+
+
+def test_preprocess_is_resize_and_imagenet_normalisation():
+    mean = (round(0.485 * 255), round(0.456 * 255), round(0.406 * 255))
+    flat = preprocess(Image.new("RGB", (123, 45), mean))
+    assert flat.shape == (3, 300, 300) and flat.dtype == torch.float32
+    assert flat.abs().max() < 0.01  # the mean colour maps to ~0 (rounding of the mean only)
+    white = preprocess(Image.new("L", (10, 700), 255))  # grey input is converted to RGB
+    expected = torch.tensor([(255 - 0.485 * 255) / (0.229 * 255), (255 - 0.456 * 255) / (0.224 * 255),
+                             (255 - 0.406 * 255) / (0.225 * 255)])  # fmt: skip
+    torch.testing.assert_close(white[:, 150, 150], expected)
+
+
+def test_load_detector_rebuilds_the_run_network(fake_run):
+    run, net = fake_run
+    detector = load_detector(run / "checkpoints" / "last.ckpt")
+    assert detector.class_names[0] == "background" and set(detector.class_names[1:]) == SHAPE_NAMES
+    for key, value in net.state_dict().items():
+        assert torch.equal(detector.net.state_dict()[key], value), key
+    assert detector.decoder == DECODER  # from the checkpoint's hyper_parameters
+    assert not detector.net.training
+
+
+def test_predict_folder_skips_corrupt_file_and_matches_the_lightning_module(fake_run, images, tmp_path):
+    run, net = fake_run
+    detector = load_detector(run / "checkpoints" / "last.ckpt")
+    inputs = collect_inputs(images)
+    assert [p.name for p in inputs] == ["broken.jpg", "tall.jpg", "wide.png"]  # sorted, no .txt
+    results, failures = predict_images(detector, inputs, tmp_path, batch_size=2)
+    assert [p.name for p, _ in failures] == ["broken.jpg"]
+    assert sorted(p.name for p in tmp_path.glob("*.jpg")) == ["tall.jpg", "wide.jpg"]
+    saved = json.loads((tmp_path / "predictions.json").read_text())
+    assert saved == json.loads(json.dumps(results))
+    sizes = {"tall.jpg": (200, 300), "wide.png": (640, 360)}
+    per_file: dict[str, list] = {}
+    for entry in saved:
+        per_file.setdefault(Path(entry["file_name"]).name, []).append(entry)
+    assert set(per_file) == set(sizes)
+    for name, entries in per_file.items():
+        w, h = sizes[name]
+        assert len(entries) <= DECODER["max_detections"]
+        assert {e["image_id"] for e in entries} == {[p.name for p in inputs].index(name)}
+        for e in entries:
+            x, y, bw, bh = e["bbox"]
+            assert 0 <= x <= x + bw <= w + 0.01 and 0 <= y <= y + bh <= h + 0.01, (name, e["bbox"])
+            assert e["category_name"] in SHAPE_NAMES and e["score"] > DECODER["score_thresh"]
+    # the picture keeps the original size
+    assert Image.open(tmp_path / "wide.jpg").size == (640, 360)
+
+    # equality: SSDLitModule's validation decode on the same preprocessed tensor
+    module = SSDLitModule(net, optimizer=partial(torch.optim.SGD, lr=0.1), decoder=DECODER).eval()
+    image = open_image(images / "wide.png")
+    x = preprocess(image)[None]
+    batch = {"images": x, "image_ids": torch.tensor([7]), "image_sizes": torch.tensor([[360, 640]])}
+    with torch.no_grad():
+        expected = module._detect(batch)[0]
+    got = detector.detect(x, [(360, 640)])[0]
+    for key in ("boxes", "scores", "labels"):
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
+    assert len(expected["scores"]) > 0
+    clipped = expected["boxes"].clone()
+    clipped[:, 0::2] = clipped[:, 0::2].clamp(0, 640)
+    clipped[:, 1::2] = clipped[:, 1::2].clamp(0, 360)
+    json_boxes = torch.tensor([e["bbox"] for e in per_file["wide.png"]], dtype=torch.float32)
+    torch.testing.assert_close(json_boxes[:, :2], clipped[:, :2], atol=0.006, rtol=0)
+    torch.testing.assert_close(json_boxes[:, 2:], clipped[:, 2:] - clipped[:, :2], atol=0.012, rtol=0)
+
+
+def test_loading_errors_say_what_to_do(fake_run, tmp_path):
+    run, _ = fake_run
+    with pytest.raises(ValueError, match="exactly one"):
+        load_detector()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_detector(tmp_path / "missing.ckpt")
+    lone = tmp_path / "last.ckpt"
+    lone.write_bytes((run / "checkpoints" / "last.ckpt").read_bytes())
+    with pytest.raises(FileNotFoundError, match="run_config"):
+        load_detector(lone)
+    detector = load_detector(lone, run_config=run / ".hydra" / "config.yaml")
+    assert detector.net.num_classes == 5
+    with pytest.raises(FileNotFoundError, match="no image files"):
+        collect_inputs(tmp_path / "nothing_*.jpg")
+
+
+def test_coco_names_and_ids_line_up():
+    assert len(COCO_CLASS_NAMES) == 81 and len(COCO_CATEGORY_IDS) == 80
+    assert COCO_CLASS_NAMES[1] == "person" and COCO_CLASS_NAMES[80] == "toothbrush"
+    assert COCO_CATEGORY_IDS[-1] == 90 and len(set(COCO_CATEGORY_IDS)) == 80
+    named = dict(zip(COCO_CATEGORY_IDS, COCO_CLASS_NAMES[1:], strict=True))
+    assert named[13] == "stop sign" and named[44] == "bottle" and named[67] == "dining table"
+    assert named[70] == "toilet" and named[84] == "book"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "predict.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_cli_reports_corrupt_files_and_fails_only_when_nothing_worked(fake_run, images, tmp_path):
+    run, _ = fake_run
+    ckpt = f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
+    result = _cli(ckpt, f"input={images}", f"output={tmp_path / 'out'}", "batch_size=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "broken.jpg" in result.stdout + result.stderr
+    assert (tmp_path / "out" / "predictions.json").is_file() and (tmp_path / "out" / "wide.jpg").is_file()
+    assert not (tmp_path / "out" / ".hydra").exists()
+    result = _cli(ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
+    assert result.returncode != 0
+    assert "broken.jpg" in result.stdout + result.stderr

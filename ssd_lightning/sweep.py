@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-__all__ = ["SweepSummary", "read_last_metrics", "collect_jobs", "write_summary"]
+__all__ = ["SweepSummary", "read_last_metrics", "collect_jobs", "write_summary", "launcher_rank"]
 
 RECORD_NAME = "job_summary.json"
 
@@ -71,6 +71,19 @@ def _to_float(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (``RANK``, ``SLURM_PROCID``, ``LOCAL_RANK``); 0 if unset.
+
+    Lightning's DDP launcher re-invokes ``train.py`` (with all its arguments) for ranks 1..G-1; under a
+    multirun those children run the sweep too, so only rank 0 may write the summary.
+    """
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def collect_jobs(sweep_dir: str | Path) -> list[dict]:
@@ -204,7 +217,7 @@ class SweepSummary(Callback):
         return config.hydra.get("mode") == RunMode.MULTIRUN
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not self._is_multirun(config):
+        if not self._is_multirun(config) or launcher_rank() != 0:
             return
         hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else config.hydra
         output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -234,6 +247,8 @@ class SweepSummary(Callback):
         write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if launcher_rank() != 0:
+            return
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
             write_summary(sweep_dir, table_metrics=self.table_metrics)

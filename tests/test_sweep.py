@@ -77,7 +77,7 @@ hydra:
 _ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HYDRA_FULL_ERROR": "1"}
 
 
-def _toy_sweep(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _toy_sweep(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
     sweep_dir = tmp_path / "sweep"
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "cfg.yaml").write_text(TOY_CFG.format(sweep_dir=sweep_dir))
@@ -88,7 +88,7 @@ def _toy_sweep(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess,
         capture_output=True,
         text=True,
         timeout=120,
-        env=_ENV,
+        env={**_ENV, **env},
     )
     return result, sweep_dir
 
@@ -136,6 +136,15 @@ def test_one_job_multirun_has_a_summary_and_a_plain_run_none(tmp_path):
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.csv").exists()
     assert not (tmp_path / "run" / ".hydra" / "job_summary.json").exists()
+
+
+def test_ddp_child_processes_write_no_summary(tmp_path):
+    # Lightning's DDP launcher re-runs train.py (and so the sweep) in ranks 1.. with LOCAL_RANK set
+    result, sweep_dir = _toy_sweep(tmp_path, "lr=0.2,0.3", LOCAL_RANK="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (sweep_dir / "0" / "csv" / "metrics.csv").is_file()
+    assert not (sweep_dir / "summary.csv").exists()
+    assert not list(sweep_dir.rglob("job_summary.json"))
 
 
 @pytest.mark.parametrize(

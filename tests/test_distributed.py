@@ -1,0 +1,186 @@
+"""Lightning DDP on CPU (gloo) through `train.py`, as the launch scripts run it: torchrun with 2 "nodes",
+Lightning's own 2-process launcher (the LR rule sees the world size), and a multirun with `ddp_spawn`.
+
+Each run is a subprocess with a timeout: a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+
+pytest.importorskip("nvidia.dali")
+
+pytestmark = [pytest.mark.slow, pytest.mark.dali]
+
+TIMEOUT_S = 110
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _first(rows: list[dict[str, str]], key: str) -> float:
+    return next(float(r[key]) for r in rows if r.get(key))
+
+
+def _communicate(procs: list[subprocess.Popen]) -> list[str]:
+    """Outputs of all processes; on a timeout kill every process group we started and fail."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"distributed run did not finish within {TIMEOUT_S} s (hang?)")
+    return outputs
+
+
+def _train_py(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, so a hang can be killed with all its ranks
+    )
+
+
+def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+    from ssd_lightning.evaluation import evaluate_coco
+
+    run_dir, port, batch = tmp_path / "run", _free_port(), 4
+    common = [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    train_args = [
+        "train.py",
+        "experiment=demo",
+        "debug=fast",
+        "trainer=ddp_cpu",
+        "trainer.devices=1",
+        "trainer.num_nodes=2",
+        "trainer.limit_train_batches=1.0",  # whole shards: the step count shows the sharding
+        "trainer.limit_val_batches=1.0",
+        f"data.root={shapes_coco}",
+        f"data.batch_size={batch}",
+        "data.eval_batch_size=4",
+        "logger=csv",
+        f"hydra.run.dir={run_dir}",
+    ]
+    procs = [_train_py(*common, "--node-rank", str(node), *train_args) for node in (0, 1)]
+    outputs = _communicate(procs)
+    for node, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"node {node}:\n{out[-4000:]}"
+        assert f"GLOBAL_RANK: {node}, MEMBER: {node + 1}/2" in out
+    assert "fit finished" in outputs[0] and "fit finished" not in outputs[1]  # rank 0 reports
+
+    # every rank ran one epoch over its own half: the steps of a 2-shard loader, not of the whole set
+    dm = CocoDALIDataModule(shapes_coco, batch_size=batch, device="cpu", num_threads=1)
+    dm.setup("fit")
+    per_shard = len(dm.make_loader("train", shard_id=0, num_shards=2))
+    assert per_shard == len(dm.make_loader("train", shard_id=1, num_shards=2))
+    assert per_shard < len(dm.make_loader("train", shard_id=0, num_shards=1))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]  # written once
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == per_shard
+
+    # validation: each rank decoded its shard, rank 0 evaluated the union: every val image, once
+    ann = shapes_coco / "annotations" / "instances_val2017.json"
+    val_ids = sorted(im["id"] for im in json.loads(ann.read_text())["images"])
+    detections = json.loads((run_dir / "detections_epoch_0.json").read_text())
+    assert sorted({d["image_id"] for d in detections}) == val_ids
+    logged = _first(_metrics(run_dir), "val/mAP")
+    assert evaluate_coco(ann, detections, verbose=False)["mAP"] == pytest.approx(logged, abs=1e-6)
+
+
+def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
+    base_lr, batch = 0.01, 4
+    proc = _train_py(
+        "train.py",
+        "experiment=demo",
+        "debug=fast",
+        "trainer=ddp_cpu",  # Lightning starts rank 1 itself, re-invoking train.py
+        "trainer.limit_val_batches=0",
+        f"data.root={shapes_coco}",
+        f"data.batch_size={batch}",
+        "logger=csv",
+        "model/optimizer=sgd",
+        f"model.optimizer.lr={base_lr}",
+        "model.lr_scaling.rule=linear",
+        "model.lr_scaling.reference_batch_size=32",
+        "model.scheduler.name=constant",
+        "model.scheduler.warmup_steps=0",
+        f"paths.log_dir={tmp_path}",  # no hydra.run.dir: the time-stamped run directory of rank 0
+    )
+    (out,) = _communicate([proc])
+    assert proc.returncode == 0, out[-4000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in out
+    # rank 1 was started with rank 0's run directory: one run directory, not one per rank
+    (run_dir,) = (tmp_path / "demo").iterdir()
+    rows = _metrics(run_dir)
+    expected = base_lr * 2 * batch / 32
+    assert _first(rows, "lr") == pytest.approx(expected, rel=1e-6)
+    assert _first(rows, "lr-SGD/other") == pytest.approx(expected, rel=1e-12)
+
+
+def test_multirun_with_ddp_spawn_runs_each_job_once(shapes_coco, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = _train_py(
+        "train.py",
+        "-m",
+        "experiment=demo",
+        "debug=fast",
+        "trainer=ddp_cpu",
+        "trainer.strategy=ddp_spawn",  # workers are spawned per job; `ddp` would re-run the sweep in rank 1
+        "trainer.limit_val_batches=0",
+        f"data.root={shapes_coco}",
+        "data.batch_size=4",
+        "logger=csv",
+        "model/optimizer=sgd",
+        "model.optimizer.lr=0.01,0.02",
+        "model.lr_scaling.rule=linear",
+        "model.scheduler.name=constant",
+        "model.scheduler.warmup_steps=0",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    (out,) = _communicate([proc])
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("Launching 2 jobs locally") == 1  # the sweep ran once, in the main process only
+    assert out.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 2  # one rank-1 worker per job
+    with open(sweep_dir / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["overrides"] for r in rows] == ["model.optimizer.lr=0.01", "model.optimizer.lr=0.02"]
+    for job, lr in enumerate([0.01, 0.02]):
+        assert _first(_metrics(sweep_dir / str(job)), "lr-SGD/other") == pytest.approx(lr * 2 * 4 / 32)

@@ -1,0 +1,66 @@
+"""Set-up files agree with each other: pyproject, Makefile, environment.yml, Dockerfile, README."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+MAKEFILE = (REPO_ROOT / "Makefile").read_text()
+
+
+def _torch_pins_in_makefile() -> set[str]:
+    line = re.search(r"^TORCH_PINS \?= (.+)$", MAKEFILE, re.M).group(1)
+    return set(line.split())
+
+
+def test_dali_extras_cover_the_three_cuda_lines():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for line in ("cuda110", "cuda120", "cuda130"):
+        (requirement,) = extras[line]
+        assert requirement.startswith(f"nvidia-dali-{line}")
+    assert "<=1.34.0" in extras["cuda110"][0]  # newer cuda110 wheels on PyPI are stubs
+
+
+def test_torch_pins_agree_with_the_dependency_ranges():
+    pins = _torch_pins_in_makefile()
+    assert pins == {"torch==2.14.1", "torchvision==0.29.1"}
+    deps = " ".join(PYPROJECT["project"]["dependencies"])
+    assert "torch>=2.4,<=2.14.1" in deps and "torchvision>=0.19,<=0.29.1" in deps
+
+
+def test_environment_yml_installs_the_same_package_and_pins():
+    env = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
+    (pip_block,) = [d for d in env["dependencies"] if isinstance(d, dict)]
+    pip = pip_block["pip"]
+    assert set(pip) >= _torch_pins_in_makefile()
+    (editable,) = [p for p in pip if p.startswith("-e .")]
+    extras = re.search(r"\[(.+)\]", editable).group(1).split(",")
+    assert set(extras) <= set(PYPROJECT["project"]["optional-dependencies"])
+    make_extras = re.search(r"^EXTRAS \?= (.+)$", MAKEFILE, re.M).group(1).split(",")
+    assert extras == make_extras
+
+
+def test_dockerfile_copies_what_exists():
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    sources = [src for line in re.findall(r"^COPY (.+) \S+$", text, re.M) for src in line.split()]
+    assert sources and all((REPO_ROOT / s).exists() for s in sources), sources
+    assert "pip install" in text and "-e ." in text
+
+
+def test_readme_starts_with_the_two_commands_and_make_has_them():
+    readme = (REPO_ROOT / "README.md").read_text()
+    first_block = readme.split("```")[1]
+    assert "make train" in first_block and "make test" in first_block
+    for target in ("train", "test", "lint"):
+        assert re.search(rf"^{target}:", MAKEFILE, re.M), target
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test\b", ci, re.M)

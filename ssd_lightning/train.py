@@ -16,6 +16,8 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
+
 log = logging.getLogger(__name__)
 
 TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference")
@@ -93,8 +95,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = dict(results[0]) if results else {}
     else:
-        from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
-
         metrics = run_benchmark_task(
             cfg.task,
             trainer=trainer,

@@ -79,3 +79,23 @@ def test_validate_task_reproduces_the_last_evaluation(demo_run, make_cfg, shapes
     validated = train(out)
     assert validated["val/mAP"] == pytest.approx(metrics["val/mAP"], abs=1e-6)
     assert validated["val/mAP_50"] == pytest.approx(metrics["val/mAP_50"], abs=1e-6)
+
+
+@pytest.mark.dali
+@pytest.mark.slow
+def test_mobilenetv2_demo_fits_on_generated_imagefolder(make_cfg, shapes_imagefolder, tmp_path):
+    cfg = make_cfg(
+        [
+            "experiment=mobilenetv2_demo",
+            f"data.root={shapes_imagefolder}",
+            "data.batch_size=8",
+            "data.eval_batch_size=7",
+            "trainer.max_epochs=2",
+            "logger=csv",
+        ]
+    )
+    metrics = train(cfg)
+    assert 0.0 <= metrics["val/acc1"] <= metrics["val/acc5"] == pytest.approx(1.0)  # top-5 of 4 classes
+    assert metrics["val/acc1_best"] >= metrics["val/acc1"]
+    assert _logged_epochs(tmp_path, "val/acc1") == [0, 1]  # classification validates every epoch
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()

@@ -159,7 +159,7 @@ def test_ddp_child_processes_write_no_summary(tmp_path):
     ],
 )
 def test_sweep_configs_compose_into_a_multirun_grid(sweep, experiment, params):
-    cfg = compose_config([f"experiment={experiment}", f"+sweep={sweep}"])
+    cfg = compose_config([f"experiment={experiment}", f"sweep={sweep}"])
     assert dict(cfg.hydra.sweeper.params) == params
     assert cfg.hydra.mode.name == "MULTIRUN"
     assert cfg.hydra.callbacks.sweep_summary._target_ == "ssd_lightning.sweep.SweepSummary"

@@ -82,6 +82,20 @@ def test_benchmark_task_runs_and_reports(experiment, task, mode, per_device, mak
         assert trainer.global_step == 0  # nothing trained
 
 
+@pytest.mark.parametrize("experiment", ["mobilenetv2_benchmark_training", "mobilenetv2_benchmark_inference"])
+def test_mobilenetv2_benchmarks_run(experiment, make_cfg, tmp_path):
+    tiny = ["trainer.accelerator=cpu", "precision=bf16", "model.net.width_mult=0.35", "data.image_size=64",
+            "data.batch_size=2", "data.eval_batch_size=3", "data.steps_per_epoch=10", "benchmark_warmup=1",
+            "benchmark_iterations=2"]  # fmt: skip
+    cfg = make_cfg([f"experiment={experiment}", *tiny])
+    trainer, model, datamodule = _objects(cfg)
+    task = cfg.task
+    stats = run_benchmark_task(task, trainer=trainer, model=model, datamodule=datamodule, output_dir=tmp_path)
+    assert stats["iterations"] == 2.0 and stats["images_per_second_median"] > 0
+    data = json.loads((tmp_path / RESULTS_FILENAME).read_text())
+    assert data["model"] == "ClassifierLitModule" and data["mode"] == task.removeprefix("benchmark_")
+
+
 def test_unknown_task_is_named(make_cfg, tmp_path):
     with pytest.raises(ValueError, match="task='fit' is not a benchmark task"):
         run_benchmark_task("fit", trainer=None, model=None, datamodule=None, output_dir=tmp_path)

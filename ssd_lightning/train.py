@@ -81,6 +81,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
+    if cfg.get("compile"):
+        model = torch.compile(model)  # Lightning unwraps it for checkpoints and hooks
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)

@@ -126,3 +126,13 @@ def test_sweep_table_lists_one_row_per_batch_size(tmp_path):
     assert len(rows) == 3
     with pytest.raises(FileNotFoundError, match="does not exist"):
         collect_results(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_through_train(make_cfg, tmp_path):
+    from ssd_lightning.train import train
+
+    cfg = make_cfg(["experiment=ssd300_benchmark_training", "compile=true", *TINY])
+    stats = train(cfg)
+    assert stats["iterations"] == 2.0 and stats["images_per_second_median"] > 0
+    assert json.loads((tmp_path / RESULTS_FILENAME).read_text())["compile"] is True

@@ -2,6 +2,7 @@
 #   docker build -t ssd_lightning .
 #   docker run --gpus all --ipc=host -v /data/coco:/coco ssd_lightning \
 #       python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+# COCO itself: scripts/download_coco.sh /data/coco on the host (or inside the image, into the mounted path).
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 
 WORKDIR /workspace/ssd_lightning
@@ -14,6 +15,6 @@ RUN pip install --no-cache-dir -e .
 
 COPY configs ./configs
 COPY scripts ./scripts
-COPY train.py ./
+COPY train.py predict.py ./
 
 CMD ["python", "train.py", "--help"]

@@ -24,15 +24,20 @@ $(STAMP): pyproject.toml Makefile
 train: setup  ## the main job: SSD demo on a generated shapes dataset (CPU is fine)
 	$(PY) train.py experiment=demo $(ARGS)
 
-lint: setup
+lint: setup  ## ruff; hadolint (Dockerfile) and shellcheck (shell scripts) come from the dev extra
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck scripts/*.sh scripts/slurm/*.sbatch .ci/run
 
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
 test: setup lint  ## what CI runs: lint + the test suite (GPU tests skip without CUDA)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: setup  ## every test, without lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup

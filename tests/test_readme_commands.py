@@ -1,0 +1,349 @@
+"""Every command README.md shows still works against the code, without running anything heavy.
+
+Commands come from the shell-tagged fenced blocks (```bash) and from inline code that starts with a
+command word (`python train.py ... --cfg job`, `make test-fast`, `pip install -e ".[cuda120]"`).
+
+* ``python train.py`` / ``python predict.py``: the overrides are composed by Hydra's compose API against
+  ``configs/`` (``--cfg job`` without a subprocess), so a renamed experiment, group or key fails here.
+  Multirun commands are expanded into their jobs, ready-made sweeps (``sweep=...``) included.
+* ``python scripts/<x>.py``: the script exists and ``--help`` works and lists the options used; the
+  ``key=value`` scripts (no ``--help``) have every key checked against their ``DEFAULTS``.
+* ``scripts/<x>.sh``: exists, is executable, parses (``bash -n``); the options used are in its ``--help``
+  where it has one.
+* ``make <target>``: the target exists; ``ARGS=...`` given to a target that runs ``train.py`` is composed.
+* ``sbatch``/``srun``/``torchrun``/``docker``: the files they name exist (``docker build .``: the
+  Dockerfile); a ``train.py`` among their arguments gets its overrides composed.
+* ``pip install -e ".[extras]"``: the extras exist in pyproject.toml.
+
+Anything else must be listed in ``NOT_CHECKED`` with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from tests.conftest import REPO_ROOT, compose_config
+
+README = REPO_ROOT / "README.md"
+SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
+# first words that make a line of inline code or of an untagged block a command
+COMMAND_WORDS = ("python", "make", "scripts/", "sbatch", "srun", "torchrun", "docker", "pip", "bash", "conda")
+# `key=value` scripts without --help: module attribute holding the accepted keys
+KEY_VALUE_SCRIPTS = {"scripts/export_onnx.py": "DEFAULTS"}
+# Commands that cannot be checked here (exact text as extracted), with the reason.
+NOT_CHECKED: dict[str, str] = {}
+PLACEHOLDER = re.compile(r"<[^<>\s]+>")  # <run>, <date>: the user fills them in
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str
+    line: int
+
+    @property
+    def id(self) -> str:
+        return f"L{self.line}:{self.text[:60]}"
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, int, str]]:
+    """(language, line number of the first content line, content) of each fenced block."""
+    blocks = []
+    for match in re.finditer(r"^```([\w+-]*)[^\n]*\n(.*?)^```", text, re.M | re.S):
+        blocks.append((match.group(1).lower(), text.count("\n", 0, match.start(2)) + 1, match.group(2)))
+    return blocks
+
+
+def _block_commands(content: str, first_line: int) -> list[Command]:
+    commands, pending, start = [], "", first_line
+    for offset, line in enumerate(content.splitlines()):
+        if not pending:
+            start = first_line + offset
+        line = line.strip()
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = (pending + line).strip()
+        pending = ""
+        if line and not line.startswith("#"):
+            commands.append(Command(line.removeprefix("$ "), start))
+    return commands
+
+
+def _inline_commands(text: str) -> list[Command]:
+    without_blocks = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.M | re.S)
+    commands = []
+    for match in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", without_blocks):
+        span = match.group(1).strip()
+        if span.startswith(tuple(w + " " for w in COMMAND_WORDS)) or re.match(r"scripts/\S+\.sh\b", span):
+            commands.append(Command(span, without_blocks.count("\n", 0, match.start()) + 1))
+    return commands
+
+
+def readme_commands() -> list[Command]:
+    text = README.read_text()
+    commands = []
+    for language, first_line, content in _fenced_blocks(text):
+        if language in SHELL_LANGUAGES:
+            commands += _block_commands(content, first_line)
+    return commands + _inline_commands(text)
+
+
+COMMANDS = readme_commands()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _tokens(command: str) -> list[str]:
+    """Shell words as the shell would pass them (quotes removed, comments dropped), placeholders filled."""
+    words = shlex.split(PLACEHOLDER.sub("PLACEHOLDER", command), comments=True)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # VAR=value command ...
+        words.pop(0)
+    return words
+
+
+def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a multirun: every combination of the comma/range sweeps among ``overrides``."""
+    choices = []
+    for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides), strict=True):
+        if parsed.is_sweep_override():
+            key = text.split("=", 1)[0]
+            choices.append([f"{key}={value}" for value in parsed.sweep_string_iterator()])
+        else:
+            choices.append([text])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def _check_hydra_app(args: list[str], config_name: str) -> str:
+    """Compose ``args`` (an entry point's command line) as Hydra would; return what was composed."""
+    multirun = False
+    overrides: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg in ("--cfg", "-c", "--package", "-p"):
+            next(rest)  # --cfg job|hydra|all, --package <pkg>: printing only
+        elif arg == "--resolve":
+            pass
+        elif arg.startswith("-"):
+            raise AssertionError(f"unknown flag {arg!r} for a Hydra app")
+        else:
+            assert "=" in arg or arg.startswith("~"), f"{arg!r} is not a Hydra override"
+            overrides.append(arg)
+    jobs = _sweep_combinations(overrides) if multirun else [overrides]
+    composed = 0
+    for job in jobs:
+        cfg = compose_config(job, config_name=config_name)
+        params = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+        if params and (multirun or cfg.hydra.mode == "MULTIRUN"):
+            # a ready-made sweep (sweep=...): its parameters must name keys of the composed config
+            swept = [
+                f"{key}={value}"
+                for key, value in params.items()
+                if not any(o.startswith(f"{key}=") for o in job)
+            ]
+            for sweep_job in _sweep_combinations(swept):
+                compose_config(job + sweep_job, config_name=config_name)
+                composed += 1
+        else:
+            composed += 1
+    return f"composed {composed} config(s) of configs/{config_name}.yaml"
+
+
+@functools.cache
+def _help_text(script: str) -> str:
+    result = subprocess.run(
+        [sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"{script} --help failed:\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+def _check_python_script(script: str, args: list[str]) -> str:
+    assert (REPO_ROOT / script).is_file(), f"{script} does not exist"
+    if script in KEY_VALUE_SCRIPTS:
+        spec = importlib.util.spec_from_file_location(Path(script).stem, REPO_ROOT / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        accepted = getattr(module, KEY_VALUE_SCRIPTS[script])
+        keys = [arg.split("=", 1)[0].lstrip("+") for arg in args]
+        assert all("=" in arg for arg in args) and set(keys) <= set(accepted), (keys, sorted(accepted))
+        return f"{script}: keys {keys} accepted"
+    help_text = _help_text(script)
+    options = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+    missing = [option for option in options if option not in help_text]
+    assert not missing, f"{script} --help does not list {missing}"
+    return f"{script} --help lists {options}"
+
+
+def _check_shell_script(path: str, args: list[str]) -> str:
+    file = REPO_ROOT / path
+    assert file.is_file(), f"{path} does not exist"
+    assert os.access(file, os.X_OK), f"{path} is not executable"
+    subprocess.run(["bash", "-n", str(file)], check=True)
+    if re.search(r"^\s*-h \| --help\)", file.read_text(), re.M):  # the script has --help: options in it
+        help_text = subprocess.run(
+            ["bash", str(file), "--help"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+        missing = [arg for arg in args if arg.startswith("--") and arg.split("=", 1)[0] not in help_text]
+        assert not missing, f"{path} --help does not list {missing}"
+    return f"{path} exists, is executable and parses"
+
+
+@functools.cache
+def _make_targets() -> dict[str, str]:
+    """target -> its recipe."""
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    targets = {}
+    for match in re.finditer(r"^([A-Za-z0-9_-]+):(?!=).*\n((?:\t.*\n?)*)", makefile, re.M):
+        targets[match.group(1)] = match.group(2)
+    return targets
+
+
+def _check_make(args: list[str]) -> str:
+    variables = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    targets = [arg for arg in args if "=" not in arg and not arg.startswith("-")] or ["setup"]
+    checked = []
+    for target in targets:
+        assert target in _make_targets(), f"no `{target}` target in the Makefile"
+        call = re.search(r"train\.py (.*)", _make_targets()[target])
+        if call:
+            words = call.group(1).replace("$(ARGS)", variables.get("ARGS", "")).split()
+            checked.append(_check_hydra_app(words, "train"))
+    return f"make targets {targets} exist; " + "; ".join(checked)
+
+
+def _check_launcher(words: list[str]) -> str:
+    """sbatch/srun/torchrun/docker: the repository files they name exist; train.py gets composed."""
+    checked = []
+    if words[:2] == ["docker", "build"]:
+        assert (REPO_ROOT / "Dockerfile").is_file()
+        checked.append("Dockerfile")
+    for i, word in enumerate(words[1:], start=1):
+        if word == "train.py" or word.endswith("/train.py"):
+            checked.append(_check_hydra_app(words[i + 1 :], "train"))
+            break
+        relative = not word.startswith(("/", "-", "~")) and "=" not in word and "PLACEHOLDER" not in word
+        if relative and ("/" in word or word.endswith((".py", ".sh", ".sbatch", ".yaml"))):
+            assert (REPO_ROOT / word).exists(), f"{word} does not exist"
+            if word.endswith((".sh", ".sbatch")):
+                subprocess.run(["bash", "-n", str(REPO_ROOT / word)], check=True)
+            checked.append(word)
+    assert checked, "nothing in this launcher command refers to the repository"
+    return f"checked {checked}"
+
+
+def _check_pip(words: list[str]) -> str:
+    tomllib = pytest.importorskip("tomllib")
+    extras_defined = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    editable = [w for w in words if re.fullmatch(r"\.(\[[\w,-]+\])?", w)]
+    assert words[:2] == ["pip", "install"] and editable, "only `pip install -e .[extras]` is understood"
+    extras = re.findall(r"[\w-]+", editable[0][1:])
+    assert set(extras) <= set(extras_defined), f"unknown extras {set(extras) - set(extras_defined)}"
+    return f"extras {extras} exist"
+
+
+def check_command(command: str) -> str:
+    """Check one README command; returns what was checked, raises AssertionError if it is broken."""
+    words = _tokens(command)
+    assert words, f"no command in {command!r}"
+    head = words[0]
+    if head in ("python", "python3"):
+        script, args = words[1], words[2:]
+        if script == "train.py":
+            return _check_hydra_app(args, "train")
+        if script == "predict.py":
+            _help_text("predict.py")
+            return _check_hydra_app(args, "predict")
+        return _check_python_script(script, args)
+    if head.startswith("scripts/") and head.endswith(".sh"):
+        return _check_shell_script(head, words[1:])
+    if head == "make":
+        return _check_make(words[1:])
+    if head in ("sbatch", "srun", "torchrun", "docker"):
+        return _check_launcher(words)
+    if head == "pip":
+        return _check_pip(words)
+    raise AssertionError(f"no check for {command!r}: add one here, or list it in NOT_CHECKED with a reason")
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_the_readme_has_the_commands_this_file_expects():
+    texts = [c.text for c in COMMANDS]
+    assert any(t.startswith("make train") for t in texts) and any(t.startswith("make test") for t in texts)
+    assert sum(t.startswith("python train.py") for t in texts) >= 5
+    assert any(t.startswith("python predict.py") for t in texts)
+    assert any(t.startswith("sbatch ") for t in texts)
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.text not in NOT_CHECKED], ids=lambda c: c.id)
+def test_readme_command(command: Command):
+    check_command(command.text)
+
+
+def test_not_checked_entries_are_still_in_the_readme():
+    stale = set(NOT_CHECKED) - {c.text for c in COMMANDS}
+    assert not stale, f"remove from NOT_CHECKED: {stale}"
+
+
+def test_untagged_blocks_hold_no_commands():
+    """A command in a block without a shell tag would escape this file: tag the block ```bash."""
+    for language, first_line, content in _fenced_blocks(README.read_text()):
+        if language in SHELL_LANGUAGES or language == "python":
+            continue
+        for offset, line in enumerate(content.splitlines()):
+            assert not line.strip().startswith(COMMAND_WORDS), f"README.md:{first_line + offset}: {line}"
+
+
+@pytest.mark.parametrize(
+    ("command", "error"),
+    [
+        ("python train.py experiment=ssd300_fp17_8gpu data.root=/coco", "experiment/ssd300_fp17_8gpu"),
+        ("python train.py experiment=demo data.rooot=/coco", "data.rooot"),
+        ("python train.py -m experiment=demo model.optimizer.lrr=1e-3,3e-3", "model.optimizer.lrr"),
+        ("python train.py -m experiment=demo sweep=no_such_sweep", "sweep/no_such_sweep"),
+        ("python train.py experiment=demo model.optimizer.lr=1e-3,3e-3", "Ambiguous value"),  # no -m
+        ("python train.py experiment=demo --no-such-flag", "unknown flag"),
+        ("python predict.py checkpoint=x.ckpt input=photos/", "override 'checkpoint'"),
+        ("python scripts/export_onnx.py checkpoint=x.ckpt", "checkpoint"),
+        ("python scripts/plot_run.py RUN --no-such-option", "does not list"),
+        ("python scripts/no_such_script.py --help", "does not exist"),
+        ("make no-such-target", "no `no-such-target` target"),
+        ('make train ARGS="trainer.max_epochs=1 trainer.no_such_key=2"', "trainer.no_such_key"),
+        ("sbatch scripts/slurm/no_such.sbatch", "does not exist"),
+        ("scripts/no_such.sh", "does not exist"),
+        ("scripts/download_coco.sh --no-such-option /coco", "does not list"),
+        ('pip install -e ".[cuda99]"', "cuda99"),
+        ("tensorboard --logdir outputs", "NOT_CHECKED"),  # a new kind of command needs a check
+    ],
+)
+def test_broken_commands_are_caught(command: str, error: str):
+    with pytest.raises(Exception, match=re.escape(error)):
+        check_command(command)
+
+
+def test_a_ready_made_sweep_is_expanded_into_its_jobs():
+    assert check_command("python train.py -m experiment=demo sweep=ssd300_lr_batch") == (
+        "composed 6 config(s) of configs/train.yaml"
+    )
+    assert check_command("python train.py -m experiment=demo model.optimizer.lr=1e-3,3e-3 seed=1,2,3") == (
+        "composed 6 config(s) of configs/train.yaml"
+    )
+
+
+def test_a_documented_download_command_would_be_checked():
+    assert check_command("scripts/download_coco.sh --parts val,annotations /coco").endswith("parses")

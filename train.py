@@ -8,14 +8,12 @@ python train.py experiment=ssd300_eval ckpt_path=outputs/.../last.ckpt
 import hydra
 from omegaconf import DictConfig
 
-from ssd_lightning.train import train
+from ssd_lightning.train import main as run
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
-    # returned value is what Hydra sweepers optimise
-    return metrics.get(cfg.get("optimized_metric") or "", None)
+    return run(cfg)
 
 
 if __name__ == "__main__":

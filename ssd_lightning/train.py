@@ -15,12 +15,15 @@ import hydra
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
+from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
+from ssd_lightning.checkpoint_io import AtomicCheckpointIO
+from ssd_lightning.config_checks import check_writable_dir, validate_config
+from ssd_lightning.errors import user_errors_as_messages
 
 log = logging.getLogger(__name__)
-
-TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference")
 
 
 def register_resolvers() -> None:
@@ -35,6 +38,10 @@ def _silence_known_harmless_warnings() -> None:
     # Lightning suggests more DataLoader workers; DALI iterators are no DataLoaders and run their own threads.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*The number of training batches \(\d+\) is smaller.*")
+    # validate_config says it once, in our words
+    warnings.filterwarnings("ignore", message=r".*AMP with fp16 is not supported on CPU.*")
+    # Lightning's own use of a torch API deprecated in 2.10+; nothing a user can act on
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
 
 def instantiate_group(group: DictConfig | None) -> list:
@@ -44,35 +51,12 @@ def instantiate_group(group: DictConfig | None) -> list:
     return [hydra.utils.instantiate(entry) for entry in group.values() if entry and "_target_" in entry]
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Cheap checks that name the key and the accepted values, before anything heavy starts."""
-    if cfg.task not in TASKS:
-        raise ValueError(f"task={cfg.task!r} is not one of {TASKS}")
-    epochs = list(cfg.get("eval_epochs") or [])
-    if any(e < 0 for e in epochs) or epochs != sorted(set(epochs)):
-        raise ValueError(f"eval_epochs must be increasing non-negative 0-based epochs, got {epochs}")
-    max_epochs = cfg.trainer.get("max_epochs")
-    if (
-        cfg.task == "fit"
-        and max_epochs is not None
-        and max_epochs > 0
-        and epochs
-        and epochs[-1] >= max_epochs
-    ):
-        raise ValueError(
-            f"eval_epochs={epochs} has epoch {epochs[-1]} but trainer.max_epochs={max_epochs} "
-            f"(epochs are 0-based, so the last one is {max_epochs - 1})"
-        )
-    if cfg.data.get("batch_size") is not None and cfg.data.batch_size <= 0:
-        raise ValueError(
-            f"data.batch_size must be a positive per-device batch size, got {cfg.data.batch_size}"
-        )
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats."""
     _silence_known_harmless_warnings()
-    validate_config(cfg)
+    for message in validate_config(cfg):
+        log.warning(message)
+    check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("matmul_precision"):
@@ -85,13 +69,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
         model = torch.compile(model)  # Lightning unwraps it for checkpoints and hooks
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer: pl.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+    )
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     started = time.perf_counter()
     if cfg.task == "fit":
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        try:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        except SIGTERMException:
+            raise SystemExit(_interrupted_exit_code(trainer)) from None
         metrics = dict(trainer.callback_metrics)
     elif cfg.task == "validate":
         results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -111,6 +100,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         _print_summary(cfg, trainer, metrics, elapsed)
     return metrics
+
+
+def _interrupted_exit_code(trainer: pl.Trainer) -> int:
+    """130 after Ctrl-C, 143 after SIGTERM (128 + signal number, as shells report it)."""
+    stopped_by = next((c.stopped_by for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
+    return 130 if stopped_by == "SIGINT" else 143
+
+
+def main(cfg: DictConfig) -> float | None:
+    """What ``python train.py`` runs: :func:`train`, with input errors printed as one clear message."""
+    with user_errors_as_messages():
+        metrics = train(cfg)
+    # the returned value is what Hydra sweepers optimise
+    return metrics.get(cfg.get("optimized_metric") or "", None)
 
 
 def _print_summary(cfg: DictConfig, trainer: pl.Trainer, metrics: dict[str, float], elapsed: float) -> None:

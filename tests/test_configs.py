@@ -66,7 +66,7 @@ def test_experiment_overrides_only_what_it_states(make_cfg):
 
 def test_save_switch_keeps_every_epoch(make_cfg):
     assert make_cfg(["save=true"]).callbacks.model_checkpoint.save_top_k == -1
-    assert make_cfg(["save=false"]).callbacks.model_checkpoint.save_top_k == 0
+    assert make_cfg(["save=false"]).callbacks.model_checkpoint.save_top_k == 1  # newest only
 
 
 @pytest.mark.parametrize(

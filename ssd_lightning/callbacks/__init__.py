@@ -1,8 +1,17 @@
-"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark, pictures."""
+"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark, pictures, interrupts, NaN guard."""
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
+from ssd_lightning.callbacks.nonfinite import NonFiniteGuard
 from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark
 
-__all__ = ["CocoMAPCallback", "EvalSchedule", "PredictionPictures", "ThroughputBenchmark"]
+__all__ = [
+    "CocoMAPCallback",
+    "EvalSchedule",
+    "InterruptCheckpoint",
+    "NonFiniteGuard",
+    "PredictionPictures",
+    "ThroughputBenchmark",
+]

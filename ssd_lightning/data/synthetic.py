@@ -22,17 +22,31 @@ _NUM_DISTINCT = 4  # distinct precomputed batches cycled through
 
 
 class _RepeatBatches:
-    """Iterable with a fixed ``len``; yields ``steps`` batches cycling through ``batches``."""
+    """Iterable with a fixed ``len``; yields ``steps`` batches cycling through ``batches``.
+
+    Resumable (Lightning's ``state_dict``/``load_state_dict`` loader protocol): a run resumed from a
+    mid-epoch checkpoint continues with the batch the interrupted run would have had next.
+    """
 
     def __init__(self, batches: list[dict[str, Tensor]], steps: int) -> None:
         self.batches, self.steps = batches, steps
+        self._yielded = 0  # batches handed out in the current epoch
+        self._resume_at = 0
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for i in range(self.steps):
+        start, self._resume_at = self._resume_at, 0
+        for i in range(start, self.steps):
+            self._yielded = i + 1
             yield self.batches[i % len(self.batches)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = int(state["yielded"]) % self.steps
 
 
 _IMAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -14,7 +14,12 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ssd_lightning.modules.common import check_num_classes, configure_recipe_optimizers, steps_per_epoch
+from ssd_lightning.modules.common import (
+    check_num_classes,
+    configure_recipe_optimizers,
+    restore_train_loader_state,
+    steps_per_epoch,
+)
 from ssd_lightning.modules.ema import ExponentialMovingAverage
 
 __all__ = ["ClassifierLitModule", "infer_num_classes"]
@@ -130,6 +135,9 @@ class ClassifierLitModule(pl.LightningModule):
         # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
         self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         self._sync_bn_done = True
+
+    def on_train_start(self) -> None:
+        restore_train_loader_state(self.trainer)
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, self.num_classes, "model.net.num_classes")

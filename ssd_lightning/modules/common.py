@@ -35,6 +35,21 @@ def steps_per_epoch(trainer: pl.Trainer) -> int:
     raise ValueError("the per-iteration LR schedule needs a training dataloader with a length")
 
 
+def restore_train_loader_state(trainer: pl.Trainer) -> None:
+    """Restore resumable training loaders to their mid-epoch position (call in ``on_train_start``).
+
+    Lightning restores loader states only when it first sets up the train dataloader after loading the
+    checkpoint; :func:`steps_per_epoch` (``estimated_stepping_batches``) sets it up earlier, during
+    ``configure_optimizers``, so the states would silently be dropped and a resumed epoch would restart its
+    data from the first batch.
+    """
+    fit_loop = trainer.fit_loop
+    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
+    if pending and fit_loop._combined_loader is not None:
+        fit_loop._combined_loader._load_state_dicts(pending)
+        fit_loop._combined_loader_states_to_load = []
+
+
 def total_epochs(trainer: pl.Trainer, epoch_steps: int) -> int:
     """Epochs the schedule spans: ``trainer.max_epochs``, or what ``trainer.max_steps`` amounts to."""
     if trainer.max_epochs is not None and trainer.max_epochs > 0:

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, load_nvidia_checkpoint
-from ssd_lightning.modules.common import check_num_classes, configure_recipe_optimizers
+from ssd_lightning.modules.common import (
+    check_num_classes,
+    configure_recipe_optimizers,
+    restore_train_loader_state,
+)
 
 DEFAULT_DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 200}
 
@@ -66,6 +70,9 @@ class SSDLitModule(pl.LightningModule):
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return self.net(images)
+
+    def on_train_start(self) -> None:
+        restore_train_loader_state(self.trainer)
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, getattr(self.net, "num_classes", None), "model.net.num_classes")

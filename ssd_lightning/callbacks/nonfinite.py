@@ -1,0 +1,125 @@
+"""Non-finite losses: counted on the device, read at the logging interval, fatal if they persist."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import pytorch_lightning as pl
+import torch
+
+from ssd_lightning.errors import NonFiniteLossError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NonFiniteGuard"]
+
+
+class NonFiniteGuard(pl.Callback):
+    """Stops a run that trains on NaN/inf, without a host-device sync per step.
+
+    Per step, on the device:
+
+    * gradients: if any is NaN/inf, all of them are zeroed before the optimizer step (so one bad batch
+      cannot turn the weights into NaN; momentum and weight decay still apply). With fp16 the GradScaler
+      skips such steps itself (its normal loss-scale search); they are counted the same way.
+    * loss: non-finite losses are counted, with the (epoch, batch) of the first one.
+
+    Every ``check_every_n_steps`` steps (default: the Trainer's ``log_every_n_steps``) and at each epoch end,
+    the counters are read once: ``train/nonfinite_losses`` and ``train/skipped_steps`` are logged, a warning
+    names the first bad (epoch, batch), and after ``patience`` consecutive non-finite losses the run stops
+    with :class:`NonFiniteLossError` on every rank (the decision is reduced across DDP ranks), before a
+    checkpoint of NaN weights is written.
+
+    Args:
+        patience: consecutive non-finite losses that end the run.
+        check_every_n_steps: how often the device counters are read; ``None`` = ``log_every_n_steps``.
+        zero_nonfinite_grads: zero all gradients of a step where any is non-finite.
+    """
+
+    def __init__(
+        self, patience: int = 10, check_every_n_steps: int | None = None, zero_nonfinite_grads: bool = True
+    ) -> None:
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be >= 1, got {check_every_n_steps}")
+        self.patience = patience
+        self.check_every_n_steps = check_every_n_steps
+        self.zero_nonfinite_grads = zero_nonfinite_grads
+        self._counters: torch.Tensor | None = None
+        self._reported_losses = 0
+
+    # device counters: consecutive bad losses, bad losses, skipped steps, index of the first bad batch
+    def _reset(self, device: torch.device) -> None:
+        self._counters = torch.tensor([0, 0, 0, -1], dtype=torch.long, device=device)
+        self._step_skipped = torch.zeros((), dtype=torch.bool, device=device)
+        self._reported_losses = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset(pl_module.device)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        bad = ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True))
+        self._step_skipped = bad
+        if self.zero_nonfinite_grads:
+            for grad in grads:
+                grad.masked_fill_(bad, 0.0)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if self._counters is None:
+            self._reset(pl_module.device)
+        c = self._counters
+        if isinstance(loss, torch.Tensor):
+            bad = ~torch.isfinite(loss.detach()).all().to(c.device)
+            c[0] = torch.where(bad, c[0] + 1, 0)
+            c[1] += bad.long()
+            # a Python int is a kernel argument, not a host-to-device copy
+            c[3] = torch.where((c[3] < 0) & bad, trainer.fit_loop.total_batch_idx, c[3])
+        c[2] += self._step_skipped.long().to(c.device)
+        self._step_skipped = torch.zeros_like(self._step_skipped)
+        every = self.check_every_n_steps or trainer.log_every_n_steps or 1
+        if (batch_idx + 1) % every == 0:
+            self._check(trainer, pl_module, log_metrics=True)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # runs before ModelCheckpoint's epoch-end save (Lightning orders checkpoint callbacks last)
+        if self._counters is not None:
+            self._check(trainer, pl_module, log_metrics=False)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log_metrics: bool) -> None:
+        consecutive, losses, skipped, first = self._counters.tolist()  # the one host sync
+        if log_metrics:
+            metrics = {"train/nonfinite_losses": float(losses), "train/skipped_steps": float(skipped)}
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        where = _batch_name(first, trainer.num_training_batches)
+        if losses > self._reported_losses:
+            log.warning(
+                f"non-finite loss on {losses - self._reported_losses} step(s) since the last check "
+                f"(first at {where}; {consecutive} in a row now)"
+            )
+            self._reported_losses = losses
+        stop = trainer.strategy.reduce_boolean_decision(consecutive >= self.patience, all=False)
+        if stop:
+            raise NonFiniteLossError(
+                f"the training loss was NaN/inf for {max(consecutive, self.patience)}+ consecutive steps "
+                f"(first at {where}; {losses} non-finite losses, {skipped} skipped "
+                f"steps in total). Stopped before saving NaN weights. Try a lower model.optimizer.lr or "
+                f"more model.scheduler.warmup_steps, precision=fp32, and check that batch's data; "
+                f"resume from an earlier checkpoint with ckpt_path=..."
+            )
+
+
+def _batch_name(index: int, batches_per_epoch: int | float) -> str:
+    """``"epoch E, batch B"`` of Lightning's 0-based batch index across epochs."""
+    if isinstance(batches_per_epoch, int) and batches_per_epoch > 0:
+        return f"epoch {index // batches_per_epoch}, batch {index % batches_per_epoch}"
+    return f"training batch {index}"

@@ -1,0 +1,161 @@
+"""``validate_config``: cheap checks of a composed config before anything heavy starts.
+
+Hydra already rejects unknown groups/options and misspelled keys (struct mode). This catches what Hydra
+cannot: wrong types and impossible values of the keys users override most, and hardware the config asks for
+but the machine does not have. Every problem names the key, the value and what is accepted; all problems are
+reported together in one :class:`~ssd_lightning.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ssd_lightning.errors import ConfigError, UserError
+
+__all__ = ["TASKS", "check_writable_dir", "validate_config"]
+
+TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference")
+_GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _select(cfg: DictConfig, key: str):
+    return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+
+
+class _Problems:
+    """Collects ``key=value: what is accepted`` lines."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.lines: list[str] = []
+
+    def check(self, key: str, ok: Callable[[object], bool], accepted: str) -> None:
+        """Add a problem when ``key`` is set and ``ok(value)`` is false (unset keys are not checked)."""
+        value = _select(self.cfg, key)
+        if value is not None and not ok(value):
+            self.add(key, value, accepted)
+
+    def add(self, key: str, value, accepted: str) -> None:
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        self.lines.append(f"{key}={value!r}: {accepted}")
+
+
+def _increasing_ints(value) -> bool:
+    items = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else None
+    return (
+        items is not None
+        and all(_is_int(v) and v >= 0 for v in items)
+        and all(a < b for a, b in zip(items, items[1:], strict=False))
+    )
+
+
+def _check_values(p: _Problems) -> None:
+    p.check("task", lambda v: v in TASKS, f"must be one of {', '.join(TASKS)}")
+    p.check("seed", _is_int, "must be an integer (or null for a random seed)")
+    p.check("trainer.max_epochs", lambda v: _is_int(v) and (v >= 1 or v == -1), "must be an integer >= 1")
+    for key in ("data.batch_size", "data.eval_batch_size"):
+        p.check(key, lambda v: _is_int(v) and v > 0, "must be a positive integer (images per device)")
+    p.check("data.num_threads", lambda v: _is_int(v) and v > 0, "must be a positive integer (DALI threads)")
+    p.check("model.optimizer.lr", lambda v: _is_number(v) and v > 0, "must be a positive number (base LR)")
+    p.check("model.optimizer.weight_decay", lambda v: _is_number(v) and v >= 0, "must be a number >= 0")
+    p.check("model.scheduler.warmup_steps", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    p.check("model.scheduler.gamma", lambda v: _is_number(v) and 0 < v <= 1, "must be in (0, 1]")
+    p.check("model.scheduler.milestones", _increasing_ints, "must be strictly increasing non-negative epochs")
+    p.check("model.net.num_classes", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2")
+    p.check("eval_epochs", _increasing_ints, "must be strictly increasing non-negative 0-based epochs")
+    if str(_select(p.cfg, "model.net._target_") or "").endswith("ssd300"):
+        from ssd_lightning.models.ssd300 import BACKBONES
+
+        p.check("model.net.backbone", lambda v: v in BACKBONES, f"must be one of {', '.join(BACKBONES)}")
+
+    epochs, max_epochs = _select(p.cfg, "eval_epochs"), _select(p.cfg, "trainer.max_epochs")
+    if (
+        p.cfg.get("task") == "fit"
+        and _increasing_ints(epochs)
+        and len(epochs)
+        and _is_int(max_epochs)
+        and max_epochs > 0
+        and epochs[-1] >= max_epochs
+    ):
+        p.add(
+            "eval_epochs",
+            epochs,
+            f"epoch {epochs[-1]} is past trainer.max_epochs={max_epochs} "
+            f"(epochs are 0-based, so the last one is {max_epochs - 1})",
+        )
+
+
+def _check_devices(p: _Problems, cuda_device_count: int) -> None:
+    accelerator = str(_select(p.cfg, "trainer.accelerator") or "auto")
+    devices = _select(p.cfg, "trainer.devices")
+    wants_gpu = accelerator in _GPU_ACCELERATORS
+    if wants_gpu and cuda_device_count == 0:
+        p.add("trainer.accelerator", accelerator, "this machine has no CUDA device; use trainer=cpu")
+    elif accelerator in ("auto", *_GPU_ACCELERATORS) and _is_int(devices) and devices > 1:
+        if cuda_device_count == 0:
+            p.add(
+                "trainer.devices",
+                devices,
+                "asks for that many GPUs but this machine has none; add trainer=cpu for one CPU process "
+                "(or trainer=ddp_cpu for 2 CPU processes)",
+            )
+        elif devices > cuda_device_count:
+            p.add("trainer.devices", devices, f"this machine has {cuda_device_count} CUDA devices")
+
+
+def validate_config(cfg: DictConfig, *, cuda_device_count: int | None = None) -> list[str]:
+    """Raise :class:`ConfigError` listing every problem; return warnings (strings) for odd but valid settings.
+
+    ``cuda_device_count`` defaults to ``torch.cuda.device_count()``.
+    """
+    if cuda_device_count is None:
+        cuda_device_count = torch.cuda.device_count()
+    problems = _Problems(cfg)
+    _check_values(problems)
+    _check_devices(problems, cuda_device_count)
+    if problems.lines:
+        count = len(problems.lines)
+        raise ConfigError(
+            f"{count} config problem{'s' if count > 1 else ''}:\n  "
+            + "\n  ".join(problems.lines)
+            + "\n(show the composed config with: python train.py <your overrides> --cfg job)"
+        )
+    warnings = []
+    accelerator = str(_select(cfg, "trainer.accelerator") or "auto")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and cuda_device_count == 0)
+    if on_cpu and str(_select(cfg, "trainer.precision")) in ("16-mixed", "16"):
+        warnings.append(
+            "precision=fp16 on a CPU runs as bf16-mixed (CPUs have no fp16 autocast); "
+            "use precision=bf16 to say so"
+        )
+    return warnings
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Create ``path`` and prove it takes a file, so a read-only or full output dir fails before training."""
+    directory = Path(path)
+    probe = directory / f".write_test_{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"{key}={path} is not writable ({e.strerror or e}); point {key} (or hydra.run.dir) at a "
+            "writable directory"
+        ) from e

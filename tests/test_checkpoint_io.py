@@ -1,0 +1,132 @@
+"""Checkpoints are written atomically: a failed or killed save never leaves a broken file under the name."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from ssd_lightning.checkpoint_io import AtomicCheckpointIO
+from ssd_lightning.errors import CheckpointWriteError
+from ssd_lightning.train import train
+from tests.conftest import REPO_ROOT, compose_config
+
+
+def _state(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((256, 256), value)}, "epoch": int(value)}
+
+
+def _half_then_fail(checkpoint, f):
+    """A writer that fills the disk half-way through the file."""
+    torch.save(checkpoint, f)
+    f.truncate(f.tell() // 2)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_round_trip(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(_state(1.0), tmp_path / "sub" / "last.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "sub" / "last.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], _state(1.0)["state_dict"]["w"])
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["last.ckpt"]
+
+
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint(_state(1.0), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(AtomicCheckpointIO, "_write", staticmethod(_half_then_fail))
+    with pytest.raises(CheckpointWriteError) as info:
+        io.save_checkpoint(_state(2.0), path)
+    message = str(info.value)
+    assert str(path) in message and "No space left on device" in message
+    assert "previous last.ckpt is untouched" in message and "paths.output_dir" in message
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left
+
+
+def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """SIGKILL a process in the middle of writing: the file under the name is the previous one, whole."""
+    path = tmp_path / "last.ckpt"
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from ssd_lightning.checkpoint_io import AtomicCheckpointIO
+
+        def slow_write(checkpoint, f):
+            torch.save(checkpoint, f)
+            f.truncate(f.tell() // 2)
+            f.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+
+        io = AtomicCheckpointIO()
+        io.save_checkpoint({{"w": torch.ones(256, 256)}}, {str(path)!r})
+        AtomicCheckpointIO._write = staticmethod(slow_write)
+        io.save_checkpoint({{"w": torch.zeros(256, 256)}}, {str(path)!r})
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["w"], torch.ones(256, 256))
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert leftovers == [f".last.ckpt.{proc.pid}.tmp"]  # only a kill -9 leaves this, never a .ckpt
+
+
+@pytest.mark.slow
+def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """Through train(): epoch 0 saves, epoch 1's save hits a full disk -> clear error, epoch 0's file kept."""
+    calls = {"n": 0}
+    real_write = AtomicCheckpointIO._write
+
+    def full_on_second_save(checkpoint, f):
+        calls["n"] += 1
+        if calls["n"] >= 3:  # epoch 0 wrote epoch_0.ckpt and last.ckpt
+            _half_then_fail(checkpoint, f)
+        real_write(checkpoint, f)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "_write", staticmethod(full_on_second_save))
+    cfg = compose_config(
+        [
+            "data=synthetic",
+            "data.batch_size=2",
+            "data.steps_per_epoch=2",
+            "model.net.backbone=resnet18",
+            "model.net.num_classes=5",
+            "trainer=cpu",
+            "trainer.max_epochs=2",
+            "+trainer.limit_val_batches=0",
+            "+trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "~callbacks.coco_map",
+            "eval_epochs=[]",
+            "logger=csv",
+            f"paths.output_dir={tmp_path}",
+        ]
+    )
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    with pytest.raises(CheckpointWriteError, match="No space left on device"):
+        train(cfg)
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_0.ckpt", "last.ckpt"]
+    saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["epoch"] == 0 and saved["global_step"] == 2

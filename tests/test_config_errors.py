@@ -1,0 +1,129 @@
+"""Bad configuration: one clear message naming the key and what is accepted, non-zero exit, no stack trace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ssd_lightning.config_checks import validate_config
+from ssd_lightning.errors import ConfigError
+from tests.conftest import REPO_ROOT
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data.batch_size=abc"], "data.batch_size='abc': must be a positive integer"),
+        (["data.batch_size=0"], "data.batch_size=0: must be a positive integer"),
+        (["data.eval_batch_size=-2"], "data.eval_batch_size=-2"),
+        (["data.num_threads=0"], "data.num_threads=0"),
+        (["model.optimizer.lr=-0.1"], "model.optimizer.lr=-0.1: must be a positive number"),
+        (["model.optimizer.lr=fast"], "model.optimizer.lr='fast'"),
+        (["model.scheduler.milestones=[54,43]"], "model.scheduler.milestones=[54, 43]: must be strictly"),
+        (["model.scheduler.gamma=2"], "model.scheduler.gamma=2: must be in (0, 1]"),
+        (["model.net.backbone=resnet51"], "model.net.backbone='resnet51': must be one of resnet18, "),
+        (["model.net.num_classes=1"], "model.net.num_classes=1"),
+        (["trainer.max_epochs=0"], "trainer.max_epochs=0"),
+        (["eval_epochs=[3,1]"], "eval_epochs=[3, 1]: must be strictly increasing"),
+        (["trainer.max_epochs=5", "eval_epochs=[2,5]"], "epoch 5 is past trainer.max_epochs=5"),
+        (["task=train"], "task='train': must be one of fit, validate"),
+        (["seed=1.5"], "seed=1.5: must be an integer"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_accepted(overrides, expected, make_cfg):
+    with pytest.raises(ConfigError) as info:
+        validate_config(make_cfg(overrides), cuda_device_count=0)
+    assert expected in str(info.value)
+    assert str(info.value).startswith("1 config problem:")
+
+
+def test_all_problems_are_reported_together(make_cfg):
+    cfg = make_cfg(["data.batch_size=-1", "model.optimizer.lr=0", "model.net.backbone=vgg16"])
+    with pytest.raises(ConfigError, match="3 config problems") as info:
+        validate_config(cfg, cuda_device_count=0)
+    for key in ("data.batch_size=-1", "model.optimizer.lr=0", "model.net.backbone='vgg16'"):
+        assert key in str(info.value)
+
+
+def test_the_shipped_configs_are_valid(make_cfg):
+    assert validate_config(make_cfg([]), cuda_device_count=1) == []
+    assert validate_config(make_cfg(["experiment=demo"]), cuda_device_count=0) == []
+    assert validate_config(make_cfg(["experiment=mobilenetv2_demo"]), cuda_device_count=0) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda_devices", "expected"),
+    [
+        (
+            ["experiment=ssd300_fp16_8gpu"],
+            0,
+            "trainer.devices=8: asks for that many GPUs but this machine has none",
+        ),
+        (["experiment=ssd300_fp16_8gpu"], 4, "trainer.devices=8: this machine has 4 CUDA devices"),
+        (["trainer.accelerator=gpu"], 0, "trainer.accelerator='gpu': this machine has no CUDA device"),
+    ],
+)
+def test_hardware_the_machine_lacks(overrides, cuda_devices, expected, make_cfg):
+    with pytest.raises(ConfigError) as info:
+        validate_config(make_cfg(overrides), cuda_device_count=cuda_devices)
+    assert expected in str(info.value)
+
+
+def test_hardware_that_is_there_passes(make_cfg):
+    assert validate_config(make_cfg(["experiment=ssd300_fp16_8gpu"]), cuda_device_count=8) == []
+    # CPU processes are not limited by GPUs
+    assert validate_config(make_cfg(["trainer=ddp_cpu"]), cuda_device_count=0) == []
+
+
+def test_fp16_on_a_cpu_is_a_warning_not_an_error(make_cfg):
+    warnings = validate_config(make_cfg(["trainer=cpu", "precision=fp16"]), cuda_device_count=0)
+    assert len(warnings) == 1 and "runs as bf16-mixed" in warnings[0]
+    assert validate_config(make_cfg(["precision=fp16"]), cuda_device_count=1) == []
+
+
+# -- the command line, as a user sees it ------------------------------------------------------------------
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "exit_code", "expected"),
+    [
+        # Hydra's own checks (composition): misspelled key, unknown group option
+        (["data.batch_sze=8"], 1, "Key 'batch_sze' is not in struct"),
+        (["model=resnet"], 1, "Could not find 'model/resnet'"),
+        # ours (validate_config), before anything heavy starts
+        (["experiment=demo", "data.batch_size=-8", "model.net.backbone=resnet51"], 2, "2 config problems"),
+        (["experiment=ssd300_fp16_8gpu"], 2, "trainer.devices=8: asks for that many GPUs"),
+    ],
+)
+def test_cli_prints_one_message_and_fails(args, exit_code, expected, tmp_path):
+    if "trainer.devices=8" in expected:
+        import torch
+
+        if torch.cuda.device_count() >= 8:
+            pytest.skip("this machine has 8 GPUs")
+    result = _train(*args, f"paths.output_dir={tmp_path}")
+    assert result.returncode == exit_code, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 15, result.stderr  # a message, not a stack trace
+
+
+@pytest.mark.slow
+def test_cli_read_only_output_dir_fails_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    result = _train(
+        "experiment=demo", f"paths.output_dir={blocker}/run", "hydra.run.dir=" + str(tmp_path / "h")
+    )
+    assert result.returncode == 1, result.stderr
+    assert f"paths.output_dir={blocker}/run is not writable" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,78 @@
+"""One DDP rank failing (a corrupt image in its shard) ends the whole job promptly with that rank's message.
+
+2 CPU processes (gloo) through `train.py` and Lightning's own launcher, as users run it; a subprocess with a
+timeout, so a hang fails the test instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytest.importorskip("nvidia.dali")
+
+pytestmark = [pytest.mark.slow, pytest.mark.dali]
+
+TIMEOUT_S = 150
+
+
+def _processes_in_group(pgid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True)
+    return [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]  # zombies are gone
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_failing_rank_ends_the_job_with_its_message(failing_rank, shapes_coco, tmp_path):
+    root = tmp_path / "data"
+    shutil.copytree(shapes_coco, root)
+    images = json.loads((root / "annotations" / "instances_val2017.json").read_text())["images"]
+    # validation shards are contiguous: rank 0 reads the first half of the file list, rank 1 the second
+    victim = sorted(images, key=lambda im: im["id"])[0 if failing_rank == 0 else -1]["file_name"]
+    path = root / "val2017" / victim
+    path.write_bytes(path.read_bytes()[:300])  # truncated JPEG
+
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "experiment=demo",
+            "task=validate",
+            "trainer=ddp_cpu",
+            f"data.root={root}",
+            "logger=csv",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the job hung for {TIMEOUT_S} s after rank {failing_rank} failed")
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0, out[-3000:]
+    assert f"[rank {failing_rank}] Error:" in out, out[-3000:]
+    assert f"corrupt or truncated: {path}" in out
+    other = f"[rank {1 - failing_rank}]"
+    assert f"{other} Stopped: another process of this job failed" in out or other not in out
+    assert "Traceback" not in out, out[-3000:]
+    # no rank left behind (give exiting processes a moment)
+    deadline = time.monotonic() + 20
+    while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], left
+    print(f"rank {failing_rank} failure ended the job in {elapsed:.0f} s")

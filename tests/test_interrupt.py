@@ -1,0 +1,124 @@
+"""SIGTERM (preemption) and Ctrl-C: the step finishes, last.ckpt is written, the run exits 143/130 cleanly,
+and resuming from that checkpoint gives the run that was never interrupted.
+
+Synthetic SSD300 batches, resumable mid-epoch, with the schedule of tests/test_resume.py (momentum, a warm-up
+still running, an epoch milestone), 3 steps per epoch and the kill at steps drawn at random (seeded).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from ssd_lightning.train import train
+from tests.conftest import REPO_ROOT, compose_config
+from tests.test_resume import COMMON as RESUME_COMMON
+from tests.test_resume import _ckpt, _per_step
+
+STEPS_PER_EPOCH = 3
+TOTAL = 2 * STEPS_PER_EPOCH
+COMMON = [o for o in RESUME_COMMON if not o.startswith("data.steps_per_epoch=")]
+COMMON.append(f"data.steps_per_epoch={STEPS_PER_EPOCH}")
+KILL_STEPS = sorted(random.Random(2026).sample(range(1, TOTAL), 2))
+
+
+def _run(out_dir: Path, *extra: str) -> dict[str, float]:
+    cfg = compose_config([*COMMON, f"paths.output_dir={out_dir}", *extra])
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return train(cfg)
+
+
+def _signal_at(step: int, signum: signal.Signals) -> list[str]:
+    return [
+        "+callbacks.fault._target_=tests.fault_injection.SignalAtStep",
+        f"+callbacks.fault.step={step}",
+        f"+callbacks.fault.signum={int(signum)}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight")
+    _run(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill_step", KILL_STEPS)
+def test_sigterm_saves_the_step_and_resuming_gives_the_uninterrupted_run(kill_step, straight, tmp_path):
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
+    with pytest.raises(SystemExit) as info:
+        _run(killed, *_signal_at(kill_step, signal.SIGTERM))
+    assert info.value.code == 143
+    saved = _ckpt(killed)
+    assert saved["global_step"] == kill_step  # the step in flight finished; nothing after it ran
+
+    _run(resumed, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}")
+    expected_loss = _per_step(straight, "train/loss_step")
+    got_loss = {**_per_step(killed, "train/loss_step"), **_per_step(resumed, "train/loss_step")}
+    assert sorted(got_loss) == list(range(TOTAL))
+    for step in range(TOTAL):  # same batches, same LR, same optimizer state at every step
+        assert got_loss[step] == pytest.approx(expected_loss[step], rel=1e-5, abs=1e-6), step
+    a, b = _ckpt(straight), _ckpt(resumed)
+    assert a["global_step"] == b["global_step"] == TOTAL
+    for key, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_first_ctrl_c_saves_and_exits_130(tmp_path):
+    with pytest.raises(SystemExit) as info:
+        _run(tmp_path, *_signal_at(2, signal.SIGINT))
+    assert info.value.code == 130
+    assert _ckpt(tmp_path)["global_step"] == 2
+    # the handler is gone after the run: Ctrl-C is Python's again
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_sigterm_from_outside(tmp_path):
+    """`kill <pid>` on `python train.py`: one message, exit 143, a last.ckpt to resume from."""
+    marks = tmp_path / "marks"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *COMMON,
+            "data.steps_per_epoch=1000",
+            f"paths.output_dir={tmp_path / 'run'}",
+            "+callbacks.marks._target_=tests.fault_injection.TouchEachStep",
+            f"+callbacks.marks.directory={marks}",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (marks / "step_2").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr
+    assert "SIGTERM: stopped at epoch 0" in stdout and "ckpt_path=" in stdout  # Hydra logs to stdout
+    saved = _ckpt(tmp_path / "run")
+    assert 2 <= saved["global_step"] < 1000

@@ -22,7 +22,7 @@ class NonFiniteGuard(pl.Callback):
 
     * gradients: if any is NaN/inf, all of them are zeroed before the optimizer step (so one bad batch
       cannot turn the weights into NaN; momentum and weight decay still apply). With fp16 the GradScaler
-      skips such steps itself (its normal loss-scale search); they are counted the same way.
+      skips such steps itself (its normal loss-scale search), so they are only counted.
     * loss: non-finite losses are counted, with the (epoch, batch) of the first one.
 
     Every ``check_every_n_steps`` steps (default: the Trainer's ``log_every_n_steps``) and at each epoch end,
@@ -67,7 +67,7 @@ class NonFiniteGuard(pl.Callback):
             return
         bad = ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True))
         self._step_skipped = bad
-        if self.zero_nonfinite_grads:
+        if self.zero_nonfinite_grads and getattr(trainer.precision_plugin, "scaler", None) is None:
             for grad in grads:
                 grad.masked_fill_(bad, 0.0)
 

@@ -68,6 +68,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("compile"):
         model = torch.compile(model)  # Lightning unwraps it for checkpoints and hooks
     callbacks = instantiate_group(cfg.get("callbacks"))
+    if cfg.trainer.get("enable_progress_bar") is False:  # the Trainer switch wins over callbacks.progress_bar
+        callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]

@@ -120,7 +120,7 @@ def test_top5_falls_back_to_num_classes_when_fewer_than_five():
     assert metrics["val/acc5"] == pytest.approx(1.0)  # top-3 of 3 classes
 
 
-def test_training_loss_uses_label_smoothing_and_lr_is_logged():
+def test_training_loss_uses_label_smoothing():
     module = _identity_module(6, label_smoothing=0.1)  # lr 0: the identity net never changes
     data = TensorDataModule(
         (HAND_LOGITS, HAND_LABELS), (HAND_LOGITS, HAND_LABELS), batch_size=4, shuffle=False
@@ -130,7 +130,7 @@ def test_training_loss_uses_label_smoothing_and_lr_is_logged():
     expected = F.cross_entropy(HAND_LOGITS, HAND_LABELS, label_smoothing=0.1).item()
     assert trainer.callback_metrics["train/loss_step"].item() == pytest.approx(expected, rel=1e-6)
     assert trainer.callback_metrics["train/acc1_step"].item() == pytest.approx(0.25)
-    assert "lr" in trainer.progress_bar_metrics
+    assert trainer.progress_bar_metrics.keys().isdisjoint({"train/loss", "lr"})  # no per-step host sync
 
 
 def _count_mobilenet_tensors(setting: list[list[int]]) -> dict[str, int]:
@@ -169,7 +169,6 @@ def test_param_groups_and_lr_scaling_at_run_time(depthwise_weight_decay, dw_expe
     }
     # Linear rule at run time: 1 device x batch 8 / reference 32.
     assert all(g["lr"] == pytest.approx(0.1 * 8 / 32) for g in optimizer.param_groups)
-    assert trainer.callback_metrics["lr"].item() == pytest.approx(0.025)
 
 
 def test_sqrt_rule_and_scheduler_peak_lr():

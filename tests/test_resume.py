@@ -90,8 +90,8 @@ def test_resumed_run_has_the_same_loss_curve_and_lr(runs):
     for step in range(total):
         assert loss_split[step] == pytest.approx(loss_straight[step], rel=1e-6, abs=1e-7), step
 
-    lr_straight = _per_step(straight, "lr")
-    lr_resumed = _per_step(resumed, "lr")
+    lr_straight = _per_step(straight, "lr-SGD/other")  # LearningRateMonitor, every step here
+    lr_resumed = _per_step(resumed, "lr-SGD/other")
     # hand-computed: linear warm-up over 3 iterations, x0.1 from epoch 1 (step 2 is both)
     expected = [BASE_LR * min(1.0, s / WARMUP) * (0.1 if s >= STEPS_PER_EPOCH else 1.0) for s in range(total)]
     assert [lr_straight[s] for s in range(total)] == pytest.approx(expected, rel=1e-6)

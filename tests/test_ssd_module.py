@@ -62,7 +62,7 @@ def test_lr_follows_scaling_warmup_and_milestones(fitted):
     # 4 warm-up iterations (lr = peak * step / 4), then x0.1 from epoch 1 (step 3 onwards)
     expected = [0.0, 0.25 * peak, 0.5 * peak, 0.75 * peak * 0.1, peak * 0.1, peak * 0.1]
     assert lrs == pytest.approx(expected, rel=1e-6)
-    assert trainer.logged_metrics["lr"] == pytest.approx(peak * 0.1, rel=1e-6)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(peak * 0.1, rel=1e-6)
 
 
 def test_no_weight_decay_on_batchnorm_or_bias(fitted):

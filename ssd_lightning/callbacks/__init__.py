@@ -5,6 +5,7 @@ from ssd_lightning.callbacks.eval_schedule import EvalSchedule
 from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.callbacks.nonfinite import NonFiniteGuard
 from ssd_lightning.callbacks.pictures import PredictionPictures
+from ssd_lightning.callbacks.progress import StepMetricsProgressBar
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "InterruptCheckpoint",
     "NonFiniteGuard",
     "PredictionPictures",
+    "StepMetricsProgressBar",
     "ThroughputBenchmark",
 ]

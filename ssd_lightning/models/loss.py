@@ -79,12 +79,10 @@ class SSDLoss(nn.Module):
                 # Hard negatives: the num_neg largest CE among negatives (positives rank as 0).
                 neg_ce = ce.detach().masked_fill(positive, 0.0)
                 num_neg = torch.clamp(self.neg_pos_ratio * num_pos, max=num_boxes)  # (N,)
-                k = int(num_neg.max().item()) if n > 0 else 0
-                selected = torch.zeros_like(positive)
-                if k > 0:
-                    top = neg_ce.topk(k, dim=1).indices  # (N, k)
-                    in_quota = torch.arange(k, device=ce.device)[None, :] < num_neg[:, None]
-                    selected.scatter_(1, top, in_quota)
+                # rank of every box among its image's CE values (0 = largest), computed on the device: a
+                # topk would need max(num_neg) on the host, a device sync every step
+                rank = neg_ce.argsort(dim=1, descending=True).argsort(dim=1)  # (N, B)
+                selected = rank < num_neg[:, None]
             conf_loss = torch.where(positive | selected, ce, torch.zeros_like(ce)).sum(dim=1)
 
             has_pos = num_pos > 0

@@ -155,10 +155,9 @@ class ClassifierLitModule(pl.LightningModule):
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         n = len(labels)
         self.train_acc1(logits, labels)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=n)
+        # no prog_bar=True and no LR here: both would sync the device every step (see SSDLitModule)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
-        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        self.log("lr", lr, prog_bar=True, on_step=True, on_epoch=False, batch_size=n)
         return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:

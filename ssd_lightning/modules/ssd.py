@@ -82,8 +82,9 @@ class SSDLitModule(pl.LightningModule):
         # (N, 8732, 4) -> (N, 4, 8732): the loss works in the network's output layout
         gt_boxes = batch["boxes"].transpose(1, 2)
         loss = self.loss_fn(locs.float(), logits.float(), gt_boxes.float(), batch["labels"].long())
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(locs))
-        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=True, on_step=True, on_epoch=False)
+        # not prog_bar=True: Lightning would read it back to the host every step (a device sync); the
+        # progress bar (callbacks.progress_bar) shows it when it redraws, LearningRateMonitor logs the LR
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(locs))
         return loss
 
     def _detect(self, batch: dict[str, torch.Tensor]) -> list[dict]:

@@ -1,0 +1,31 @@
+"""A progress bar that shows the loss and LR without reading them back from the device every step."""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import TQDMProgressBar
+
+__all__ = ["StepMetricsProgressBar"]
+
+
+class StepMetricsProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar plus the latest training loss, LR and images/s, read only when the bar redraws.
+
+    Logging a metric with ``prog_bar=True`` makes Lightning convert it to a Python number after every step,
+    which waits for the GPU; this bar reads ``train/loss_step`` from the logged tensors once every
+    ``refresh_rate`` steps instead.
+    """
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            loss = trainer.callback_metrics.get("train/loss_step")
+            if loss is not None:
+                metrics["loss"] = f"{float(loss):.3f}"
+            if trainer.optimizers:
+                metrics["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.3g}"
+            rate = self.train_progress_bar.format_dict.get("rate") if self.train_progress_bar else None
+            batch_size = getattr(trainer.datamodule, "batch_size", None)
+            if rate and batch_size:
+                metrics["img/s"] = f"{rate * batch_size * trainer.world_size:.1f}"
+        return metrics

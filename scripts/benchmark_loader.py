@@ -1,16 +1,21 @@
 """Images/s of the SSD300 training data path: datamodule vs bare DALI vs torchvision.transforms.v2.
 
-All three read the same COCO-layout images, apply the SSD augmentation (IoU crop, flip, colour jitter,
+All of them read the same COCO-layout images, apply the SSD augmentation (IoU crop, flip, colour jitter,
 resize 300, normalise) and encode targets onto the 8732 default boxes, with the same number of worker
 threads and the same batch size. Without ``--root`` a shapes dataset is generated in a temp directory.
 
-    .venv/bin/python scripts/benchmark_loader.py --batches 10
+Each repeat builds every loader afresh and times it, rotating the order from repeat to repeat so that load
+drift on a shared machine hits every loader alike; the table reports the median and the range over repeats,
+and the ratio to the bare pipeline is computed within each repeat before taking its median.
+
+    .venv/bin/python scripts/benchmark_loader.py --batches 30 --warmup 3 --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -19,13 +24,15 @@ from pathlib import Path
 import torch
 
 
-def _timed(batches: Iterator, warmup: int, count: int, batch_size: int) -> float:
+def _timed(batches: Iterator, warmup: int, count: int, batch_size: int) -> tuple[float, float]:
+    """(images/s, CPU ms per image used by this process, all its threads: DALI's workers included)."""
     for _ in range(warmup):
         next(batches)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(count):
         next(batches)
-    return count * batch_size / (time.perf_counter() - start)
+    images = count * batch_size
+    return images / (time.perf_counter() - start), 1e3 * (time.process_time() - cpu) / images
 
 
 def _forever(iterable: Iterable) -> Iterator:
@@ -52,7 +59,9 @@ def _bare_pipeline(root: Path, batch_size: int, threads: int):
     return pipe
 
 
-def bench_bare_dali(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+def bench_bare_dali(
+    root: Path, batch_size: int, threads: int, warmup: int, count: int
+) -> tuple[float, float]:
     pipe = _bare_pipeline(root, batch_size, threads)
 
     def run():
@@ -62,8 +71,10 @@ def bench_bare_dali(root: Path, batch_size: int, threads: int, warmup: int, coun
     return _timed(run(), warmup, count, batch_size)
 
 
-def bench_generic_iterator(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
-    """DALI's own DALIGenericIterator (copies every batch into torch tensors, as the datamodule must)."""
+def bench_generic_iterator(
+    root: Path, batch_size: int, threads: int, warmup: int, count: int
+) -> tuple[float, float]:
+    """DALI's own DALIGenericIterator (zero-copy ``torch.from_dlpack`` under DALI's default executor)."""
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
     pipe = _bare_pipeline(root, batch_size, threads)
@@ -77,7 +88,9 @@ def bench_generic_iterator(root: Path, batch_size: int, threads: int, warmup: in
     return _timed(_forever(it), warmup, count, batch_size)
 
 
-def bench_datamodule(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+def bench_datamodule(
+    root: Path, batch_size: int, threads: int, warmup: int, count: int
+) -> tuple[float, float]:
     from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
 
     dm = CocoDALIDataModule(root, batch_size=batch_size, num_threads=threads, device="cpu", seed=0)
@@ -147,7 +160,9 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def bench_torchvision(root: Path, batch_size: int, threads: int, warmup: int, count: int) -> float:
+def bench_torchvision(
+    root: Path, batch_size: int, threads: int, warmup: int, count: int
+) -> tuple[float, float]:
     loader = torch.utils.data.DataLoader(
         _TorchvisionSSD(root),
         batch_size=batch_size,
@@ -157,8 +172,20 @@ def bench_torchvision(root: Path, batch_size: int, threads: int, warmup: int, co
         persistent_workers=True,
         worker_init_fn=_worker_init,
         prefetch_factor=2,
+        # fork() after DALI's threads exist in this process can deadlock a worker: start them fresh
+        multiprocessing_context="spawn",
     )
     return _timed(_forever(loader), warmup, count, batch_size)
+
+
+LOADERS = {
+    "bare DALI pipeline": bench_bare_dali,
+    "DALIGenericIterator": bench_generic_iterator,
+    "CocoDALIDataModule": bench_datamodule,
+    "torchvision v2 + DataLoader": bench_torchvision,
+}
+SHORT = {"bare": "bare DALI pipeline", "generic": "DALIGenericIterator"}
+SHORT |= {"datamodule": "CocoDALIDataModule", "torchvision": "torchvision v2 + DataLoader"}
 
 
 def main() -> None:
@@ -171,7 +198,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="DALI threads = DataLoader workers")
     parser.add_argument("--warmup", type=int, default=2, help="batches before timing")
     parser.add_argument("--batches", type=int, default=10, help="timed batches")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per loader (order rotated)")
+    parser.add_argument(
+        "--loaders", default="bare,generic,datamodule,torchvision", help=f"comma-separated: {sorted(SHORT)}"
+    )
     args = parser.parse_args()
+    names = [SHORT[k.strip()] for k in args.loaders.split(",")]
+    if "bare DALI pipeline" not in names:
+        names.insert(0, "bare DALI pipeline")
 
     root = args.root
     if root is None:
@@ -181,21 +215,36 @@ def main() -> None:
             Path(tempfile.mkdtemp()) / "shapes", num_train=args.num_images, num_val=1
         )
     common = (root, args.batch_size, args.threads, args.warmup, args.batches)
-    results = {
-        "bare DALI pipeline": bench_bare_dali(*common),
-        "DALIGenericIterator (copies out)": bench_generic_iterator(*common),
-        "CocoDALIDataModule": bench_datamodule(*common),
-        "torchvision v2 + DataLoader": bench_torchvision(*common),
-    }
-    tv = results["torchvision v2 + DataLoader"]
-    bare = results["bare DALI pipeline"]
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            ips, ms = LOADERS[name](*common)
+            runs[name].append(ips)
+            cpu[name].append(ms)
+        print(f"repeat {r + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), flush=True)
+
+    bare = runs["bare DALI pipeline"]
+    tv = runs.get("torchvision v2 + DataLoader")
     print(
-        f"\n{args.batches} x {args.batch_size} images after {args.warmup} warm-up batches, "
-        f"{args.threads} threads/workers, root={root}"
+        f"\n{args.repeats} repeats of {args.batches} x {args.batch_size} images after {args.warmup} warm-up "
+        f"batches, {args.threads} threads/workers, root={root}"
     )
-    print("| loader | images/s | vs torchvision | vs bare DALI |\n|---|---:|---:|---:|")
-    for name, ips in results.items():
-        print(f"| {name} | {ips:.1f} | {ips / tv:.2f}x | {ips / bare:.2f}x |")
+    columns = ["loader", "images/s median (min-max)", "vs bare DALI (min-max)", "CPU ms/image", "CPU vs bare"]
+    print("| " + " | ".join([*columns, "vs torchvision"]) + " |\n|---|---:|---:|---:|---:|---:|")
+    bare_ms = statistics.median(cpu["bare DALI pipeline"])
+    for name, ips in runs.items():
+        ratio = [a / b for a, b in zip(ips, bare, strict=True)]
+        vs_tv = f"{statistics.median(ips) / statistics.median(tv):.2f}x" if tv else "-"
+        ms, vs_ms = f"{statistics.median(cpu[name]):.2f}", f"{bare_ms / statistics.median(cpu[name]):.3f}x"
+        if name == "torchvision v2 + DataLoader":
+            ms, vs_ms = "(workers not counted)", "-"
+        print(
+            f"| {name} | {statistics.median(ips):.1f} ({min(ips):.1f}-{max(ips):.1f}) | "
+            f"{statistics.median(ratio):.3f}x ({min(ratio):.3f}-{max(ratio):.3f}) | {ms} | {vs_ms} | "
+            f"{vs_tv} |"
+        )
 
 
 if __name__ == "__main__":

@@ -140,15 +140,52 @@ def test_abandoned_epochs(shapes_coco):
     assert set(batches[-1]["image_ids"].tolist()) <= set(_non_empty_ids(shapes_coco))
 
 
-def test_held_batches_not_overwritten(shapes_coco):
-    dm = _dm(shapes_coco)
-    it = iter(dm.train_dataloader())
+def _train_loader(root, exec_dynamic: bool):
+    """The datamodule's training loader; ``exec_dynamic=False``: DALI's older executor, which reuses its
+    output buffers, so every output goes through the loader's buffer pool."""
+    import functools
+
+    loader = _dm(root).train_dataloader()
+    if not exec_dynamic:
+        loader._factory = functools.partial(loader._factory, exec_dynamic=False)
+        loader._pipe = loader._build()
+        assert not loader._pipe.exec_dynamic
+    return loader
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False])
+def test_held_batches_not_overwritten(shapes_coco, exec_dynamic):
+    """A batch (or a view of one) held across many later batches and epochs keeps its values."""
+    loader = _train_loader(shapes_coco, exec_dynamic)
+    it = iter(loader)
     first = next(it)
     snapshot = {k: v.clone() for k, v in first.items()}
-    for _ in range(3):
-        next(it)
+    view = next(it)["boxes"][1:3]  # only a view of the second batch survives
+    view_snapshot = view.clone()
+    for _ in range(3 * len(loader)):  # many times the pool size, across epoch boundaries
+        batch = next(it, None) or next(it := iter(loader))
     for k in first:
-        assert torch.equal(first[k], snapshot[k])
+        assert torch.equal(first[k], snapshot[k]), k
+    assert torch.equal(view, view_snapshot)
+    assert not torch.equal(batch["images"], first["images"])
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False])
+def test_free_output_buffers_are_reused(shapes_coco, exec_dynamic):
+    """Copied outputs (int32 labels -> int64; everything without the dynamic executor) go into pooled
+    buffers that are refilled once nobody holds them; with the dynamic executor images are not copied."""
+    loader = _train_loader(shapes_coco, exec_dynamic)
+    bases: dict[str, list] = {"images": [], "labels": []}  # holding the pool's own tensors is allowed
+    for _ in range(3):
+        for batch in loader:
+            for key, seen in bases.items():
+                seen.append(batch[key]._base)
+    assert len(bases["labels"]) == 3 * len(loader) > 4
+    assert None not in bases["labels"] and len({id(b) for b in bases["labels"]}) <= 4  # default pool_size
+    if exec_dynamic:
+        assert bases["images"] == [None] * len(bases["images"])  # zero-copy, not a view of a pool buffer
+    else:
+        assert len({id(b) for b in bases["images"]}) <= 4
 
 
 def test_two_shards_disjoint_complete_and_reshuffled(shapes_coco):

@@ -87,3 +87,59 @@ def test_ddp_two_ranks_validate_each_image_once(shapes_coco, tmp_path):
     assert ranks[0]["train_steps"] == ranks[1]["train_steps"] == 2 * steps
     again = [json.loads((tmp_path / f"validate-rank{r}.json").read_text())["runs"] for r in (0, 1)]
     assert sorted(again[0][0] + again[1][0]) == val_ids
+
+
+class TrainIdRecorder(pl.LightningModule):
+    """Appends ``[epoch, batch_idx, image ids]`` of each step to ``<out_dir>/train-rank<r>.jsonl``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        with open(f"{self.out_dir}/train-rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps([self.current_epoch, batch_idx, batch["image_ids"].tolist()]) + "\n")
+        return self.weight * batch["images"].float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _ddp_fit(root, out_dir, ckpt_path=None, max_steps=-1):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    out_dir.mkdir()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=2,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=out_dir, save_last=True, save_top_k=0, every_n_train_steps=1)],
+    )
+    dm = CocoDALIDataModule(root, batch_size=4, device="cpu", num_threads=1, seed=11, train_image_ids=True)
+    trainer.fit(TrainIdRecorder(str(out_dir)), datamodule=dm, ckpt_path=ckpt_path)
+    files = [out_dir / f"train-rank{r}.jsonl" for r in (0, 1)]
+    return [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_resume_mid_epoch_restores_every_rank(shapes_coco, tmp_path):
+    """Rank 0's saved state restores rank 1 too (its anchor checkpoint, gathered over gloo, then a replay)."""
+    straight = _ddp_fit(shapes_coco, tmp_path / "straight")
+    per_epoch = len(straight[0]) // 2
+    assert per_epoch >= 2 and len(straight[1]) == 2 * per_epoch
+    assert straight[0][:per_epoch] != straight[0][per_epoch:]  # reshuffled between epochs
+    stop = per_epoch + 1  # one step into epoch 1
+    _ddp_fit(shapes_coco, tmp_path / "first", max_steps=stop)
+    resumed = _ddp_fit(shapes_coco, tmp_path / "resumed", ckpt_path=tmp_path / "first" / "last.ckpt")
+    for rank in (0, 1):
+        assert resumed[rank] == straight[rank][stop:], rank

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split
 from ssd_lightning.data.dali_datamodule import (
@@ -48,6 +50,8 @@ class CocoDALIDataModule(DALIDataModule):
         augment: the reference augmentation; False gives decode + resize only (tests, debugging).
         include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
         check_files: check that every listed image exists and looks like an image, in ``setup()``.
+        train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
+            that a resumed run sees the same images).
 
     Batches (see docs/architecture.md): training ``{"images" (N, 3, S, S), "boxes" (N, 8732, 4) float32
     (cx, cy, w, h) in [0, 1], "labels" (N, 8732) int64}``; validation ``{"images", "image_ids" (N,) int64,
@@ -76,6 +80,7 @@ class CocoDALIDataModule(DALIDataModule):
         augment: bool = True,
         include_crowd: bool = True,
         check_files: bool = True,
+        train_image_ids: bool = False,
     ) -> None:
         super().__init__()
         check_loader_args(batch_size, eval_batch_size, num_threads, device)
@@ -103,6 +108,7 @@ class CocoDALIDataModule(DALIDataModule):
         self.augment = augment
         self.include_crowd = include_crowd
         self.check_files = check_files
+        self.train_image_ids = train_image_ids
         self._splits: dict[str, CocoSplitInfo] = {}
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
@@ -171,13 +177,15 @@ class CocoDALIDataModule(DALIDataModule):
         *,
         shard_id: int = 0,
         num_shards: int = 1,
-        with_image_ids: bool = False,
+        with_image_ids: bool | None = None,
     ) -> DALILoader:
         """The loader of one split for one shard (the hooks pass the trainer's rank and world size).
 
-        ``with_image_ids`` adds ``"image_ids"`` to training batches (tests and debugging only).
+        ``with_image_ids`` adds ``"image_ids"`` to training batches (default: ``train_image_ids``).
         """
         info = self._split(split)
+        if with_image_ids is None:
+            with_image_ids = self.train_image_ids
         device = resolve_device(self.device)
         _, _, cuda_index = rank_info(self)
         rank_seed = self.seed + 1009 * shard_id  # different augmentation per rank
@@ -199,9 +207,10 @@ class CocoDALIDataModule(DALIDataModule):
         if split == "train":
             anchors = self._anchor_list()
 
-            def factory():
+            def factory(**pipeline_kwargs):
                 return coco_train_pipeline(
                     **common,
+                    **pipeline_kwargs,
                     anchors_ltrb=anchors,
                     shuffle=self.shuffle,
                     shuffle_seed=self.seed,
@@ -219,10 +228,11 @@ class CocoDALIDataModule(DALIDataModule):
                 num_shards=num_shards,
                 postprocess=self._postprocess_train,
                 on_error=on_error,
+                dtypes=self._image_dtype(),
             )
 
-        def val_factory():
-            return coco_val_pipeline(**common)
+        def val_factory(**pipeline_kwargs):
+            return coco_val_pipeline(**common, **pipeline_kwargs)
 
         return DALILoader(
             val_factory,
@@ -232,7 +242,12 @@ class CocoDALIDataModule(DALIDataModule):
             num_shards=num_shards,
             postprocess=self._postprocess_val,
             on_error=on_error,
+            dtypes=self._image_dtype(),
         )
+
+    def _image_dtype(self) -> dict[str, torch.dtype]:
+        """Images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying."""
+        return {} if self._cast is None else {"images": self._cast}
 
     def _postprocess_train(self, batch: Batch) -> Batch:
         out = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 import torch
 
@@ -57,14 +59,40 @@ class DALIDataModule(pl.LightningDataModule):
     Subclasses implement ``make_loader(split, *, shard_id, num_shards)``; the loaders are built when
     Lightning asks for them (after ``setup``), sharded by the trainer's global rank and world size.
     Testing runs on the validation split (COCO and ImageNet publish no test labels).
+
+    Resuming: :meth:`state_dict` is the training loader's stream state (see
+    :mod:`ssd_lightning.data.dali_iterator`), which Lightning writes into every checkpoint; after
+    ``trainer.fit(..., ckpt_path=...)`` restores it through :meth:`load_state_dict`, the next training loader
+    continues from it, so the resumed run sees exactly the batches of an uninterrupted one. This is the path
+    that also covers end-of-epoch checkpoints: Lightning hands loader states back to the loaders themselves
+    only when it restarts mid-epoch.
     """
+
+    _train_loader: DALILoader | None = None
+    _train_state: dict[str, Any] | None = None
 
     def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
         raise NotImplementedError
 
     def train_dataloader(self) -> DALILoader:
         rank, world, _ = rank_info(self)
-        return self.make_loader("train", shard_id=rank, num_shards=world)
+        return self._restored(self.make_loader("train", shard_id=rank, num_shards=world))
+
+    def _restored(self, loader: DALILoader) -> DALILoader:
+        """Remember ``loader`` as the one :meth:`state_dict` reports; hand it a state restored earlier."""
+        if self._train_state:
+            loader.load_state_dict(self._train_state)
+            self._train_state = None
+        self._train_loader = loader
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"train": <training loader state>}`` once a training loader exists, else ``{}``."""
+        return {} if self._train_loader is None else {"train": self._train_loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the training loader state for the next :meth:`train_dataloader` call to continue from."""
+        self._train_state = state_dict.get("train")
 
     def val_dataloader(self) -> DALILoader:
         rank, world, _ = rank_info(self)

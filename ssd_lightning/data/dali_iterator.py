@@ -1,12 +1,14 @@
-"""A small Lightning-safe iterable over a DALI pipeline.
+"""A small Lightning-safe, resumable iterable over a DALI pipeline.
 
 It runs the pipeline directly (no ``DALIGenericIterator``) and pins the pitfalls of DALI under Lightning:
 
 * ``len()`` is known up front, equal every epoch, and (in training) equal on every rank;
 * every ``iter()`` starts a complete epoch, also after an epoch was abandoned part-way (sanity-check
   validation, ``limit_*_batches``, ``trainer.validate`` after ``fit``);
-* each batch is copied into fresh torch tensors, so a batch Lightning still holds is never overwritten;
-* reader epochs stay aligned with the shard, so no sample is lost or repeated across epochs.
+* a yielded batch is never overwritten while anyone still holds it (see *Output buffers*);
+* reader epochs stay aligned with the shard, so no sample is lost or repeated across epochs;
+* training loaders are resumable: Lightning saves :meth:`DALILoader.state_dict` in every checkpoint and
+  restores it before the first ``iter()`` of a resumed ``fit`` (see *Resuming*).
 
 Last-batch policy. Every reader is built with ``pad_last_batch=True`` and a fixed shard, so one reader epoch
 on shard ``s`` of ``n`` holds ``shard_size = floor((s+1)N/n) - floor(sN/n)`` real samples in
@@ -15,22 +17,61 @@ adds whole padding batches so that every shard runs ``ceil(ceil(N/n) / B)`` batc
 
 * ``mode="train"``: DROP. An epoch is ``floor(floor(N/n) / B)`` full batches on every rank (the smallest
   shard decides, so DDP ranks step together); the remaining (at most two) batches of the reader epoch are
-  run and discarded before the next epoch, so every epoch starts at the start of a fresh reader epoch (a
-  fresh global permutation when shuffling). If an epoch is abandoned, the next continues the stream.
+  run and discarded before the last batch of the epoch is yielded, so every epoch starts at the start of a
+  fresh reader epoch (a fresh global permutation when shuffling). If an epoch is abandoned (e.g.
+  ``limit_train_batches``), the next one continues the stream.
 * ``mode="eval"``: PAD-AND-TRIM. An epoch is ``ceil(shard_size / B)`` batches; the padding is cut from the
   last batch (so N can be smaller there) and every sample of the shard is yielded exactly once. Ranks may
   differ by one batch: validation steps must not use per-step collectives (``sync_dist`` logging in the
   step); gather at epoch end. If an epoch is abandoned, the pipeline is rebuilt (evaluation has no state).
+
+Resuming (training). Training pipelines are built with DALI's ``enable_checkpointing=True``: a DALI
+checkpoint (``Pipeline.checkpoint()``, under 1 KB) holds the reader's epoch and position and the state of
+every random generator, and a pipeline built from it continues exactly (sample order *and* augmentation)
+at the cost of a pipeline build, without decoding anything. With checkpointing enabled, DALI shuffles
+reader epoch ``k`` as a function of ``(shuffle_after_epoch_seed, k)`` only, identically on every rank.
+:meth:`DALILoader.state_dict` holds
+
+* ``epoch_batches``: batches yielded in the current epoch (Lightning's position), and ``reader_batches``:
+  pipeline runs since the start of the current reader epoch;
+* ``current``: this process's DALI checkpoint ``{shard_id: bytes}``;
+* ``anchor``: the DALI checkpoints of *every* shard at the start of the current reader epoch (``None``
+  while the first reader epoch of a fresh pipeline runs). Under DDP the ranks exchange them with one
+  ``all_gather_object`` of a few hundred bytes per rank at each reader-epoch boundary, which every rank
+  reaches at the same batch; so the state Lightning saves from rank 0 can restore every rank.
+
+:meth:`DALILoader.load_state_dict` rebuilds the pipeline from ``current`` when it was written by this
+shard (single-process runs; rank 0), else from this shard's ``anchor`` followed by ``reader_batches``
+pipeline runs whose outputs are discarded. At an epoch boundary ``reader_batches`` is 0 (the tail was
+discarded before the epoch's last batch), so resuming from an end-of-epoch checkpoint costs one pipeline
+build on every rank and yields exactly the batches of the uninterrupted run. A mid-epoch checkpoint
+(``ModelCheckpoint(every_n_train_steps=...)``) resumes at the next batch of the same epoch: exact and
+cheap on rank 0, and on other ranks exact after re-running the epoch's earlier batches through DALI (the
+cost of loading them once, no training). A state written with a different number of shards or a different
+dataset cannot place the readers: it is ignored with a warning and the epoch starts from a fresh pipeline.
+
+Output buffers. DALI's default (dynamic) executor allocates every iteration's outputs afresh and frees
+them only when the last reference is dropped, so on the CPU a batch is handed out without copying
+(``torch.from_dlpack``, as DALI's own PyTorch iterator does); holding it keeps DALI from reusing its memory.
+Outputs whose dtype changes (int32 -> int64, float32 -> bfloat16), and all outputs of a pipeline built with
+``exec_dynamic=False`` (which reuses its buffers), are copied once into a buffer from a small per-output
+pool; a pooled buffer is refilled only when no tensor outside the pool still shares its storage (its
+storage use count), and the batch holds views of it. Either way a batch is safe to hold for as long as
+anyone likes; ``pool_size`` (default 4: the batch being filled, the one in the training step, one Lightning
+or a callback may keep, one spare) only bounds how many buffers are kept for reuse. On a GPU each output is
+copied into fresh CUDA memory (the caching allocator makes that cheap) on the current stream.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from nvidia.dali.plugin.pytorch import feed_ndarray
 from nvidia.dali.plugin.pytorch.torch_utils import to_torch_type
 from nvidia.dali.tensors import TensorListGPU
@@ -39,6 +80,7 @@ from torch import Tensor
 __all__ = ["DALILoader", "shard_size"]
 
 Batch = dict[str, Tensor]
+_STATE_FORMAT = 1
 
 
 def shard_size(num_samples: int, shard_id: int, num_shards: int) -> int:
@@ -46,23 +88,61 @@ def shard_size(num_samples: int, shard_id: int, num_shards: int) -> int:
     return (shard_id + 1) * num_samples // num_shards - shard_id * num_samples // num_shards
 
 
+def _storage_users(tensor: Tensor) -> int:
+    """Tensors sharing ``tensor``'s storage, ``tensor`` included (views count; a large number if unknown)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # private API gone: never reuse, always safe
+        return 1 << 30
+    # the temporary storage object made by untyped_storage() holds one reference of its own
+    return use_count(tensor.untyped_storage()._cdata) - 1
+
+
+class _BufferPool:
+    """Reusable CPU output buffers: one is handed out only while no tensor outside the pool shares it."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {size}")
+        self.size = size
+        self._buffers: dict[str, list[Tensor]] = {}
+
+    def take(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """A contiguous ``(shape, dtype)`` tensor nobody else references (its contents are garbage)."""
+        shape = tuple(shape)
+        pool = self._buffers.setdefault(key, [])
+        for i, buf in enumerate(pool):
+            if buf.shape == shape and buf.dtype == dtype and _storage_users(buf) == 1:
+                pool.append(pool.pop(i))  # most recently used last
+                return buf
+        buf = torch.empty(shape, dtype=dtype)
+        if len(pool) >= self.size:
+            pool.pop(0)  # forget the least recently used one (whoever still holds it keeps it)
+        pool.append(buf)
+        return buf
+
+
 class DALILoader:
     """Iterable of dict batches from a DALI pipeline, safe to return from a LightningDataModule hook.
 
     Args:
-        pipeline_factory: builds a fresh, not-yet-built pipeline whose reader is named ``reader_name``
-            and uses ``pad_last_batch=True`` and a fixed shard.
+        pipeline_factory: ``factory(**pipeline_kwargs)`` builds a fresh, not-yet-built pipeline whose reader
+            is named ``reader_name`` and uses ``pad_last_batch=True`` and a fixed shard; ``pipeline_kwargs``
+            (``enable_checkpointing``, ``checkpoint``) go to the pipeline's constructor.
         output_names: dict key for each pipeline output, in order.
-        mode: ``"train"`` (drop policy) or ``"eval"`` (pad-and-trim policy); see the module docstring.
+        mode: ``"train"`` (drop policy, resumable) or ``"eval"`` (pad-and-trim policy); see the module
+            docstring.
         shard_id, num_shards: this rank's shard (the same values the pipeline's reader got).
-        postprocess: applied to each dict of tensors after copying (dtype casts, renaming).
+        postprocess: applied to each dict of tensors after copying (renaming, reshaping; cheap views).
         on_error: turns an exception raised by the pipeline into a clearer one (e.g. naming a bad file).
         reader_name: name of the reader operator.
+        dtypes: torch dtype of an output when it differs from DALI's (converted during the single copy);
+            int32 outputs not named here become int64.
+        pool_size: CPU buffers kept for reuse per output (see *Output buffers* in the module docstring).
     """
 
     def __init__(
         self,
-        pipeline_factory: Callable[[], Any],
+        pipeline_factory: Callable[..., Any],
         output_names: Sequence[str],
         *,
         mode: Literal["train", "eval"],
@@ -71,6 +151,8 @@ class DALILoader:
         postprocess: Callable[[Batch], Batch] | None = None,
         on_error: Callable[[Exception], Exception] | None = None,
         reader_name: str = "Reader",
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        pool_size: int = 4,
     ) -> None:
         if mode not in ("train", "eval"):
             raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
@@ -83,6 +165,8 @@ class DALILoader:
         self._postprocess = postprocess
         self._on_error = on_error
         self._reader_name = reader_name
+        self._dtypes = dict(dtypes or {})
+        self._pool = _BufferPool(pool_size)
         self._pipe = self._build()
         meta = self._pipe.reader_meta(reader_name)
         if not meta.get("pad_last_batch", False):
@@ -108,9 +192,18 @@ class DALILoader:
                     f"shard {shard_id} of {num_shards} is empty ({self.num_samples} samples); use fewer ranks"
                 )
         self._pos = 0  # batches already taken from the current reader epoch
+        self._taken = 0  # batches yielded in the current (training) epoch
+        self._resume = False  # load_state_dict() asked the next iter() to continue the saved epoch
+        self._anchor: dict[int, bytes] | None = None  # every shard's checkpoint at this reader epoch's start
+        self._restored_state: dict[str, Any] | None = None
 
-    def _build(self):
-        pipe = self._factory()
+    def _build(self, checkpoint: bytes | None = None):
+        kwargs: dict[str, Any] = {}
+        if self.mode == "train":
+            kwargs["enable_checkpointing"] = True
+            if checkpoint is not None:
+                kwargs["checkpoint"] = checkpoint
+        pipe = self._factory(**kwargs)
         try:
             pipe.build()
         except Exception as exc:
@@ -123,6 +216,7 @@ class DALILoader:
     def __len__(self) -> int:
         return self._len
 
+    # ----------------------------------------------------------------- running and copying out
     def _run(self, copy: bool = True) -> Batch | None:
         try:
             outputs = self._pipe.run()
@@ -131,43 +225,59 @@ class DALILoader:
         self._pos += 1
         if self._pos == self._reader_batches:
             self._pos = 0
+            if self.mode == "train":
+                self._anchor = self._gather(self._pipe.checkpoint())
         if not copy:
             return None
-        return {name: self._to_torch(out) for name, out in zip(self.output_names, outputs, strict=True)}
+        return {name: self._to_torch(name, out) for name, out in zip(self.output_names, outputs, strict=True)}
 
-    @staticmethod
-    def _to_torch(tensor_list) -> Tensor:
-        """Copy a dense DALI TensorList into a fresh torch tensor (int32 becomes int64).
-
-        DALI reuses its output buffers a few batches later, so every batch is copied out: a batch
-        Lightning still holds is never overwritten by the next one. CPU: ``Tensor.clone`` of a zero-copy
-        view (a parallel copy); GPU: ``feed_ndarray`` into fresh CUDA memory on the current stream.
-        """
+    def _to_torch(self, name: str, tensor_list) -> Tensor:
+        """A torch tensor of one output that stays valid after later runs (see *Output buffers*)."""
         dense = tensor_list.as_tensor()  # zero-copy for the dense batches these pipelines produce
+        src = to_torch_type[dense.dtype]
+        dst = self._dtypes.get(name, torch.int64 if src == torch.int32 else src)
         if isinstance(tensor_list, TensorListGPU):
             device = torch.device("cuda", tensor_list.device_id())
-            out = torch.empty(dense.shape(), dtype=to_torch_type[dense.dtype], device=device)
+            out = torch.empty(dense.shape(), dtype=src, device=device)
             feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
-        else:
-            out = torch.from_numpy(np.asarray(dense)).clone()
-        return out.long() if out.dtype == torch.int32 else out
+            return out.to(dst)
+        if dst == src and self._pipe.exec_dynamic:
+            return torch.from_dlpack(dense)  # owns a reference to DALI's buffer, which DALI never reuses
+        out = self._pool.take(name, dense.shape(), dst)
+        if dst == src:
+            feed_ndarray(dense, out)  # one memcpy in C++
+        elif dst == torch.bfloat16:  # numpy has no bfloat16
+            out.copy_(torch.from_numpy(np.asarray(dense)))
+        else:  # numpy: single-threaded, so it does not fight DALI's workers for the cores
+            np.copyto(out.numpy(), np.asarray(dense), casting="unsafe")
+        return out.view(out.shape)  # a second tensor on the buffer: its storage use count marks it held
 
+    # ----------------------------------------------------------------- epochs
     def __iter__(self) -> Iterator[Batch]:
         if self.mode == "eval":
             return self._eval_epoch()
         return self._train_epoch()
 
+    def _discard_tail(self) -> None:
+        while self._pos != 0:
+            self._run(copy=False)
+
     def _train_epoch(self) -> Iterator[Batch]:
-        for _ in range(self._len):
-            if self._pos >= self._len:  # tail batches of this reader epoch: run and discard
-                while self._pos != 0:
-                    self._run(copy=False)
-            yield self._finish(self._run())
+        if not self._resume or self._taken >= self._len:  # a new epoch (a restored one may be complete)
+            self._taken = 0
+        self._resume = False
+        while self._taken < self._len:
+            if self._pos >= self._len:  # only tail batches left in this reader epoch (an abandoned epoch)
+                self._discard_tail()
+            batch = self._run()
+            self._taken += 1
+            if self._taken == self._len and self._pos >= self._len:
+                self._discard_tail()  # now: a checkpoint saved at the epoch's end then has nothing to replay
+            yield self._finish(batch)
 
     def _eval_epoch(self) -> Iterator[Batch]:
         if self._reader_batches - self._pos <= 2:  # only padding (or nearly nothing) left: run it off
-            while self._pos != 0:
-                self._run(copy=False)
+            self._discard_tail()
         elif self._pos != 0:  # a previous epoch was abandoned part-way: rebuilding is cheaper
             del self._pipe
             self._pipe = self._build()
@@ -181,3 +291,69 @@ class DALILoader:
 
     def _finish(self, batch: Batch) -> Batch:
         return self._postprocess(batch) if self._postprocess is not None else batch
+
+    # ----------------------------------------------------------------- resuming
+    def _gather(self, own: bytes) -> dict[int, bytes]:
+        """``{shard_id: checkpoint}`` of every rank under DDP (one all_gather_object), else of this one."""
+        if (
+            self.num_shards > 1
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() == self.num_shards
+            and dist.get_rank() == self.shard_id
+        ):
+            gathered: list[Any] = [None] * self.num_shards
+            dist.all_gather_object(gathered, (self.shard_id, own))
+            return dict(gathered)
+        return {self.shard_id: own}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is (see *Resuming* in the module docstring); ``{}`` for evaluation loaders."""
+        if self.mode != "train":
+            return {}
+        return {
+            "format": _STATE_FORMAT,
+            "num_samples": self.num_samples,
+            "num_shards": self.num_shards,
+            "batch_size": self.batch_size,
+            "epoch_batches": self._taken,
+            "reader_batches": self._pos,
+            "anchor": None if self._anchor is None else dict(self._anchor),
+            "current": {self.shard_id: self._pipe.checkpoint()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, possibly another rank's): the next ``iter()``
+        yields the rest of the saved epoch, or the next epoch when the saved one was complete."""
+        if self.mode != "train" or not state:
+            return
+        if self._resume and state == self._restored_state:  # the same state again (datamodule, then loop)
+            return
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown DALILoader state format {state.get('format')!r}")
+        saved = (state["num_samples"], state["num_shards"], state["batch_size"])
+        if saved != (self.num_samples, self.num_shards, self.batch_size):
+            warnings.warn(
+                f"DALI loader state was saved for (samples, shards, batch size) = {saved}, this loader has "
+                f"{(self.num_samples, self.num_shards, self.batch_size)}: the sample order cannot be "
+                "restored, starting from a fresh pipeline",
+                stacklevel=2,
+            )
+            return
+        anchor, current = state["anchor"], state["current"]
+        if self.shard_id in current:
+            self._pipe = None  # release the old pipeline's threads and buffers before building another
+            self._pipe = self._build(current[self.shard_id])
+            self._pos = state["reader_batches"]
+        else:
+            if anchor is not None and self.shard_id not in anchor:
+                raise ValueError(f"DALI loader state has no checkpoint for shard {self.shard_id}")
+            self._pipe = None
+            self._pipe = self._build(None if anchor is None else anchor[self.shard_id])
+            self._pos = 0
+            for _ in range(state["reader_batches"]):  # mid-epoch on another rank: re-run, discard
+                self._run(copy=False)
+        self._anchor = None if anchor is None else dict(anchor)
+        self._taken = state["epoch_batches"]
+        self._resume = True
+        self._restored_state = dict(state)

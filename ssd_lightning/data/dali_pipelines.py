@@ -7,6 +7,9 @@ All readers are named ``"Reader"`` (the iterator asks it for the epoch size), us
 (the last batch of a shard is filled with copies of its last sample; the iterator trims or drops them) and
 never change shard between epochs (``stick_to_shard``, or ``shuffle_after_epoch``, which DALI implements as
 one global permutation per epoch, identical on every rank because the seed is, then split into fixed shards).
+Training loaders build them with ``enable_checkpointing=True`` (a keyword every ``@pipeline_def`` takes) so
+that a run can be resumed exactly; DALI then draws reader epoch ``k``'s permutation from the seed and ``k``
+alone, instead of reshuffling the previous epoch's order (see :mod:`ssd_lightning.data.dali_iterator`).
 
 Outputs (per sample):
 

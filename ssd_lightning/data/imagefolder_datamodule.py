@@ -165,12 +165,14 @@ class ImageFolderDALIDataModule(DALIDataModule):
         }
         if split == "train":
 
-            def factory():
-                return classification_train_pipeline(**common, shuffle=self.shuffle, shuffle_seed=self.seed)
+            def factory(**pipeline_kwargs):
+                return classification_train_pipeline(
+                    **common, **pipeline_kwargs, shuffle=self.shuffle, shuffle_seed=self.seed
+                )
         else:
 
-            def factory():
-                return classification_val_pipeline(**common, resize_size=self.val_resize)
+            def factory(**pipeline_kwargs):
+                return classification_val_pipeline(**common, **pipeline_kwargs, resize_size=self.val_resize)
 
         return DALILoader(
             factory,
@@ -180,6 +182,7 @@ class ImageFolderDALIDataModule(DALIDataModule):
             num_shards=num_shards,
             postprocess=self._postprocess,
             on_error=decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}"),
+            dtypes={} if self._cast is None else {"images": self._cast},
         )
 
     def _postprocess(self, batch: Batch) -> Batch:

@@ -15,7 +15,7 @@ __all__ = ["AtomicCheckpointIO"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes ``<dir>/.<name>.<pid>.tmp``, fsyncs it, then renames it over ``<dir>/<name>``.
+    """Writes ``<dir>/.<name>.<pid>.tmp``, fsyncs it, renames it over ``<dir>/<name>``, fsyncs ``<dir>``.
 
     A run killed during a save, or a disk that fills up, leaves the previous checkpoint of that name intact
     and no temporary file behind (a kill -9 can leave a ``.tmp``, never a truncated ``.ckpt``). Write errors
@@ -36,6 +36,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
+                _fsync_directory(path.parent)  # make the rename itself durable
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as e:
@@ -48,3 +49,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @staticmethod
     def _write(checkpoint: dict[str, Any], f) -> None:
         torch.save(checkpoint, f)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

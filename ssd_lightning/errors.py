@@ -15,8 +15,11 @@ from collections.abc import Iterator
 __all__ = [
     "UserError",
     "ConfigError",
+    "DataError",
+    "MissingDataError",
     "CheckpointWriteError",
     "NonFiniteLossError",
+    "is_user_error",
     "user_errors_as_messages",
 ]
 
@@ -29,6 +32,14 @@ class ConfigError(UserError, ValueError):
     """A config value is missing, of the wrong type, or impossible."""
 
 
+class DataError(UserError, ValueError):
+    """A dataset file is unreadable or inconsistent (bad JSON, unknown ids, corrupt images, ...)."""
+
+
+class MissingDataError(UserError, FileNotFoundError):
+    """A dataset folder or file the config points at does not exist."""
+
+
 class CheckpointWriteError(UserError, OSError):
     """A checkpoint could not be written; the previous file of that name is untouched."""
 
@@ -38,17 +49,20 @@ class NonFiniteLossError(UserError, FloatingPointError):
 
 
 # -- how command-line entry points report them --------------------------------------------------------
-#: Exceptions that come from the input (config, data files, environment) rather than from a bug. Hydra's
-#: InstantiationException wraps errors raised by constructors; Lightning's MisconfigurationException names
-#: Trainer arguments. Anything else is a bug and keeps its full traceback.
-USER_ERROR_TYPES: tuple[type[BaseException], ...] = (UserError, ValueError, OSError)
+def is_user_error(error: BaseException) -> bool:
+    """Input errors, as opposed to bugs (which keep their full traceback).
 
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
+    Ours (:class:`UserError`), Lightning's ``MisconfigurationException`` (it names Trainer arguments), and
+    Hydra's ``InstantiationException`` when the constructor rejected an argument value (a ``ValueError``,
+    the convention of every constructor here); a ``TypeError`` there is a bug or a wrong key and keeps its
+    traceback.
+    """
     from hydra.errors import InstantiationException
     from lightning_fabric.utilities.exceptions import MisconfigurationException
 
-    return (*USER_ERROR_TYPES, InstantiationException, MisconfigurationException)
+    if isinstance(error, (UserError, MisconfigurationException)):
+        return True
+    return isinstance(error, InstantiationException) and isinstance(error.__cause__, ValueError)
 
 
 def _rank_prefix() -> str:
@@ -63,10 +77,11 @@ def _rank_prefix() -> str:
 
 def _peer_failed(error: BaseException) -> bool:
     """A collective broke because another process of the job died (gloo says so; NCCL would time out)."""
+    import torch.distributed as dist
+
     text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "Connection closed by peer" in text or "Connection reset" in text
-    )
+    in_a_job = dist.is_available() and dist.is_initialized()
+    return in_a_job and ("Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
 def _log_files() -> list[str]:
@@ -78,22 +93,23 @@ def user_errors_as_messages() -> Iterator[None]:
     """Print user errors as one ``Error: ...`` message and exit 2 (config) or 1 (data, files, environment).
 
     The traceback goes to the run's log file only (``HYDRA_FULL_ERROR=1`` re-raises it instead). Ctrl-C
-    outside training exits 130 with one line.
+    outside training exits 130 with one line (inside ``fit``, Lightning turns a Ctrl-C it did not expect
+    into exit 1). Anything that is not :func:`is_user_error` is re-raised with its traceback.
     """
     try:
         yield
     except KeyboardInterrupt:
         sys.stderr.write("Interrupted.\n")
         raise SystemExit(130) from None
-    except RuntimeError as error:
-        if not _peer_failed(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        sys.stderr.write(
-            f"{_rank_prefix()}Stopped: another process of this job failed; its message is above.\n"
-        )
-        raise SystemExit(1) from None
-    except _user_error_types() as error:
+    except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if isinstance(error, RuntimeError) and _peer_failed(error):
+            sys.stderr.write(
+                f"{_rank_prefix()}Stopped: another process of this job failed; its message is above.\n"
+            )
+            raise SystemExit(1) from None
+        if not is_user_error(error):
             raise
         files = _log_files()
         record = logging.makeLogRecord(

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ssd_lightning.errors import ConfigError
+
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 SCHEDULES = ("multistep", "step", "cosine", "constant")
 
@@ -31,7 +33,7 @@ def scale_lr(
     ratio; ``none`` returns ``base_lr`` unchanged.
     """
     if rule not in LR_SCALING_RULES:
-        raise ValueError(f"lr_scaling.rule must be one of {LR_SCALING_RULES}, got {rule!r}")
+        raise ConfigError(f"lr_scaling.rule must be one of {LR_SCALING_RULES}, got {rule!r}")
     if batch_size <= 0 or world_size <= 0 or reference_batch_size <= 0:
         raise ValueError(
             "lr scaling needs positive sizes, got "
@@ -145,7 +147,7 @@ def lr_factor(
     Epoch boundaries come from ``steps_per_epoch``; the schedule never depends on wall-clock or sync.
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"scheduler.name must be one of {SCHEDULES}, got {schedule!r}")
+        raise ConfigError(f"scheduler.name must be one of {SCHEDULES}, got {schedule!r}")
     warm = step / warmup_steps if warmup_steps > 0 and step < warmup_steps else 1.0
     epoch = step // max(1, steps_per_epoch)
     if schedule == "multistep":

@@ -7,6 +7,7 @@ composed by Hydra's compose API.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ import hydra
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
@@ -71,37 +73,52 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.trainer.get("enable_progress_bar") is False:  # the Trainer switch wins over callbacks.progress_bar
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
+    plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
     trainer: pl.Trainer = hydra.utils.instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins
     )
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
     started = time.perf_counter()
-    if cfg.task == "fit":
-        try:
+    try:
+        if cfg.task == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        except SIGTERMException:
-            raise SystemExit(_interrupted_exit_code(trainer)) from None
-        metrics = dict(trainer.callback_metrics)
-    elif cfg.task == "validate":
-        results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        metrics = dict(results[0]) if results else {}
-    else:
-        metrics = run_benchmark_task(
-            cfg.task,
-            trainer=trainer,
-            model=model,
-            datamodule=datamodule,
-            output_dir=cfg.paths.output_dir,
-            config_summary=config_summary_from_cfg(cfg),
-        )
+            metrics = dict(trainer.callback_metrics)
+        elif cfg.task == "validate":
+            results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            metrics = dict(results[0]) if results else {}
+        else:
+            metrics = run_benchmark_task(
+                cfg.task,
+                trainer=trainer,
+                model=model,
+                datamodule=datamodule,
+                output_dir=cfg.paths.output_dir,
+                config_summary=config_summary_from_cfg(cfg),
+            )
+    except SIGTERMException:
+        raise SystemExit(_interrupted_exit_code(trainer)) from None
+    except Exception:
+        _stop_other_ranks(trainer)
+        raise
     elapsed = time.perf_counter() - started
 
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
     if trainer.is_global_zero:
         _print_summary(cfg, trainer, metrics, elapsed)
     return metrics
+
+
+def _stop_other_ranks(trainer: pl.Trainer) -> None:
+    """This process failed: end the ranks Lightning started for it (they would wait in a collective).
+
+    Only the main process of Lightning's own launcher has children; torchrun and SLURM end the other
+    workers of a failed job themselves.
+    """
+    launcher = trainer.strategy.launcher
+    if isinstance(launcher, _SubprocessScriptLauncher):
+        launcher.kill(signal.SIGKILL)
 
 
 def _interrupted_exit_code(trainer: pl.Trainer) -> int:

@@ -67,6 +67,7 @@ def test_a_failing_rank_ends_the_job_with_its_message(failing_rank, shapes_coco,
     assert proc.returncode != 0, out[-3000:]
     assert f"[rank {failing_rank}] Error:" in out, out[-3000:]
     assert f"corrupt or truncated: {path}" in out
+    # the other rank either says why it stops or is ended before it can (Lightning's launcher kills it)
     other = f"[rank {1 - failing_rank}]"
     assert f"{other} Stopped: another process of this job failed" in out or other not in out
     assert "Traceback" not in out, out[-3000:]

@@ -3,6 +3,9 @@
 On a CPU nothing really syncs, so the test counts the calls that would (``.item()``, ``.tolist()``,
 ``bool(tensor)``, ``torch.tensor(python value)`` ...) with a TorchFunctionMode during a short fit of each
 module, through the configs' callbacks (progress bar, NaN guard, LR monitor, checkpointing).
+
+One process only: under DDP, Lightning 2.6 itself broadcasts a SIGTERM flag and reads it back before every
+training step (``_broadcast_sigterm_tensor``), one small sync per step that this project cannot remove.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def test_one_bad_batch_is_skipped_and_counted():
     assert _finite(module)
     assert trainer.global_step == BATCHES
     assert float(trainer.callback_metrics["train/nonfinite_losses"]) == 1.0
-    assert float(trainer.callback_metrics["train/skipped_steps"]) == 1.0
+    assert float(trainer.callback_metrics["train/nonfinite_grad_steps"]) == 1.0
 
 
 def test_without_zeroing_one_bad_batch_poisons_the_weights():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -162,6 +163,83 @@ def test_image_depends_only_on_seed_split_index() -> None:
     c, _ = render_detection_image(1, "val", 7, min_size=64, max_size=96)
     assert np.array_equal(a, b) and [o.bbox() for o in objs_a] == [o.bbox() for o in objs_b]
     assert a.shape != c.shape or not np.array_equal(a, c)
+
+
+def test_default_scale_range_is_pinned() -> None:
+    """The demo's dataset must not change under its users: image 5 of val (seed 0) as generated since the
+    first release (sha256 of the pixels before JPEG, and the visible boxes)."""
+    image, objects = render_detection_image(0, "val", 5)
+    assert image.shape == (282, 425, 3)
+    digest = hashlib.sha256(image.tobytes()).hexdigest()
+    assert digest == "0596489088ae501b201c11fcddebc13a508d3f8269a32c7f61ca4a4633922696"
+    assert [o.bbox() for o in objects] == [
+        [265.0, 30.0, 95.0, 102.0],
+        [312.0, 84.0, 22.0, 23.0],
+        [73.0, 87.0, 130.0, 194.0],
+        [192.0, 257.0, 24.0, 24.0],
+    ]
+
+
+def _span(obj: shapes.ShapeObject) -> float:
+    """Largest side of the full (amodal) outline's box, in pixels."""
+    return float((obj.polygon.max(axis=0) - obj.polygon.min(axis=0)).max())
+
+
+def test_scale_range_changes_sizes_only() -> None:
+    """min_scale/max_scale bound every shape's extent; image size, shape count and kinds stay the same."""
+    spans_default, spans_big, spans_small = [], [], []
+    for index in range(12):
+        base, objs = render_detection_image(3, "train", index, min_size=96, max_size=200)
+        big, objs_big = render_detection_image(3, "train", index, min_size=96, max_size=200, min_scale=0.3)
+        small, objs_small = render_detection_image(
+            3, "train", index, min_size=96, max_size=200, min_scale=0.1, max_scale=0.2
+        )
+        short = min(base.shape[:2])
+        assert base.shape == big.shape == small.shape
+        assert [o.category_id for o in objs] == [o.category_id for o in objs_big]
+        assert [o.category_id for o in objs] == [o.category_id for o in objs_small]
+        spans_default += [_span(o) / short for o in objs]
+        spans_big += [_span(o) / short for o in objs_big]
+        spans_small += [_span(o) / short for o in objs_small]
+    # A shape's outline spans between ~0.6x (thin triangle) and ~1.6x (long rectangle) of its size.
+    assert min(spans_big) >= 0.5 * 0.3
+    assert min(spans_default) < 0.5 * 0.3  # the default range does draw shapes that small
+    assert max(spans_small) <= 1.7 * 0.2 and min(spans_small) >= 0.5 * 0.1
+    assert max(spans_default) > 1.7 * 0.2
+
+
+@pytest.mark.parametrize(
+    "bad", [{"min_scale": 0.0}, {"min_scale": 0.5, "max_scale": 0.4}, {"max_scale": 1.5}]
+)
+def test_scale_range_validated(bad: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="min_scale"):
+        render_detection_image(0, "train", 0, **bad)
+    with pytest.raises(ValueError, match="min_scale"):
+        make_detection_dataset(tmp_path / "d", num_train=1, num_val=1, **bad)
+    assert not (tmp_path / "d").exists()
+
+
+def test_scale_range_recorded_only_when_not_default(
+    det_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    meta = json.loads((det_root / shapes.METADATA_FILE).read_text())
+    assert "min_scale" not in meta and "max_scale" not in meta  # same file as before the option existed
+    with caplog.at_level(logging.WARNING, logger="ssd_lightning.data.shapes"):
+        ensure_detection_dataset(det_root, **SMALL, min_scale=0.07, max_scale=0.75)
+    assert not caplog.records  # asking for the defaults explicitly matches a default dataset
+    with caplog.at_level(logging.WARNING, logger="ssd_lightning.data.shapes"):
+        ensure_detection_dataset(det_root, **SMALL, min_scale=0.15)
+    assert len(caplog.records) == 1 and "min_scale" in caplog.records[0].getMessage()
+    caplog.clear()
+    root = make_detection_dataset(
+        tmp_path / "big", num_train=2, num_val=1, min_size=48, max_size=64, min_scale=0.2
+    )
+    assert json.loads((root / shapes.METADATA_FILE).read_text())["min_scale"] == 0.2
+    with caplog.at_level(logging.WARNING, logger="ssd_lightning.data.shapes"):
+        ensure_detection_dataset(root, num_train=2, num_val=1, min_scale=0.2)
+        assert not caplog.records
+        ensure_detection_dataset(root, num_train=2, num_val=1, min_scale=0.07)  # 0.2 on disk
+    assert len(caplog.records) == 1 and "min_scale" in caplog.records[0].getMessage()
 
 
 # ----------------------------------------------------------------------------------- drawn content

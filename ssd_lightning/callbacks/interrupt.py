@@ -38,31 +38,28 @@ class InterruptCheckpoint(pl.Callback):
         self.filename = filename
         self.stopped_by: str | None = None
         self.saved_path: Path | None = None
-        self._previous_sigint = None
+        self._rank = 0
 
     # -- Ctrl-C -------------------------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # not in on_fit_start: Lightning records and later restores the signal handlers after that hook
+        # Not in on_fit_start: Lightning records the signal handlers after that hook and restores them in
+        # its teardown, which also removes this one.
         self.stopped_by, self.saved_path = None, None
+        self._rank = trainer.global_rank
         if threading.current_thread() is threading.main_thread():
-            self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+            signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum, frame) -> None:
         if self.stopped_by is not None:  # second Ctrl-C: stop now
-            self._restore_sigint()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.stopped_by = "SIGINT"
+        if self._rank > 0:
+            # A terminal's Ctrl-C reaches every rank; rank 0 alone turns it into SIGTERM, which Lightning
+            # (or torchrun) passes on, so every rank sees exactly one.
+            return
         log.warning("Ctrl-C: stopping after this step and saving last.ckpt (press Ctrl-C again to abort now)")
-        # Lightning's SIGTERM path stops every rank at the same step boundary
-        signal.raise_signal(signal.SIGTERM)
-
-    def _restore_sigint(self) -> None:
-        if self._previous_sigint is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous_sigint)
-        self._previous_sigint = None
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore_sigint()
+        signal.raise_signal(signal.SIGTERM)  # Lightning's SIGTERM path: every rank stops at the same step
 
     # -- the checkpoint -----------------------------------------------------------------------------
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
@@ -79,10 +76,13 @@ class InterruptCheckpoint(pl.Callback):
             return
         self.stopped_by = self.stopped_by or "SIGTERM"
         path = self.checkpoint_path(trainer)
-        trainer.save_checkpoint(path, weights_only=False)  # every rank calls it: all stopped at this step
+        try:
+            trainer.save_checkpoint(path, weights_only=False)  # every rank calls it: all stopped at this step
+        except Exception as error:  # let Lightning finish its clean-up; the message says what was lost
+            log.error(f"{self.stopped_by}: could not save {path}: {error}")
+            return
         self.saved_path = path
         log.warning(
             f"{self.stopped_by}: stopped at epoch {trainer.current_epoch}, step {trainer.global_step}; "
             f"saved {path}. Resume with the same command plus ckpt_path={path}"
         )
-        self._restore_sigint()

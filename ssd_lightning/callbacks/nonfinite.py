@@ -26,10 +26,10 @@ class NonFiniteGuard(pl.Callback):
     * loss: non-finite losses are counted, with the (epoch, batch) of the first one.
 
     Every ``check_every_n_steps`` steps (default: the Trainer's ``log_every_n_steps``) and at each epoch end,
-    the counters are read once: ``train/nonfinite_losses`` and ``train/skipped_steps`` are logged, a warning
-    names the first bad (epoch, batch), and after ``patience`` consecutive non-finite losses the run stops
-    with :class:`NonFiniteLossError` on every rank (the decision is reduced across DDP ranks), before a
-    checkpoint of NaN weights is written.
+    the counters are read once: ``train/nonfinite_losses`` and ``train/nonfinite_grad_steps`` are logged, a
+    warning names the first bad (epoch, batch), and after ``patience`` consecutive non-finite losses the run
+    stops with :class:`NonFiniteLossError` on every rank (the decision is reduced across DDP ranks), before
+    a checkpoint of NaN weights is written.
 
     Args:
         patience: consecutive non-finite losses that end the run.
@@ -98,7 +98,7 @@ class NonFiniteGuard(pl.Callback):
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log_metrics: bool) -> None:
         consecutive, losses, skipped, first = self._counters.tolist()  # the one host sync
         if log_metrics:
-            metrics = {"train/nonfinite_losses": float(losses), "train/skipped_steps": float(skipped)}
+            metrics = {"train/nonfinite_losses": float(losses), "train/nonfinite_grad_steps": float(skipped)}
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         where = _batch_name(first, trainer.num_training_batches)
         if losses > self._reported_losses:
@@ -111,8 +111,8 @@ class NonFiniteGuard(pl.Callback):
         if stop:
             raise NonFiniteLossError(
                 f"the training loss was NaN/inf for {max(consecutive, self.patience)}+ consecutive steps "
-                f"(first at {where}; {losses} non-finite losses, {skipped} skipped "
-                f"steps in total). Stopped before saving NaN weights. Try a lower model.optimizer.lr or "
+                f"(first at {where}; {losses} non-finite losses, {skipped} steps with NaN/inf gradients "
+                f"in total). Stopped before saving NaN weights. Try a lower model.optimizer.lr or "
                 f"more model.scheduler.warmup_steps, precision=fp32, and check that batch's data; "
                 f"resume from an earlier checkpoint with ckpt_path=..."
             )
@@ -120,6 +120,8 @@ class NonFiniteGuard(pl.Callback):
 
 def _batch_name(index: int, batches_per_epoch: int | float) -> str:
     """``"epoch E, batch B"`` of Lightning's 0-based batch index across epochs."""
+    if index < 0:  # this rank saw none; another rank's losses stopped the run
+        return "another rank"
     if isinstance(batches_per_epoch, int) and batches_per_epoch > 0:
         return f"epoch {index // batches_per_epoch}, batch {index % batches_per_epoch}"
     return f"training batch {index}"

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ssd_lightning.errors import DataError
+
 __all__ = ["CategoryMap"]
 
 _T = TypeVar("_T", int, Tensor, np.ndarray)
@@ -55,16 +57,16 @@ class CategoryMap:
                 data = json.load(f)
         cats = data.get("categories") if isinstance(data, Mapping) else None
         if not isinstance(cats, list) or not cats:
-            raise ValueError(f"{where}: 'categories' must be a non-empty list of {{'id', 'name'}} dicts")
+            raise DataError(f"{where}: 'categories' must be a non-empty list of {{'id', 'name'}} dicts")
         ids, names = [], ["background"]
         for cat in cats:
             if not isinstance(cat, Mapping) or not isinstance(cat.get("id"), int):
-                raise ValueError(f"{where}: every category needs an integer 'id', got {cat!r}")
+                raise DataError(f"{where}: every category needs an integer 'id', got {cat!r}")
             ids.append(int(cat["id"]))
             names.append(str(cat.get("name", cat["id"])))
         if len(set(ids)) != len(ids):
             dup = sorted({i for i in ids if ids.count(i) > 1})
-            raise ValueError(f"{where}: duplicate category ids {dup}; each category needs a unique id")
+            raise DataError(f"{where}: duplicate category ids {dup}; each category needs a unique id")
         return cls(tuple(ids), tuple(names))
 
     @classmethod

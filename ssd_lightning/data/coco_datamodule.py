@@ -24,6 +24,7 @@ from ssd_lightning.data.dali_pipelines import (
     dali_output_dtype,
     resolve_device,
 )
+from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["CocoDALIDataModule"]
 
@@ -125,7 +126,7 @@ class CocoDALIDataModule(DALIDataModule):
         if self._category_map is None:
             source = self.val_annotations if self.val_annotations.is_file() else self.train_annotations
             if not source.is_file():
-                raise FileNotFoundError(
+                raise MissingDataError(
                     f"no annotation file at {self.val_annotations} or {self.train_annotations}; "
                     "the category map needs one (generate/download the dataset first)"
                 )
@@ -155,7 +156,7 @@ class CocoDALIDataModule(DALIDataModule):
             info = check_coco_split(images, ann, check_files=self.check_files)
             other = self._splits.get("val" if split == "train" else "train")
             if other is not None and other.category_map.category_ids != info.category_map.category_ids:
-                raise ValueError(
+                raise DataError(
                     f"{self.train_annotations} and {self.val_annotations} list different categories (or the "
                     "same in a different order); DALI numbers labels by that order, so they must agree"
                 )

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["CocoSplitInfo", "check_coco_split", "check_image_headers", "find_undecodable_images"]
 
@@ -96,12 +97,12 @@ def check_image_headers(paths: Iterable[Path]) -> None:
         if not is_webp and not any(head.startswith(m) for m in _MAGIC):
             bad.append(f"{path} (starts with {head[:4]!r})")
     if missing:
-        raise FileNotFoundError(
+        raise MissingDataError(
             f"{len(missing)} image file(s) listed in the annotations do not exist: {_listing(missing)}. "
             "Restore them or remove their entries from the annotation file."
         )
     if bad:
-        raise ValueError(
+        raise DataError(
             f"{len(bad)} file(s) are not images DALI can decode (JPEG, PNG, BMP, TIFF, WebP): "
             f"{_listing(bad)}. Re-encode or remove them."
         )
@@ -130,14 +131,14 @@ def _load_json(path: Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise ValueError(
+        raise DataError(
             f"annotation file {path} is not valid JSON ({exc}); re-download or regenerate it"
         ) from exc
     if not isinstance(data, dict):
-        raise ValueError(f"annotation file {path}: expected a JSON object with images/annotations/categories")
+        raise DataError(f"annotation file {path}: expected a JSON object with images/annotations/categories")
     missing = [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"annotation file {path} lacks the COCO list(s) {missing}; a COCO detection file needs "
             "'images', 'annotations' and 'categories' (instances_*.json, not captions/keypoints)"
         )
@@ -175,35 +176,35 @@ def check_coco_split(
     """
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
     if not image_dir.is_dir():
-        raise FileNotFoundError(
+        raise MissingDataError(
             f"image directory {image_dir} does not exist; point the datamodule's root (or train_images/"
             "val_images) at a COCO-layout dataset"
         )
     if not annotation_file.is_file():
-        raise FileNotFoundError(
+        raise MissingDataError(
             f"annotation file {annotation_file} does not exist; expected <root>/annotations/"
             "instances_<split>.json or pass train_annotations/val_annotations"
         )
     data = _load_json(annotation_file)
     category_map = CategoryMap.from_coco(data) if data["categories"] else None
     if category_map is None:
-        raise ValueError(f"annotation file {annotation_file} has an empty 'categories' list")
+        raise DataError(f"annotation file {annotation_file} has an empty 'categories' list")
     if not data["images"]:
-        raise ValueError(f"annotation file {annotation_file} lists no images; the split would be empty")
+        raise DataError(f"annotation file {annotation_file} lists no images; the split would be empty")
 
     sizes: dict[int, tuple[float, float, str]] = {}
     for img in data["images"]:
         try:
             iid, w, h, name = img["id"], float(img["width"]), float(img["height"]), str(img["file_name"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
+            raise DataError(
                 f"annotation file {annotation_file}: image entry {img!r} needs 'id', 'file_name', "
                 f"'width' and 'height' ({exc!r})"
             ) from exc
         if iid in sizes:
-            raise ValueError(f"annotation file {annotation_file}: duplicate image id {iid}")
+            raise DataError(f"annotation file {annotation_file}: duplicate image id {iid}")
         if w <= 0 or h <= 0:
-            raise ValueError(f"annotation file {annotation_file}: image {name} (id {iid}) has size {w}x{h}")
+            raise DataError(f"annotation file {annotation_file}: image {name} (id {iid}) has size {w}x{h}")
         sizes[iid] = (w, h, name)
     if check_files:
         check_image_headers(image_dir / s[2] for s in sizes.values())
@@ -214,17 +215,17 @@ def check_coco_split(
     for ann in data["annotations"]:
         iid, cid, bbox = ann.get("image_id"), ann.get("category_id"), ann.get("bbox")
         if iid not in sizes:
-            raise ValueError(
+            raise DataError(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} references image id {iid}, "
                 "which is not in 'images'; fix or remove that annotation"
             )
         if cid not in valid_cats:
-            raise ValueError(
+            raise DataError(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} has category id {cid}, "
                 f"which is not in 'categories' {sorted(valid_cats)}"
             )
         if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, int | float) for v in bbox)):
-            raise ValueError(
+            raise DataError(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} needs bbox [x, y, w, h], "
                 f"got {bbox!r}"
             )
@@ -235,7 +236,7 @@ def check_coco_split(
             continue
         tol_x, tol_y = max(2.0, 0.02 * iw), max(2.0, 0.02 * ih)
         if x < -tol_x or y < -tol_y or x + bw > iw + tol_x or y + bh > ih + tol_y:
-            raise ValueError(
+            raise DataError(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} box {bbox} (x, y, w, h) lies "
                 f"outside image {image_dir / name} of size {iw:g}x{ih:g} by more than 2 %; is the file in "
                 "COCO's [x, y, width, height] pixel format, and are the image sizes right?"

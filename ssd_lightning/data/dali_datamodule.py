@@ -9,6 +9,7 @@ import torch
 
 from ssd_lightning.data.coco_validation import find_undecodable_images
 from ssd_lightning.data.dali_iterator import DALILoader
+from ssd_lightning.errors import DataError
 
 __all__ = ["DALIDataModule", "rank_info", "check_loader_args", "decode_error_reporter"]
 
@@ -43,7 +44,7 @@ def decode_error_reporter(paths_fn, what: str):
         paths = paths_fn()
         bad = find_undecodable_images(paths)
         if bad:
-            return ValueError(
+            return DataError(
                 f"DALI failed while reading {what}; these image files are corrupt or truncated: "
                 f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. Remove or re-encode them. "
                 f"(DALI said: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"

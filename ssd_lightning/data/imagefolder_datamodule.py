@@ -20,6 +20,7 @@ from ssd_lightning.data.dali_pipelines import (
     dali_output_dtype,
     resolve_device,
 )
+from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["ImageFolderDALIDataModule", "list_image_folder"]
 
@@ -36,13 +37,13 @@ def list_image_folder(directory: Path) -> tuple[list[str], list[tuple[Path, int]
         ValueError: no class sub-directories, or no images in them.
     """
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingDataError(
             f"image folder {directory} does not exist; expected <root>/train and <root>/val with one "
             "sub-directory per class (or pass train_dir/val_dir)"
         )
     classes = sorted(p.name for p in directory.iterdir() if p.is_dir())
     if not classes:
-        raise ValueError(f"image folder {directory} has no class sub-directories (<class>/<image>.jpg)")
+        raise DataError(f"image folder {directory} has no class sub-directories (<class>/<image>.jpg)")
     files = [
         (p, idx)
         for idx, name in enumerate(classes)
@@ -50,9 +51,7 @@ def list_image_folder(directory: Path) -> tuple[list[str], list[tuple[Path, int]
         if p.suffix.lower() in IMAGE_EXTENSIONS
     ]
     if not files:
-        raise ValueError(
-            f"image folder {directory} has class directories {classes[:5]} but no images in them"
-        )
+        raise DataError(f"image folder {directory} has class directories {classes[:5]} but no images in them")
     return classes, files
 
 
@@ -137,7 +136,7 @@ class ImageFolderDALIDataModule(DALIDataModule):
                 check_image_headers(p for p, _ in files)
             other = self._listing.get("val" if split == "train" else "train")
             if other is not None and other[0] != classes:
-                raise ValueError(
+                raise DataError(
                     f"{self.train_dir} and {self.val_dir} have different class folders "
                     f"({other[0][:5]}... vs {classes[:5]}...); class indices would not match"
                 )

@@ -71,9 +71,14 @@ MAX_OBJECTS = 6
 EMPTY_EVERY = 20  # image index i of a split has no objects when i % EMPTY_EVERY == EMPTY_OFFSET
 EMPTY_OFFSET = 3
 MIN_VISIBLE_FRACTION = 0.25
+# Shape extent drawn log-uniformly between these fractions of the image's short side (at least 10 px).
+DEFAULT_MIN_SCALE = 0.07
+DEFAULT_MAX_SCALE = 0.75
 SPLITS = {"train": ("train2017", 0), "val": ("val2017", 1)}
 CLS_SPLITS = {"train": 2, "val": 3}
 METADATA_FILE = "shapes_dataset.json"
+# Settings a dataset's metadata file records only when they differ from these defaults.
+_UNRECORDED_DEFAULTS = {"min_scale": DEFAULT_MIN_SCALE, "max_scale": DEFAULT_MAX_SCALE}
 # Upper bound of objects per image, used to build unique annotation ids: image_id * 10 + k.
 _ANN_ID_STRIDE = 10
 
@@ -292,9 +297,20 @@ def _finish(rng: np.random.Generator, img: np.ndarray) -> np.ndarray:
 
 
 def render_detection_image(
-    seed: int, split: str, index: int, *, min_size: int = 160, max_size: int = 480
+    seed: int,
+    split: str,
+    index: int,
+    *,
+    min_size: int = 160,
+    max_size: int = 480,
+    min_scale: float = DEFAULT_MIN_SCALE,
+    max_scale: float = DEFAULT_MAX_SCALE,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
+
+    Shape extents are log-uniform in ``[min_scale, max_scale]`` times the short side, at least 10 px.
+    Another scale range keeps the image size, background, number and kinds of shapes of the same
+    ``(seed, split, index)`` (they are drawn first); positions, colours and noise follow from the sizes.
 
     Returns:
         image: ``(H, W, 3)`` uint8 RGB, before JPEG compression; ``min_size <= H, W <= max_size``.
@@ -303,14 +319,16 @@ def render_detection_image(
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     _check_sizes(min_size, max_size)
+    _check_scales(min_scale, max_scale)
     rng = _rng(seed, SPLITS[split][1], index)
     width, height = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
     img = _background(rng, height, width)
     n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, MAX_OBJECTS + 1))
     short = min(width, height)
     kinds = [_KINDS[int(i)] for i in rng.integers(0, len(_KINDS), n)]
-    # Log-uniform scale from ~7 % to ~75 % of the short side (at least 10 px).
-    sizes = [max(10.0, short * math.exp(rng.uniform(math.log(0.07), math.log(0.75)))) for _ in range(n)]
+    # Log-uniform scale from min_scale (7 %) to max_scale (75 %) of the short side (at least 10 px).
+    log_lo, log_hi = math.log(min_scale), math.log(max_scale)
+    sizes = [max(10.0, short * math.exp(rng.uniform(log_lo, log_hi))) for _ in range(n)]
     objects = _draw_shapes(rng, img, kinds, sizes)
     return _finish(rng, img), objects
 
@@ -342,6 +360,14 @@ def _check_sizes(min_size: int, max_size: int) -> None:
         raise ValueError(f"need 32 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
 
 
+def _check_scales(min_scale: float, max_scale: float) -> None:
+    if not 0 < min_scale <= max_scale <= 1:
+        raise ValueError(
+            f"need 0 < min_scale <= max_scale <= 1 (fractions of the short side), "
+            f"got min_scale={min_scale}, max_scale={max_scale}"
+        )
+
+
 def _save_jpeg(array: np.ndarray, path: Path) -> None:
     Image.fromarray(array, mode="RGB").save(path, format="JPEG", quality=JPEG_QUALITY)
 
@@ -356,14 +382,14 @@ def _polygon_list(polygon: np.ndarray, width: int, height: int) -> list[float]:
 
 
 def _write_detection_split(
-    root: Path, split: str, count: int, id_offset: int, seed: int, min_size: int, max_size: int
+    root: Path, split: str, count: int, id_offset: int, seed: int, render_kwargs: dict
 ) -> None:
     folder, _ = SPLITS[split]
     (root / folder).mkdir(parents=True)
     images, annotations = [], []
     for i in range(count):
         image_id = id_offset + i + 1
-        array, objects = render_detection_image(seed, split, i, min_size=min_size, max_size=max_size)
+        array, objects = render_detection_image(seed, split, i, **render_kwargs)
         height, width = array.shape[:2]
         file_name = f"{image_id:012d}.jpg"
         _save_jpeg(array, root / folder / file_name)
@@ -442,12 +468,16 @@ def make_detection_dataset(
     seed: int = 0,
     min_size: int = 160,
     max_size: int = 480,
+    min_scale: float = DEFAULT_MIN_SCALE,
+    max_scale: float = DEFAULT_MAX_SCALE,
 ) -> Path:
     """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
 
     Train image ids are ``1..num_train``, val ids ``num_train + 1 .. num_train + num_val``; annotation ids
     are ``image_id * 10 + k`` for the k-th shape drawn in the image. Image ``i`` of a split depends only
-    on ``(seed, split, i, min_size, max_size)``.
+    on ``(seed, split, i, min_size, max_size, min_scale, max_scale)``; shape extents are log-uniform in
+    ``[min_scale, max_scale]`` times the image's short side (at least 10 px). The defaults are the
+    dataset ``make train`` has always generated; a larger ``min_scale`` leaves out the smallest shapes.
 
     Returns:
         ``root`` as a :class:`~pathlib.Path`.
@@ -455,6 +485,7 @@ def make_detection_dataset(
     if num_train < 0 or num_val < 0:
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
     _check_sizes(min_size, max_size)
+    _check_scales(min_scale, max_scale)
     params = {
         "num_train": num_train,
         "num_val": num_val,
@@ -462,10 +493,20 @@ def make_detection_dataset(
         "min_size": min_size,
         "max_size": max_size,
     }
+    render = {"min_size": min_size, "max_size": max_size}
+    # Scales are recorded only when they differ from the defaults: default datasets stay byte-identical,
+    # metadata file included, to those generated before the scale range was configurable.
+    for key, value, default in (
+        ("min_scale", min_scale, DEFAULT_MIN_SCALE),
+        ("max_scale", max_scale, DEFAULT_MAX_SCALE),
+    ):
+        render[key] = value
+        if value != default:
+            params[key] = value
 
     def fill(tmp: Path) -> None:
-        _write_detection_split(tmp, "train", num_train, 0, seed, min_size, max_size)
-        _write_detection_split(tmp, "val", num_val, num_train, seed, min_size, max_size)
+        _write_detection_split(tmp, "train", num_train, 0, seed, render)
+        _write_detection_split(tmp, "val", num_val, num_train, seed, render)
         _write_metadata(tmp, "detection", params)
 
     return _atomic_generate(Path(root), fill, _detection_problem)
@@ -568,7 +609,9 @@ def _ensure(
         meta_path = root / METADATA_FILE
         if meta_path.is_file() and kwargs:
             meta = json.loads(meta_path.read_text())
-            differ = {k: (meta.get(k), v) for k, v in kwargs.items() if meta.get(k) != v}
+            # Keys a dataset records only when they differ from the default (see make_detection_dataset).
+            recorded = {**_UNRECORDED_DEFAULTS, **meta}
+            differ = {k: (recorded.get(k), v) for k, v in kwargs.items() if recorded.get(k) != v}
             if differ:
                 log.warning(
                     "Reusing shapes %s dataset at %s generated with different settings "

@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from ssd_lightning.errors import ConfigError
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
 
 
@@ -17,7 +18,7 @@ def per_device_batch_size(trainer: pl.Trainer) -> int:
     datamodule = getattr(trainer, "datamodule", None)
     batch_size = getattr(datamodule, "batch_size", None)
     if batch_size is None:
-        raise ValueError(
+        raise ConfigError(
             "LR scaling needs the per-device batch size: the datamodule must expose `batch_size` "
             "(or set model.lr_scaling.rule=none)"
         )
@@ -76,7 +77,7 @@ def configure_recipe_optimizers(
     trainer = module.trainer
     base_lr = partial_kwarg(optimizer, "lr")
     if base_lr is None:
-        raise ValueError("model.optimizer.lr must be set (the base LR before scaling)")
+        raise ConfigError("model.optimizer.lr must be set (the base LR before scaling)")
     lr_scaling = dict(lr_scaling or {"rule": "none"})
     rule = lr_scaling.get("rule", "linear")
     lr = scale_lr(
@@ -116,7 +117,7 @@ def check_num_classes(module: pl.LightningModule, net_num_classes: int | None, k
     data_classes = getattr(datamodule, "num_classes", None)
     if net_num_classes is None or data_classes is None or int(data_classes) == int(net_num_classes):
         return
-    raise ValueError(
+    raise ConfigError(
         f"{key}={net_num_classes} but the data has {data_classes} classes "
         f"(including background for detection); set {key}={data_classes}"
     )

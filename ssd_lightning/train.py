@@ -36,6 +36,11 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
+def _no_litlogger_tip(record: logging.LogRecord) -> bool:
+    """Drops the advertisement for a hosted logger that every Trainer prints."""
+    return "litlogger" not in record.getMessage()
+
+
 def _silence_known_harmless_warnings() -> None:
     # Lightning suggests more DataLoader workers; DALI iterators are no DataLoaders and run their own threads.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
@@ -44,6 +49,9 @@ def _silence_known_harmless_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*AMP with fp16 is not supported on CPU.*")
     # Lightning's own use of a torch API deprecated in 2.10+; nothing a user can act on
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    # the summary's size estimate is all it concerns; the parameter counts are right
+    warnings.filterwarnings("ignore", message=r".*is not supported by the model summary.*")
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_no_litlogger_tip)  # added once
 
 
 def instantiate_group(group: DictConfig | None) -> list:

@@ -12,13 +12,11 @@ import time
 
 import pytest
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 
 from ssd_lightning.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.errors import CheckpointWriteError
 from ssd_lightning.train import train
-from tests.conftest import REPO_ROOT, compose_config
+from tests.conftest import REPO_ROOT
 
 
 def _state(value: float) -> dict:
@@ -91,7 +89,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch, make_cfg):
     """Through train(): epoch 0 saves, epoch 1's save hits a full disk -> clear error, epoch 0's file kept."""
     calls = {"n": 0}
     real_write = AtomicCheckpointIO._write
@@ -103,7 +101,7 @@ def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path,
         real_write(checkpoint, f)
 
     monkeypatch.setattr(AtomicCheckpointIO, "_write", staticmethod(full_on_second_save))
-    cfg = compose_config(
+    cfg = make_cfg(  # outputs in tmp_path
         [
             "data=synthetic",
             "data.batch_size=2",
@@ -118,12 +116,8 @@ def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path,
             "~callbacks.coco_map",
             "eval_epochs=[]",
             "logger=csv",
-            f"paths.output_dir={tmp_path}",
         ]
     )
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
     with pytest.raises(CheckpointWriteError, match="No space left on device"):
         train(cfg)
     checkpoints = tmp_path / "checkpoints"

@@ -5,14 +5,11 @@ from __future__ import annotations
 import pytest
 import pytorch_lightning as pl
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from torch import nn
 
 from ssd_lightning.callbacks import NonFiniteGuard
 from ssd_lightning.errors import NonFiniteLossError
 from ssd_lightning.train import train
-from tests.conftest import compose_config
 from tests.fault_injection import NaNImagesAt
 
 BATCHES = 10
@@ -90,9 +87,9 @@ def test_guard_arguments_are_checked():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_diverging_ssd_run_stops_with_a_clear_error(tmp_path):
+def test_a_diverging_ssd_run_stops_with_a_clear_error(tmp_path, make_cfg):
     """The real thing: SSD300 with an absurd learning rate, through train() and the configs' callbacks."""
-    cfg = compose_config(
+    cfg = make_cfg(  # outputs in tmp_path
         [
             "data=synthetic",
             "data.batch_size=2",
@@ -111,12 +108,8 @@ def test_a_diverging_ssd_run_stops_with_a_clear_error(tmp_path):
             "callbacks.nonfinite.patience=5",
             "eval_epochs=[]",
             "logger=csv",
-            f"paths.output_dir={tmp_path}",
         ]
     )
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
     with pytest.raises(NonFiniteLossError, match="consecutive steps"):
         train(cfg)
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # no checkpoint of a diverged net

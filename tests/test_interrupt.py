@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 
-from ssd_lightning.train import train
-from tests.conftest import REPO_ROOT, compose_config
+from tests.conftest import REPO_ROOT
 from tests.test_resume import COMMON as RESUME_COMMON
 from tests.test_resume import _ckpt, _per_step
+from tests.test_resume import _run as run_with_resume_settings
 
 STEPS_PER_EPOCH = 3
 TOTAL = 2 * STEPS_PER_EPOCH
@@ -32,11 +30,7 @@ KILL_STEPS = sorted(random.Random(2026).sample(range(1, TOTAL), 2))
 
 
 def _run(out_dir: Path, *extra: str) -> dict[str, float]:
-    cfg = compose_config([*COMMON, f"paths.output_dir={out_dir}", *extra])
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return train(cfg)
+    return run_with_resume_settings(out_dir, *extra, common=COMMON)
 
 
 def _signal_at(step: int, signum: signal.Signals) -> list[str]:

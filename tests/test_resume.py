@@ -47,8 +47,9 @@ COMMON = [
 ]
 
 
-def _run(out_dir: Path, *extra: str) -> dict[str, float]:
-    cfg = compose_config([*COMMON, f"paths.output_dir={out_dir}", *extra])
+def _run(out_dir: Path, *extra: str, common: list[str] = COMMON) -> dict[str, float]:
+    """``train()`` on ``common`` + ``extra`` overrides, writing into ``out_dir``."""
+    cfg = compose_config([*common, f"paths.output_dir={out_dir}", *extra])
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]

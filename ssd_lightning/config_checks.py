@@ -82,6 +82,10 @@ def _check_values(p: _Problems) -> None:
         from ssd_lightning.models.ssd300 import BACKBONES
 
         p.check("model.net.backbone", lambda v: v in BACKBONES, f"must be one of {', '.join(BACKBONES)}")
+        p.check(
+            "model.net.background_prior", lambda v: _is_number(v) and 0 < v < 1, "must be in (0, 1) or null"
+        )
+        p.check("model.net.zero_init_residual", lambda v: isinstance(v, bool), "must be true or false")
 
     epochs, max_epochs = _select(p.cfg, "eval_epochs"), _select(p.cfg, "trainer.max_epochs")
     if (

@@ -25,6 +25,11 @@ from tests.conftest import REPO_ROOT
         (["model.scheduler.gamma=2"], "model.scheduler.gamma=2: must be in (0, 1]"),
         (["model.net.backbone=resnet51"], "model.net.backbone='resnet51': must be one of resnet18, "),
         (["model.net.num_classes=1"], "model.net.num_classes=1"),
+        (["model.net.background_prior=1"], "model.net.background_prior=1: must be in (0, 1) or null"),
+        (
+            ["model.net.zero_init_residual=maybe"],
+            "model.net.zero_init_residual='maybe': must be true or false",
+        ),
         (["trainer.max_epochs=0"], "trainer.max_epochs=0"),
         (["eval_epochs=[3,1]"], "eval_epochs=[3, 1]: must be strictly increasing"),
         (["trainer.max_epochs=5", "eval_epochs=[2,5]"], "epoch 5 is past trainer.max_epochs=5"),

@@ -439,3 +439,11 @@ def test_concurrent_generation_keeps_first_complete_dataset(tmp_path: Path) -> N
     assert shapes._atomic_generate(root, fill, shapes._detection_problem) == root
     assert not (root / "marker").exists() and shapes._detection_problem(root) is None
     assert [p.name for p in tmp_path.iterdir()] == ["det"]
+
+
+def test_datamodule_generates_with_its_scale_range(tmp_path: Path) -> None:
+    from ssd_lightning.data.shapes_datamodule import ShapesDataModule
+
+    ShapesDataModule(tmp_path / "dm", num_train=2, num_val=1, min_scale=0.3, max_scale=0.5).prepare_data()
+    meta = json.loads((tmp_path / "dm" / shapes.METADATA_FILE).read_text())
+    assert (meta["min_scale"], meta["max_scale"]) == (0.3, 0.5)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ssd_lightning.models import SSD300, BoxCoder, SSDLoss, dboxes300_coco, ssd300
 from ssd_lightning.models.boxes import box_iou
+from ssd_lightning.models.ssd300 import zero_init_residual_branches
 
 
 @pytest.mark.parametrize(("backbone", "params"), [("resnet50", 22_894_902), ("resnet18", 14_048_310)])
@@ -87,6 +88,25 @@ def test_custom_backbone_and_argument_errors():
         SSD300(_TinyBackbone(), [128, 128], num_classes=3)
     with pytest.raises(ValueError, match="num_classes"):
         SSD300(_TinyBackbone(), [128] * 5, num_classes=1)
+    with pytest.raises(ValueError, match="background_prior must be in"):
+        SSD300(_TinyBackbone(), [128] * 5, num_classes=3, background_prior=1.0)
+
+
+@pytest.mark.parametrize("prior", [0.99, 0.6])
+def test_background_prior_sets_every_default_box(prior):
+    # With the heads' weights zeroed only the biases speak: every one of the 8732 boxes must start at
+    # p(background) = prior and share the rest equally; a bias laid out against the forward's
+    # (class, default) channel order would give some boxes another class's bias.
+    torch.manual_seed(0)
+    model = SSD300(_TinyBackbone(), [128] * 5, num_classes=4, background_prior=prior).eval()
+    for head in model.conf:
+        nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        probs = model(torch.randn(2, 3, 300, 300))[1].softmax(dim=1)
+    expected = torch.tensor([prior] + [(1 - prior) / 3] * 3)
+    torch.testing.assert_close(probs, expected[None, :, None].expand_as(probs))
+    reference = SSD300(_TinyBackbone(), [128] * 5, num_classes=4)  # PyTorch-default biases, as NVIDIA's
+    assert not torch.allclose(reference.conf[0].bias, torch.zeros_like(reference.conf[0].bias))
 
 
 @pytest.mark.slow  # ~30-80 s on a shared 2-core CPU
@@ -127,3 +147,27 @@ def test_tiny_overfit_recovers_boxes():
             assert best > 0.5
         # The top detections are the planted objects (score-sorted, right labels).
         assert sorted(det["labels"][: len(labs)].tolist()) == sorted(labs.tolist())
+
+
+@pytest.mark.parametrize(("backbone", "blocks"), [("resnet18", 6), ("mobilenet_v2", 8)])
+def test_zero_init_residual_starts_blocks_as_identity(backbone, blocks):
+    from torchvision.models.mobilenetv2 import InvertedResidual
+    from torchvision.models.resnet import BasicBlock
+
+    def first_skip_block(model):  # a block whose output is input + branch (no projection on the skip)
+        return next(
+            m
+            for m in model.feature_extractor.modules()
+            if (isinstance(m, BasicBlock) and m.downsample is None)
+            or (isinstance(m, InvertedResidual) and m.use_res_connect)
+        )
+
+    torch.manual_seed(0)
+    zeroed, plain = (ssd300(backbone=backbone, num_classes=3, zero_init_residual=z) for z in (True, False))
+    block = first_skip_block(zeroed)
+    channels = block.conv1.in_channels if isinstance(block, BasicBlock) else block.out_channels
+    x = torch.randn(2, channels, 20, 20).relu()  # non-negative: a BasicBlock ends in ReLU
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), x)
+        assert (first_skip_block(plain)(x) - x).abs().max() > 0.1  # the default init is not the identity
+    assert zero_init_residual_branches(zeroed) == blocks  # every residual branch, counted once

@@ -6,7 +6,12 @@ from pathlib import Path
 
 from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
 from ssd_lightning.data.imagefolder_datamodule import ImageFolderDALIDataModule
-from ssd_lightning.data.shapes import ensure_classification_dataset, ensure_detection_dataset
+from ssd_lightning.data.shapes import (
+    DEFAULT_MAX_SCALE,
+    DEFAULT_MIN_SCALE,
+    ensure_classification_dataset,
+    ensure_detection_dataset,
+)
 
 
 class ShapesDataModule(CocoDALIDataModule):
@@ -14,7 +19,9 @@ class ShapesDataModule(CocoDALIDataModule):
 
     The dataset is written in COCO's own layout, so everything downstream (reader, category map, COCO
     evaluation) is the code path real COCO takes. Generation is atomic and happens once, on the process
-    Lightning picks for ``prepare_data`` (local rank 0).
+    Lightning picks for ``prepare_data`` (local rank 0). ``min_scale``/``max_scale`` bound the shapes'
+    extent as fractions of the image's short side (see
+    :func:`~ssd_lightning.data.shapes.make_detection_dataset`).
     """
 
     def __init__(
@@ -24,11 +31,19 @@ class ShapesDataModule(CocoDALIDataModule):
         num_train: int = 2000,
         num_val: int = 200,
         dataset_seed: int = 0,
+        min_scale: float = DEFAULT_MIN_SCALE,
+        max_scale: float = DEFAULT_MAX_SCALE,
         **kwargs,
     ) -> None:
         super().__init__(root, **kwargs)
         self.dataset_root = Path(root)
-        self.dataset_kwargs = {"num_train": num_train, "num_val": num_val, "seed": dataset_seed}
+        self.dataset_kwargs = {
+            "num_train": num_train,
+            "num_val": num_val,
+            "seed": dataset_seed,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+        }
 
     def prepare_data(self) -> None:
         ensure_detection_dataset(self.dataset_root, **self.dataset_kwargs)

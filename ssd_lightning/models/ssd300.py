@@ -6,14 +6,28 @@ Submodule names follow the NVIDIA reference (``feature_extractor``, ``additional
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torchvision.models.mobilenetv2 import InvertedResidual
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from ssd_lightning.models.backbones import RESNET_NAMES, resnet_backbone
 
-__all__ = ["SSD300", "ssd300", "BACKBONES", "EXTRA_MID_CHANNELS", "NUM_DEFAULTS", "FEATURE_SIZES"]
+__all__ = [
+    "SSD300",
+    "ssd300",
+    "zero_init_residual_branches",
+    "BACKBONES",
+    "EXTRA_MID_CHANNELS",
+    "NUM_DEFAULTS",
+    "FEATURE_SIZES",
+]
+
+log = logging.getLogger(__name__)
 
 #: Default boxes per location on each of the six levels.
 NUM_DEFAULTS: tuple[int, ...] = (4, 6, 6, 6, 4, 4)
@@ -60,6 +74,10 @@ class SSD300(nn.Module):
         num_defaults: default boxes per location on each level.
         extra_mid_channels: 1x1-conv channels of the extra block producing level i, i = 1..5 (entries for
             levels the backbone produces are unused).
+        background_prior: initial probability of "background" at every default box, set through the class
+            heads' biases (the prior initialisation of RetinaNet, Lin et al. 2017). ``None`` keeps the
+            reference's PyTorch-default biases. From scratch, 0.99 about doubles AP after a short schedule
+            (the CPU demo); with a pretrained backbone the reference init is fine.
 
     ``forward(images (N, 3, 300, 300))`` returns ``(locs (N, 4, 8732), logits (N, num_classes, 8732))``;
     box ``b`` of ``locs``/``logits`` belongs to default box ``b`` of :func:`dboxes300_coco`.
@@ -72,6 +90,7 @@ class SSD300(nn.Module):
         num_classes: int,
         num_defaults: Sequence[int] = NUM_DEFAULTS,
         extra_mid_channels: Sequence[int] = EXTRA_MID_CHANNELS,
+        background_prior: float | None = None,
     ) -> None:
         super().__init__()
         backbone_channels = list(getattr(backbone, "out_channels", []))
@@ -89,6 +108,8 @@ class SSD300(nn.Module):
             )
         if num_classes < 2:
             raise ValueError(f"num_classes counts the background too and must be >= 2, got {num_classes}")
+        if background_prior is not None and not 0 < background_prior < 1:
+            raise ValueError(f"background_prior must be in (0, 1) or None, got {background_prior}")
         self.num_classes = num_classes
         self.num_defaults = list(num_defaults)
         self.out_channels = channels
@@ -107,13 +128,21 @@ class SSD300(nn.Module):
             nn.Conv2d(c, nd * num_classes, kernel_size=3, padding=1)
             for c, nd in zip(channels, self.num_defaults, strict=True)
         )
-        self._init_weights()
+        self._init_weights(background_prior)
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, background_prior: float | None) -> None:
         for module in (self.additional_blocks, self.loc, self.conf):
             for param in module.parameters():
                 if param.dim() > 1:
                     nn.init.xavier_uniform_(param)
+        if background_prior is None:
+            return
+        # softmax(b, 0, ..., 0)[0] = background_prior for b = log(prior * (C - 1) / (1 - prior))
+        background_bias = math.log(background_prior * (self.num_classes - 1) / (1 - background_prior))
+        for head, nd in zip(self.conf, self.num_defaults, strict=True):
+            bias = head.bias.data.view(self.num_classes, nd)  # channel = class * nd + default (see forward)
+            bias.zero_()
+            bias[0] = background_bias
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """(N, 3, 300, 300) -> (locs (N, 4, B), logits (N, num_classes, B)), B = 8732."""
@@ -131,8 +160,35 @@ class SSD300(nn.Module):
         return torch.cat(locs, dim=2).contiguous(), torch.cat(logits, dim=2).contiguous()
 
 
+def zero_init_residual_branches(module: nn.Module) -> int:
+    """Zero the scale of the last BatchNorm of every residual branch in ``module``; returns how many.
+
+    Each residual block then starts as the identity (Goyal et al. 2017, torchvision's
+    ``zero_init_residual``), which makes deep networks trained from scratch learn faster early on. Covers
+    ResNet ``BasicBlock``/``Bottleneck`` and MobileNetV2 ``InvertedResidual`` blocks with a skip connection.
+    """
+    count = 0
+    for block in module.modules():
+        if isinstance(block, BasicBlock):
+            norm = block.bn2
+        elif isinstance(block, Bottleneck):
+            norm = block.bn3
+        elif isinstance(block, InvertedResidual) and block.use_res_connect:
+            norm = block.conv[-1]
+        else:
+            continue
+        nn.init.zeros_(norm.weight)
+        count += 1
+    return count
+
+
 def ssd300(
-    *, backbone: str = "resnet50", num_classes: int = 81, weights_backbone: str | None = None
+    *,
+    backbone: str = "resnet50",
+    num_classes: int = 81,
+    weights_backbone: str | None = None,
+    background_prior: float | None = None,
+    zero_init_residual: bool = False,
 ) -> SSD300:
     """Build SSD300 v1.1.
 
@@ -142,6 +198,11 @@ def ssd300(
         num_classes: number of classes including background (81 for COCO).
         weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or
             ``None`` for random initialisation.
+        background_prior: initial background probability of the class heads (see :class:`SSD300`);
+            ``None`` = the reference init.
+        zero_init_residual: start every residual block of a randomly initialised backbone as the identity
+            (:func:`zero_init_residual_branches`); skipped, with a log line, when ``weights_backbone`` is
+            given. From scratch this gave AP@0.5 0.25 instead of 0.15 after 473 demo steps.
     """
     if backbone not in _LEVEL_CHANNELS:
         raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(BACKBONES)}")
@@ -151,7 +212,11 @@ def ssd300(
         from ssd_lightning.models.mobilenetv2 import MobileNetV2SSDBackbone
 
         net = MobileNetV2SSDBackbone(weights=weights_backbone)
+    if zero_init_residual and weights_backbone is None:
+        zero_init_residual_branches(net)
+    elif zero_init_residual:
+        log.info("zero_init_residual skipped: the backbone starts from weights %s", weights_backbone)
     extra = _LEVEL_CHANNELS[backbone][len(net.out_channels) :]
-    model = SSD300(net, extra, num_classes)
+    model = SSD300(net, extra, num_classes, background_prior=background_prior)
     model.backbone_name = backbone  # recorded for checkpoint import and benchmark reports
     return model

@@ -2,21 +2,29 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The install stamp is keyed on pyproject.toml: editing dependencies re-runs setup, nothing else does.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev,cuda130
 PYTEST_ARGS ?=
+# The install stamp is keyed on pyproject.toml, this Makefile and EXTRAS: changing any of them re-runs setup.
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml Makefile; echo '$(EXTRAS)') | sha1sum | cut -c1-12)
+# DALI wheels of the lines not in EXTRAS: setup removes them, so a venv holds exactly one DALI line.
+comma := ,
+DALI_LINES := cuda110 cuda120 cuda130
+OTHER_DALI := $(foreach line,$(filter-out $(subst $(comma), ,$(EXTRAS)),$(DALI_LINES)),nvidia-dali-$(line))
+# `make test` also runs the DALI tests under these lines, each in a venv of its own (.venv-<line>).
+# The main venv's line (cuda130) is covered by the suite itself; `make test TEST_DALI_LINES=` skips the rest.
+TEST_DALI_LINES ?= cuda110
 
-.PHONY: setup train test test-all lint format clean
+.PHONY: setup train test test-all test-fast test-dali-lines lint format clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is needed, found " + sys.version' 
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is needed, found " + sys.version'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PINS)
+	@$(PY) -m pip uninstall --quiet --yes $(OTHER_DALI) 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -34,14 +42,20 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-test: setup lint  ## what CI runs: lint + the test suite (GPU tests skip without CUDA)
+test: setup lint  ## what CI runs: lint, the test suite (GPU tests skip without CUDA), the DALI tests per line
 	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-dali-lines
 
 test-all: setup  ## every test, without lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-dali-lines:  ## the DALI-dependent tests (marker `dali`) in one venv per line of TEST_DALI_LINES
+	@for line in $(TEST_DALI_LINES); do \
+	  $(MAKE) --no-print-directory VENV=.venv-$$line EXTRAS=dev,$$line test-all PYTEST_ARGS="-m dali $(PYTEST_ARGS)" || exit 1; \
+	done
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache

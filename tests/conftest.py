@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,23 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 # Two cores: keep each test process from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# A test module that mentions any of these can run DALI pipelines (directly, through a datamodule, or through
+# train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line.
+_USES_DALI = re.compile(
+    r"dali|datamodule|shapes_coco|shapes_imagefolder|make_cfg|train\(|train\.py|experiment=", re.I
+)
+
+
+@cache
+def _module_uses_dali(path: Path) -> bool:
+    return bool(_USES_DALI.search(path.read_text(encoding="utf-8")))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _module_uses_dali(Path(item.fspath)):
+            item.add_marker(pytest.mark.dali)
 
 
 @pytest.fixture(scope="session")

@@ -72,10 +72,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from nvidia.dali.plugin.pytorch import feed_ndarray
-from nvidia.dali.plugin.pytorch.torch_utils import to_torch_type
 from nvidia.dali.tensors import TensorListGPU
 from torch import Tensor
+
+from ssd_lightning.data.dali_compat import feed_ndarray, to_torch_type, uses_fresh_outputs
 
 __all__ = ["DALILoader", "shard_size"]
 
@@ -241,7 +241,7 @@ class DALILoader:
             out = torch.empty(dense.shape(), dtype=src, device=device)
             feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(device))
             return out.to(dst)
-        if dst == src and self._pipe.exec_dynamic:
+        if dst == src and uses_fresh_outputs(self._pipe):
             return torch.from_dlpack(dense)  # owns a reference to DALI's buffer, which DALI never reuses
         out = self._pool.take(name, dense.shape(), dst)
         if dst == src:

@@ -6,7 +6,8 @@ image operators ("gpu"). Box operators always run on the CPU, as in the NVIDIA r
 All readers are named ``"Reader"`` (the iterator asks it for the epoch size), use ``pad_last_batch=True``
 (the last batch of a shard is filled with copies of its last sample; the iterator trims or drops them) and
 never change shard between epochs (``stick_to_shard``, or ``shuffle_after_epoch``, which DALI implements as
-one global permutation per epoch, identical on every rank because the seed is, then split into fixed shards).
+one global permutation per epoch, identical on every rank because the seed is, then split into fixed shards;
+what differs between DALI lines is in :mod:`ssd_lightning.data.dali_compat`).
 Training loaders build them with ``enable_checkpointing=True`` (a keyword every ``@pipeline_def`` takes) so
 that a run can be resumed exactly; DALI then draws reader epoch ``k``'s permutation from the seed and ``k``
 alone, instead of reshuffling the previous epoch's order (see :mod:`ssd_lightning.data.dali_iterator`).
@@ -15,7 +16,7 @@ Outputs (per sample):
 
 * ``coco_train_pipeline``: image (3, S, S) float, boxes (8732, 4) float32 (cx, cy, w, h) in [0, 1] (unmatched
   default boxes carry themselves), labels (8732,) int32 contiguous (0 = background); optionally image id.
-* ``coco_val_pipeline``: image (3, S, S), image id (1,) int32, decoded shape (3,) int64 (H, W, C).
+* ``coco_val_pipeline``: image (3, S, S), image id (1,) int32, original shape (3,) int64 (H, W, C).
 * ``classification_*_pipeline``: image (3, S, S), label (1,) int32.
 """
 
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
+
+from ssd_lightning.data.dali_compat import reader_shuffle_kwargs
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -107,9 +110,7 @@ def coco_train_pipeline(
     reference (``include_iscrowd`` defaults to True there).
     """
     decoder_device, image_device = _devices(device)
-    reader_kwargs = {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": shuffle_seed}
-    if not shuffle:
-        reader_kwargs = {"stick_to_shard": True}
+    reader_kwargs = reader_shuffle_kwargs(shuffle_seed) if shuffle else {"stick_to_shard": True}
     outputs = fn.readers.coco(
         name="Reader",
         file_root=file_root,
@@ -197,17 +198,17 @@ def coco_val_pipeline(
         pad_last_batch=True,
         stick_to_shard=True,
     )
+    # (H, W, C) of the original, read from the encoded header on the CPU: the shape of a GPU-decoded image
+    # would be a GPU->CPU transition, which only DALI's dynamic executor (2.x) can build.
+    shapes = fn.peek_image_shape(jpegs, dtype=types.INT64)
     images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
-    shapes = images.shape(dtype=types.INT64)  # (H, W, C) of the decoded original
     images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
     images = _normalize(images, dtype=dtype, device=image_device)
     return images, image_ids, shapes
 
 
 def _file_reader(file_root: str, shard_id: int, num_shards: int, shuffle: bool, seed: int):
-    kwargs = {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": seed} if shuffle else {}
-    if not shuffle:
-        kwargs["stick_to_shard"] = True
+    kwargs = reader_shuffle_kwargs(seed) if shuffle else {"stick_to_shard": True}
     return fn.readers.file(
         name="Reader",
         file_root=file_root,

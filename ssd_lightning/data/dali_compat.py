@@ -1,0 +1,79 @@
+"""Every difference between the DALI lines this project supports, in one place.
+
+* **1.34.0**: the last real ``nvidia-dali-cuda110`` wheel on PyPI (CUDA 11 drivers);
+* **2.x**: ``nvidia-dali-cuda120`` / ``nvidia-dali-cuda130``.
+
+Features are detected (operator schemas, constructor signatures), not inferred from version numbers.
+What 1.34 lacks, and what the project does instead:
+
+* the readers' ``shuffle_after_epoch_seed``: 1.34 reshuffles with DALI's built-in seed (plus the epoch
+  number). That is still one global permutation per epoch, identical on every rank, so sharding stays
+  correct and runs are reproducible; only the order cannot be changed through the seed. A non-default seed
+  is reported once (:func:`reader_shuffle_kwargs`).
+* the dynamic executor (``exec_dynamic``): 1.34 has only the pipelined executor, which reuses its output
+  buffers, so :class:`~ssd_lightning.data.dali_iterator.DALILoader` copies CPU outputs into its own pool
+  (:func:`uses_fresh_outputs`), and a pipeline cannot move data from the GPU back to the CPU (so the
+  validation graph reads image shapes from the encoded bytes, not from the GPU-decoded images).
+* ``nvidia.dali.plugin.pytorch.torch_utils`` (2.x only): the dtype table is taken from
+  ``nvidia.dali.plugin.pytorch``, where both lines have it.
+
+Pipeline checkpointing (exact resume) exists in both lines. One difference no argument can bridge: DALI
+1.34's CPU decoder decodes a truncated JPEG (the missing part grey) and only logs "Input file read error",
+where 2.x raises, so only 2.x names a truncated file (through
+:func:`~ssd_lightning.data.coco_validation.find_undecodable_images`); the header check before training
+catches missing and non-image files on both.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any
+
+import nvidia.dali
+from nvidia.dali import backend
+from nvidia.dali.pipeline import Pipeline
+from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+__all__ = [
+    "DALI_VERSION",
+    "DEFAULT_SHUFFLE_SEED",
+    "HAS_EXEC_DYNAMIC",
+    "HAS_SHUFFLE_SEED",
+    "feed_ndarray",
+    "reader_shuffle_kwargs",
+    "to_torch_type",
+    "uses_fresh_outputs",
+]
+
+DALI_VERSION: str = nvidia.dali.__version__
+DEFAULT_SHUFFLE_SEED = 42  # the datamodules' default ``seed``: no warning for it on DALI 1.34
+
+HAS_SHUFFLE_SEED: bool = backend.GetSchema("readers__COCO").HasArgument("shuffle_after_epoch_seed")
+HAS_EXEC_DYNAMIC: bool = "exec_dynamic" in inspect.signature(Pipeline.__init__).parameters
+
+
+@functools.cache
+def _warn_fixed_shuffle_seed() -> None:  # cached: once per process
+    warnings.warn(
+        f"DALI {DALI_VERSION} cannot seed the global reshuffle (readers' shuffle_after_epoch_seed arrived "
+        "in a later line): the sample order follows DALI's built-in seed, the same on every rank; the seed "
+        "still drives augmentation. Install nvidia-dali-cuda120/cuda130 2.x for a seeded order.",
+        stacklevel=3,
+    )
+
+
+def reader_shuffle_kwargs(seed: int) -> dict[str, Any]:
+    """Reader arguments for one global reshuffle per epoch, identical on every rank, seeded where DALI can."""
+    if HAS_SHUFFLE_SEED:
+        return {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": seed}
+    if seed != DEFAULT_SHUFFLE_SEED:
+        _warn_fixed_shuffle_seed()
+    return {"shuffle_after_epoch": True}
+
+
+def uses_fresh_outputs(pipe: Pipeline) -> bool:
+    """True when ``pipe`` allocates every iteration's outputs afresh (the dynamic executor), so a tensor
+    viewing them stays valid after later runs; False when DALI reuses its output buffers."""
+    return bool(getattr(pipe, "exec_dynamic", False))

@@ -15,14 +15,13 @@ from ssd_lightning.data.dali_datamodule import (
     DALIDataModule,
     check_loader_args,
     decode_error_reporter,
-    rank_info,
+    pipeline_device,
 )
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     coco_train_pipeline,
     coco_val_pipeline,
     dali_output_dtype,
-    resolve_device,
 )
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -187,13 +186,12 @@ class CocoDALIDataModule(DALIDataModule):
         info = self._split(split)
         if with_image_ids is None:
             with_image_ids = self.train_image_ids
-        device = resolve_device(self.device)
-        _, _, cuda_index = rank_info(self)
+        device, cuda_index = pipeline_device(self, self.device)
         rank_seed = self.seed + 1009 * shard_id  # different augmentation per rank
         common = {
             "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
             "num_threads": self.num_threads,
-            "device_id": cuda_index if device == "gpu" else None,
+            "device_id": cuda_index,
             "prefetch_queue_depth": self.prefetch_queue_depth,
             "seed": rank_seed,
             "file_root": str(info.image_dir),

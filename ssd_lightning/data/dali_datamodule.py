@@ -11,19 +11,41 @@ from ssd_lightning.data.coco_validation import find_undecodable_images
 from ssd_lightning.data.dali_iterator import DALILoader
 from ssd_lightning.errors import DataError
 
-__all__ = ["DALIDataModule", "rank_info", "check_loader_args", "decode_error_reporter"]
+__all__ = ["DALIDataModule", "rank_info", "pipeline_device", "check_loader_args", "decode_error_reporter"]
 
 
-def rank_info(module: pl.LightningDataModule) -> tuple[int, int, int | None]:
-    """(global rank, world size, CUDA device index) of the attached trainer; (0, 1, None) without one."""
+def rank_info(module: pl.LightningDataModule) -> tuple[int, int]:
+    """(global rank, world size) of the attached trainer; (0, 1) without one."""
     trainer = getattr(module, "trainer", None)
     if trainer is None:
-        return 0, 1, (torch.cuda.current_device() if torch.cuda.is_available() else None)
-    root = getattr(trainer.strategy, "root_device", None)
-    index = root.index if root is not None and root.type == "cuda" else None
-    if index is None and torch.cuda.is_available():
-        index = trainer.local_rank
-    return trainer.global_rank, trainer.world_size, index
+        return 0, 1
+    return trainer.global_rank, trainer.world_size
+
+
+def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, int | None]:
+    """(``"gpu"``, CUDA index) or (``"cpu"``, None): where this rank's DALI pipelines run.
+
+    ``device="auto"`` follows the attached trainer's device: a trainer on a CUDA device gets GPU pipelines on
+    that device, a CPU trainer gets CPU pipelines even on a GPU machine (``trainer=cpu``, ``ddp_cpu`` with
+    more ranks than GPUs). Without a trainer, CUDA availability decides. ``"gpu"`` needs CUDA.
+    """
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    trainer = getattr(module, "trainer", None)
+    root = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if root is not None and root.type == "cuda":
+        cuda_index = root.index if root.index is not None else torch.cuda.current_device()
+    elif root is None and torch.cuda.is_available():
+        cuda_index = torch.cuda.current_device()
+    else:
+        cuda_index = None
+    if device == "auto":
+        device = "cpu" if cuda_index is None else "gpu"
+    if device == "cpu":
+        return "cpu", None
+    if not torch.cuda.is_available():
+        raise ValueError("data.device='gpu' needs CUDA, which is not available; use 'auto' or 'cpu'")
+    return "gpu", cuda_index if cuda_index is not None else torch.cuda.current_device()
 
 
 def check_loader_args(batch_size: int, eval_batch_size: int | None, num_threads: int, device: str) -> None:
@@ -76,7 +98,7 @@ class DALIDataModule(pl.LightningDataModule):
         raise NotImplementedError
 
     def train_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
+        rank, world = rank_info(self)
         return self._restored(self.make_loader("train", shard_id=rank, num_shards=world))
 
     def _restored(self, loader: DALILoader) -> DALILoader:
@@ -96,7 +118,7 @@ class DALIDataModule(pl.LightningDataModule):
         self._train_state = state_dict.get("train")
 
     def val_dataloader(self) -> DALILoader:
-        rank, world, _ = rank_info(self)
+        rank, world = rank_info(self)
         return self.make_loader("val", shard_id=rank, num_shards=world)
 
     def test_dataloader(self) -> DALILoader:

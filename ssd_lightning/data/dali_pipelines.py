@@ -32,7 +32,6 @@ from ssd_lightning.data.dali_compat import reader_shuffle_kwargs
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
-    "resolve_device",
     "dali_output_dtype",
     "coco_train_pipeline",
     "coco_val_pipeline",
@@ -43,17 +42,6 @@ __all__ = [
 IMAGENET_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 IMAGENET_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 _DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}
-
-
-def resolve_device(device: str) -> str:
-    """``"auto"`` -> ``"gpu"`` if CUDA is available else ``"cpu"``; ``"cpu"``/``"gpu"`` pass through."""
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-    if device == "auto":
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    if device == "gpu" and not torch.cuda.is_available():
-        raise ValueError("device='gpu' needs CUDA, which is not available; use device='auto' or 'cpu'")
-    return device
 
 
 def dali_output_dtype(output_dtype: str) -> tuple[types.DALIDataType, torch.dtype | None]:

@@ -11,14 +11,13 @@ from ssd_lightning.data.dali_datamodule import (
     DALIDataModule,
     check_loader_args,
     decode_error_reporter,
-    rank_info,
+    pipeline_device,
 )
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     classification_train_pipeline,
     classification_val_pipeline,
     dali_output_dtype,
-    resolve_device,
 )
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -146,13 +145,12 @@ class ImageFolderDALIDataModule(DALIDataModule):
     def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
         """The loader of ``"train"`` or ``"val"`` for one shard."""
         _, files = self._split(split)
-        device = resolve_device(self.device)
-        _, _, cuda_index = rank_info(self)
+        device, cuda_index = pipeline_device(self, self.device)
         directory = self.train_dir if split == "train" else self.val_dir
         common = {
             "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
             "num_threads": self.num_threads,
-            "device_id": cuda_index if device == "gpu" else None,
+            "device_id": cuda_index,
             "prefetch_queue_depth": self.prefetch_queue_depth,
             "seed": self.seed + 1009 * shard_id,
             "file_root": str(directory),

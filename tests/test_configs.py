@@ -87,3 +87,12 @@ def test_output_dir_is_the_run_dir(make_cfg, tmp_path):
     cfg = make_cfg([])
     assert Path(cfg.paths.output_dir) == tmp_path
     assert cfg.callbacks.model_checkpoint.dirpath == f"{tmp_path}/checkpoints"
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_multi_gpu_experiments_validate_before_training(experiment, make_cfg):
+    """A broken GPU val pipeline, NCCL gather or evaluator must fail in minute one, not at epoch 21."""
+    cfg = make_cfg([f"experiment={experiment}"])
+    if cfg.trainer.devices == 1 or cfg.task != "fit":
+        return
+    assert cfg.trainer.num_sanity_val_steps >= 1, experiment

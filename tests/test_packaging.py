@@ -26,7 +26,18 @@ def test_dali_extras_cover_the_three_cuda_lines():
     for line in ("cuda110", "cuda120", "cuda130"):
         (requirement,) = extras[line]
         assert requirement.startswith(f"nvidia-dali-{line}")
-    assert "<=1.34.0" in extras["cuda110"][0]  # newer cuda110 wheels on PyPI are stubs
+
+
+def test_dali_lower_bounds_are_the_versions_make_test_runs():
+    """cuda110: exactly 1.34.0 (newer cuda110 wheels on PyPI are stubs), run by `make test-dali-lines` in its
+    own venv; cuda120/cuda130: from 2.4, the release the main venv gets (cuda120 is the same DALI release)."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert extras["cuda110"] == ["nvidia-dali-cuda110==1.34.0"]
+    assert extras["cuda120"] == ["nvidia-dali-cuda120>=2.4,<3"]
+    assert extras["cuda130"] == ["nvidia-dali-cuda130>=2.4,<3"]
+    assert re.search(r"^TEST_DALI_LINES \?= cuda110$", MAKEFILE, re.M)
+    assert re.search(r"^EXTRAS \?= dev,cuda130$", MAKEFILE, re.M)
+    assert "test-dali-lines" in re.search(r"^test: .*\n(\t.*\n)+", MAKEFILE, re.M).group(0)
 
 
 def test_torch_pins_agree_with_the_dependency_ranges():

@@ -12,8 +12,9 @@ What 1.34 lacks, and what the project does instead:
   is reported once (:func:`reader_shuffle_kwargs`).
 * the dynamic executor (``exec_dynamic``): 1.34 has only the pipelined executor, which reuses its output
   buffers, so :class:`~ssd_lightning.data.dali_iterator.DALILoader` copies CPU outputs into its own pool
-  (:func:`uses_fresh_outputs`), and a pipeline cannot move data from the GPU back to the CPU (so the
-  validation graph reads image shapes from the encoded bytes, not from the GPU-decoded images).
+  (:func:`uses_fresh_outputs`); its GPU outputs are synchronised with the host (2.x binds them to torch's
+  stream instead, :func:`run_pipeline`); and a pipeline cannot move data from the GPU back to the CPU (so
+  the validation graph reads image shapes from the encoded bytes, not from the GPU-decoded images).
 * ``nvidia.dali.plugin.pytorch.torch_utils`` (2.x only): the dtype table is taken from
   ``nvidia.dali.plugin.pytorch``, where both lines have it.
 
@@ -43,6 +44,7 @@ __all__ = [
     "HAS_SHUFFLE_SEED",
     "feed_ndarray",
     "reader_shuffle_kwargs",
+    "run_pipeline",
     "to_torch_type",
     "uses_fresh_outputs",
 ]
@@ -77,3 +79,15 @@ def uses_fresh_outputs(pipe: Pipeline) -> bool:
     """True when ``pipe`` allocates every iteration's outputs afresh (the dynamic executor), so a tensor
     viewing them stays valid after later runs; False when DALI reuses its output buffers."""
     return bool(getattr(pipe, "exec_dynamic", False))
+
+
+def run_pipeline(pipe: Pipeline, cuda_stream: Any = None) -> tuple:
+    """One iteration's outputs.
+
+    With the dynamic executor and a ``cuda_stream`` (torch's current stream), GPU outputs are bound to that
+    stream: work queued on it waits for DALI on the device, and the host does not wait at all, as with
+    DALI's own PyTorch iterator. Otherwise (CPU pipelines, DALI 1.34) the outputs are host-synchronous.
+    """
+    if cuda_stream is not None and uses_fresh_outputs(pipe):
+        return pipe.run(cuda_stream)
+    return pipe.run()

@@ -29,7 +29,8 @@ Resuming (training). Training pipelines are built with DALI's ``enable_checkpoin
 checkpoint (``Pipeline.checkpoint()``, under 1 KB) holds the reader's epoch and position and the state of
 every random generator, and a pipeline built from it continues exactly (sample order *and* augmentation)
 at the cost of a pipeline build, without decoding anything. With checkpointing enabled, DALI shuffles
-reader epoch ``k`` as a function of ``(shuffle_after_epoch_seed, k)`` only, identically on every rank.
+reader epoch ``k`` as a function of ``(seed, k)`` only, identically on every rank (DALI 1.34: a built-in
+seed).
 :meth:`DALILoader.state_dict` holds
 
 * ``epoch_batches``: batches yielded in the current epoch (Lightning's position), and ``reader_batches``:
@@ -59,7 +60,9 @@ pool; a pooled buffer is refilled only when no tensor outside the pool still sha
 storage use count), and the batch holds views of it. Either way a batch is safe to hold for as long as
 anyone likes; ``pool_size`` (default 4: the batch being filled, the one in the training step, one Lightning
 or a callback may keep, one spare) only bounds how many buffers are kept for reuse. On a GPU each output is
-copied into fresh CUDA memory (the caching allocator makes that cheap) on the current stream.
+copied into fresh CUDA memory (the caching allocator makes that cheap) on the current stream, to which DALI
+2.x binds its outputs, so no step waits on the host for the data (see
+:func:`~ssd_lightning.data.dali_compat.run_pipeline`).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ import torch.distributed as dist
 from nvidia.dali.tensors import TensorListGPU
 from torch import Tensor
 
-from ssd_lightning.data.dali_compat import feed_ndarray, to_torch_type, uses_fresh_outputs
+from ssd_lightning.data.dali_compat import feed_ndarray, run_pipeline, to_torch_type, uses_fresh_outputs
 
 __all__ = ["DALILoader", "shard_size"]
 
@@ -218,8 +221,10 @@ class DALILoader:
 
     # ----------------------------------------------------------------- running and copying out
     def _run(self, copy: bool = True) -> Batch | None:
+        device_id = getattr(self._pipe, "device_id", None)
+        stream = torch.cuda.current_stream(device_id) if device_id is not None else None
         try:
-            outputs = self._pipe.run()
+            outputs = run_pipeline(self._pipe, stream)
         except Exception as exc:
             raise self._wrap(exc) from exc
         self._pos += 1

@@ -76,7 +76,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = hydra.utils.instantiate(cfg.data)
     model = hydra.utils.instantiate(cfg.model)
     if cfg.get("compile"):
-        model = torch.compile(model)  # Lightning unwraps it for checkpoints and hooks
+        # The network only, in place: the SSD decoder and losses have data-dependent shapes (graph breaks,
+        # recompiles), and in-place compilation keeps the state_dict keys (checkpoints load either way).
+        model.net.compile()
     callbacks = instantiate_group(cfg.get("callbacks"))
     if cfg.trainer.get("enable_progress_bar") is False:  # the Trainer switch wins over callbacks.progress_bar
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]

@@ -235,7 +235,8 @@ class ThroughputBenchmark(pl.Callback):
             batch start to batch end (excluded, the reference's way).
         output_dir: where rank 0 writes ``benchmark.json`` (default: ``trainer.default_root_dir``).
         config_summary: extra facts recorded in the results (``backbone``, ``compile``, experiment name...);
-            its ``backbone``/``compile``/``channels_last`` win over what is read from the model.
+            its ``backbone``/``channels_last`` win over what is read from the model (``compile`` is read from
+            the model: whether it really runs compiled).
         clock: monotonic clock in seconds; injectable for tests.
         print_table: print the results table on rank 0.
 
@@ -476,9 +477,7 @@ class ThroughputBenchmark(pl.Callback):
         net = getattr(pl_module, "net", None)
         summary = self.config_summary
         backbone = summary.get("backbone", getattr(net, "backbone_name", None))
-        compiled = summary.get("compile")
-        if compiled is None:
-            compiled = any(type(m).__name__ == "OptimizedModule" for m in (pl_module, net) if m is not None)
+        compiled = any(_is_compiled(m) for m in (pl_module, net) if m is not None)  # what ran, not the config
         channels_last = summary.get("channels_last", getattr(pl_module, "channels_last", False))
         device = pl_module.device
         return {
@@ -505,6 +504,12 @@ class ThroughputBenchmark(pl.Callback):
             "config": {k: v for k, v in summary.items() if _is_jsonable(v)},
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Compiled in place (``module.compile()``) or wrapped (``torch.compile(module)``)."""
+    in_place = getattr(module, "_compiled_call_impl", None) is not None
+    return in_place or type(module).__name__ == "OptimizedModule"
 
 
 def _is_jsonable(value: Any) -> bool:

@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 
 pytestmark = [
+    pytest.mark.multiprocess,
     pytest.mark.dali,
     pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI"),
 ]

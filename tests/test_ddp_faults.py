@@ -20,7 +20,7 @@ from tests.conftest import REPO_ROOT
 
 pytest.importorskip("nvidia.dali")
 
-pytestmark = [pytest.mark.slow, pytest.mark.dali]
+pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess]
 
 TIMEOUT_S = 150
 

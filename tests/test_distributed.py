@@ -22,7 +22,7 @@ from tests.conftest import REPO_ROOT
 
 pytest.importorskip("nvidia.dali")
 
-pytestmark = [pytest.mark.slow, pytest.mark.dali]
+pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess]
 
 TIMEOUT_S = 240  # a hang, not a slow machine: these runs take 30-100 s on 2 cores
 

@@ -312,6 +312,7 @@ def test_benchmark_json_schema(tmp_path):
 # --------------------------------------------------------------------------------------------------------
 # DDP: two real CPU processes (gloo)
 # --------------------------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_ddp_global_throughput_sums_rank_batches_over_the_slowest_rank(tmp_path):
     durations = [[0.5, 0.25, 1.0], [1.0, 0.5, 0.5]]  # rank 0 batch 3, rank 1 batch 5
     callback = ThroughputBenchmark(

@@ -50,6 +50,9 @@ class CocoDALIDataModule(DALIDataModule):
         augment: the reference augmentation; False gives decode + resize only (tests, debugging).
         include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
         check_files: check that every listed image exists and looks like an image, in ``setup()``.
+        cache_dir: where the results of the annotation check (and clipped copies of annotation files) are
+            kept, so that an unchanged split is checked once per machine, not by every rank of every run
+            (default ``$XDG_CACHE_HOME/ssd_lightning``; see :mod:`ssd_lightning.data.split_cache`).
         train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
             that a resumed run sees the same images).
 
@@ -81,6 +84,7 @@ class CocoDALIDataModule(DALIDataModule):
         include_crowd: bool = True,
         check_files: bool = True,
         train_image_ids: bool = False,
+        cache_dir: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         check_loader_args(batch_size, eval_batch_size, num_threads, device)
@@ -109,6 +113,7 @@ class CocoDALIDataModule(DALIDataModule):
         self.include_crowd = include_crowd
         self.check_files = check_files
         self.train_image_ids = train_image_ids
+        self.cache_dir = cache_dir
         self._splits: dict[str, CocoSplitInfo] = {}
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
@@ -123,13 +128,18 @@ class CocoDALIDataModule(DALIDataModule):
     def category_map(self) -> CategoryMap:
         """Contiguous labels <-> category ids, in the annotation file's category order (DALI's order)."""
         if self._category_map is None:
-            source = self.val_annotations if self.val_annotations.is_file() else self.train_annotations
-            if not source.is_file():
+            if not (self.val_annotations.is_file() or self.train_annotations.is_file()):
                 raise MissingDataError(
                     f"no annotation file at {self.val_annotations} or {self.train_annotations}; "
                     "the category map needs one (generate/download the dataset first)"
                 )
-            self._category_map = CategoryMap.from_coco(source)
+            val = self.val_annotations.is_file()
+            images = self.val_images if val else self.train_images
+            ann = self.val_annotations if val else self.train_annotations
+            if images.is_dir():  # check the split (cached): sets _category_map, and setup() reuses it
+                self._split("val" if val else "train")
+            else:  # annotations without images (e.g. reading class names only)
+                self._category_map = CategoryMap.from_coco(ann)
         return self._category_map
 
     @property
@@ -152,7 +162,7 @@ class CocoDALIDataModule(DALIDataModule):
                 if split == "train"
                 else (self.val_images, self.val_annotations)
             )
-            info = check_coco_split(images, ann, check_files=self.check_files)
+            info = check_coco_split(images, ann, check_files=self.check_files, cache_dir=self.cache_dir)
             other = self._splits.get("val" if split == "train" else "train")
             if other is not None and other.category_map.category_ids != info.category_map.category_ids:
                 raise DataError(

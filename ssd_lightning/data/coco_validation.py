@@ -15,6 +15,10 @@ Policy for boxes (documented, tested):
   sizes are wrong).
 
 The evaluation (pycocotools) keeps reading the original file.
+
+The check reads the whole file (~450 MB for COCO train2017; polygons are skipped unparsed) and one header
+per image; its result is cached per machine while the files are unchanged, and concurrent processes (the
+ranks of a node) wait for the first one's result: see :mod:`ssd_lightning.data.split_cache`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
@@ -30,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.errors import DataError, MissingDataError
+from ssd_lightning.data.split_cache import SplitCache, writable_cache_dir
+from ssd_lightning.errors import DataError, MissingDataError, UserError
 
 __all__ = ["CocoSplitInfo", "check_coco_split", "check_image_headers", "find_undecodable_images"]
 
@@ -126,14 +132,26 @@ def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
     return bad
 
 
+# A polygon list value of "segmentation" (numbers and brackets only). Polygons are ~2/3 of COCO's bytes and
+# most of its numbers (slow to parse, ~2 GiB as Python floats for train2017), and nothing here reads them.
+# On valid JSON this matches only that key: a bare "segmentation" followed by ':' cannot occur in a string.
+_POLYGONS = re.compile(rb'"segmentation"\s*:\s*\[[-+0-9.eE,\s\[\]]*\]')
+
+
 def _load_json(path: Path) -> dict[str, Any]:
+    """The annotation file with every polygon ``segmentation`` replaced by ``[]`` (RLE ones are kept)."""
+    raw = path.read_bytes()
+    text = _POLYGONS.sub(b'"segmentation": []', raw)
+    del raw  # ~0.4 GB for train2017: free it before parsing
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"annotation file {path} is not valid JSON ({exc}); re-download or regenerate it"
-        ) from exc
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:  # report the position in the file, not in the stripped text (slow path: broken files only)
+            data = json.loads(path.read_bytes())
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"annotation file {path} is not valid JSON ({exc}); re-download or regenerate it"
+            ) from exc
     if not isinstance(data, dict):
         raise DataError(f"annotation file {path}: expected a JSON object with images/annotations/categories")
     missing = [k for k in ("images", "annotations", "categories") if not isinstance(data.get(k), list)]
@@ -145,10 +163,10 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _clipped_copy(path: Path, data: dict[str, Any], cache_dir: Path | None) -> Path:
+def _clipped_copy(path: Path, data: dict[str, Any], out_dir: Path) -> Path:
+    """Write ``data`` (boxes clipped, polygons empty: DALI reads boxes) for DALI, keyed on the original."""
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir()) / "ssd_lightning_ann"
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{path.stem}.clipped.{key}.json"
     if not out.exists():
@@ -168,6 +186,17 @@ def check_coco_split(
 ) -> CocoSplitInfo:
     """Validate one COCO split and return what the pipelines need. See the module docstring for the policy.
 
+    The result is cached (:mod:`ssd_lightning.data.split_cache`): while the annotation file and the image
+    directory are unchanged, later calls (other ranks, later runs) read a small JSON instead of checking
+    again, and concurrent calls for the same split wait for the first one instead of repeating it.
+
+    Args:
+        image_dir: directory the ``file_name`` entries are relative to.
+        annotation_file: COCO instances JSON.
+        check_files: also check that every listed image exists and starts like an image.
+        cache_dir: where the check results and clipped copies go (default
+            :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
+
     Raises:
         FileNotFoundError: ``image_dir``, ``annotation_file`` or a listed image is missing.
         ValueError: unparsable JSON, missing COCO keys, no images, duplicate ids, annotations that
@@ -185,6 +214,69 @@ def check_coco_split(
             f"annotation file {annotation_file} does not exist; expected <root>/annotations/"
             "instances_<split>.json or pass train_annotations/val_annotations"
         )
+    folder = writable_cache_dir(cache_dir)
+    if folder is None:
+        info = _check_split(
+            image_dir, annotation_file, check_files, Path(tempfile.gettempdir()) / "ssd_lightning_ann"
+        )
+    else:
+        cache = SplitCache(folder, annotation_file, image_dir)
+        with cache.locked():
+            cached = cache.load(check_files=check_files)  # raises the error a process just found
+            info = _from_json(cached, image_dir, annotation_file) if cached is not None else None
+            if info is None:
+                try:
+                    info = _check_split(image_dir, annotation_file, check_files, folder)
+                except UserError as exc:
+                    cache.store_error(exc)  # the processes waiting for this one raise it too
+                    raise
+                cache.store(_to_json(info), files_checked=check_files)
+    if info.num_dropped:
+        warnings.warn(
+            f"{annotation_file}: {info.num_dropped} box(es) narrower or lower than {MIN_BOX_SIZE} px are "
+            "ignored",
+            stacklevel=2,
+        )
+    if info.num_clipped:
+        warnings.warn(
+            f"{annotation_file}: {info.num_clipped} box(es) extending slightly outside their image were "
+            "clipped to it (the reader uses a clipped copy; evaluation uses the original file)",
+            stacklevel=2,
+        )
+    return info
+
+
+def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
+    return {
+        "reader_annotation_file": str(info.reader_annotation_file.resolve()),
+        "category_ids": list(info.category_map.category_ids),
+        "names": list(info.category_map.names),
+        "num_images": info.num_images,
+        "num_images_with_boxes": info.num_images_with_boxes,
+        "num_dropped": info.num_dropped,
+        "num_clipped": info.num_clipped,
+    }
+
+
+def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) -> CocoSplitInfo | None:
+    """The cached result, or None when it is malformed or its clipped copy is gone."""
+    try:
+        counts = {
+            k: int(entry[k]) for k in ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped")
+        }
+        cmap = CategoryMap(
+            tuple(int(i) for i in entry["category_ids"]), tuple(str(n) for n in entry["names"])
+        )
+        reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] else annotation_file
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not reader.is_file():  # the clipped copy was deleted
+        return None
+    return CocoSplitInfo(image_dir, annotation_file, reader, cmap, **counts)
+
+
+def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip_dir: Path) -> CocoSplitInfo:
+    """The check itself: reads the whole annotation file (and one header per image with ``check_files``)."""
     data = _load_json(annotation_file)
     category_map = CategoryMap.from_coco(data) if data["categories"] else None
     if category_map is None:
@@ -250,19 +342,9 @@ def check_coco_split(
                 continue
         with_boxes.add(iid)
 
-    if dropped:
-        warnings.warn(
-            f"{annotation_file}: {dropped} box(es) narrower or lower than {MIN_BOX_SIZE} px are ignored",
-            stacklevel=2,
-        )
     reader_file = annotation_file
     if clipped:
-        warnings.warn(
-            f"{annotation_file}: {clipped} box(es) extending slightly outside their image were clipped "
-            "to it (the reader uses a clipped copy; evaluation uses the original file)",
-            stacklevel=2,
-        )
-        reader_file = _clipped_copy(annotation_file, data, Path(cache_dir) if cache_dir else None)
+        reader_file = _clipped_copy(annotation_file, data, clip_dir)
     return CocoSplitInfo(
         image_dir=image_dir,
         annotation_file=annotation_file,

@@ -1,0 +1,184 @@
+"""Remember that a COCO split passed its check, so that an unchanged dataset is checked once per machine.
+
+:func:`ssd_lightning.data.coco_validation.check_coco_split` reads the whole annotation file (435 MB for
+COCO train2017) and one header per image; every rank of every run used to pay that. The result (a few KB:
+counts, the category list, which file DALI should read) is kept here as a small JSON file per split,
+valid while the annotation file and the image directory are unchanged:
+
+* key: the resolved paths of the annotation file and the image directory; the entry records the
+  annotation file's size and ``mtime_ns``, the image directory's ``mtime_ns`` (files added, removed or
+  renamed) and whether image files were checked; any difference, or another :data:`VERSION`, is a miss;
+* entries are written atomically (temp file + ``os.replace``) and only when the files were last modified
+  more than :data:`RACY_SECONDS` before the check began (file systems store ``mtime`` in coarse ticks; a
+  file rewritten within one tick of an earlier version would otherwise look unchanged);
+* one process at a time checks a split: the first takes an exclusive ``flock`` on the entry's lock file,
+  the others wait for it and then read its entry. A check that fails records its error (type and message),
+  and the processes that were already waiting raise that same error without checking again; a later run
+  ignores it and checks afresh (the user may have fixed an image since). A holder that crashes records
+  nothing: the OS releases its lock and the next process checks itself, so no one waits for ever;
+* location: ``cache_dir`` if given, else ``$XDG_CACHE_HOME/ssd_lightning`` (``~/.cache/ssd_lightning``),
+  else ``<tmp>/ssd_lightning-<uid>`` when that is not writable; with no writable directory at all every
+  process checks on its own. The dataset directory is never written to (it may be read-only).
+
+An unreadable or malformed entry is ignored and rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ssd_lightning import errors
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "default_cache_dir", "writable_cache_dir"]
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # bump when the check's policy or the entry's fields change
+RACY_SECONDS = 2.0
+_ERRORS = {cls.__name__: cls for cls in (errors.DataError, errors.MissingDataError)}
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/ssd_lightning``, or ``~/.cache/ssd_lightning``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ssd_lightning"
+
+
+def _usable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def writable_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """``cache_dir`` (created if needed), else the default, else a per-user temp folder (None: none works)."""
+    if cache_dir is not None:
+        candidates = [Path(cache_dir)]
+    else:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        candidates = [default_cache_dir(), Path(tempfile.gettempdir()) / f"ssd_lightning-{uid}"]
+    for folder in candidates:
+        if _usable(folder):
+            return folder
+    log.warning("no writable cache directory among %s; every process checks its data itself", candidates)
+    return None
+
+
+class SplitCache:
+    """The cache entry of one split (annotation file + image directory) in ``folder``."""
+
+    def __init__(self, folder: Path, annotation_file: Path, image_dir: Path) -> None:
+        self.annotation_file = annotation_file.resolve()
+        self.image_dir = image_dir.resolve()
+        key = hashlib.sha1(f"{self.annotation_file}\0{self.image_dir}".encode()).hexdigest()[:16]
+        self.path = folder / f"split-{annotation_file.stem}-{key}.json"
+        self._started = time.time()
+        self._identity = self._current_identity()
+
+    def _current_identity(self) -> dict[str, Any]:
+        ann, img = self.annotation_file.stat(), self.image_dir.stat()
+        return {
+            "version": VERSION,
+            "annotation_file": str(self.annotation_file),
+            "size": ann.st_size,
+            "mtime_ns": ann.st_mtime_ns,
+            "image_dir": str(self.image_dir),
+            "image_dir_mtime_ns": img.st_mtime_ns,
+        }
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the entry's exclusive lock (waits while another process checks this split)."""
+        if fcntl is None:
+            yield
+            return
+        try:
+            fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.warning("cannot create the lock file next to %s (%s); checking without it", self.path, exc)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process to finish checking %s", self.annotation_file)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:  # e.g. ENOLCK on a network file system without locking
+                log.warning("cannot lock %s (%s); checking without the lock", self.path, exc)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def load(self, *, check_files: bool) -> dict[str, Any] | None:
+        """The stored result when it is for the files as they are now (and checked at least as much)."""
+        try:
+            entry = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable split cache %s (%s)", self.path, exc)
+            return None
+        if not isinstance(entry, dict) or entry.get("identity") != self._identity:
+            return None
+        error = entry.get("error")
+        if isinstance(error, dict) and entry.get("written", 0) >= self._started:
+            # found by the process this one was waiting for: same files, same error
+            raise _ERRORS.get(error.get("kind"), errors.DataError)(str(error.get("message")))
+        if check_files and not entry.get("files_checked"):
+            return None
+        result = entry.get("result")
+        return result if isinstance(result, dict) else None
+
+    def store(self, result: dict[str, Any], *, files_checked: bool) -> bool:
+        """Write the entry atomically; False (nothing written) if the files changed recently or meanwhile."""
+        if self._current_identity() != self._identity:
+            return False  # changed while it was being checked
+        newest = max(self._identity["mtime_ns"], self._identity["image_dir_mtime_ns"]) / 1e9
+        if self._started - newest < RACY_SECONDS:
+            log.debug(
+                "not caching the check of %s: modified less than %s s ago", self.annotation_file, RACY_SECONDS
+            )
+            return False
+        return self._write({"identity": self._identity, "files_checked": files_checked, "result": result})
+
+    def store_error(self, error: errors.UserError) -> None:
+        """Record what the check found wrong, for the processes waiting for this one (see the module doc)."""
+        if self._current_identity() == self._identity:
+            kind = type(error).__name__
+            self._write(
+                {
+                    "identity": self._identity,
+                    "error": {"kind": kind, "message": str(error)},
+                    "written": time.time(),
+                }
+            )
+
+    def _write(self, entry: dict[str, Any]) -> bool:
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(entry, f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("could not write the split cache %s (%s)", self.path, exc)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)
+            return False
+        return True

@@ -259,6 +259,7 @@ def _run_ranks(
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_ranks_check_once_and_agree(split):
     image_dir, ann, cache = split
     counter = cache.parent / "checks.txt"
@@ -270,6 +271,7 @@ def test_two_ranks_check_once_and_agree(split):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_ranks_both_fail_clearly_on_a_bad_file(split, monkeypatch):
     image_dir, ann, cache = split
     data = json.loads(ann.read_text())

@@ -24,7 +24,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ssd_lightning_tests_cache_")
 
 # A test module that mentions any of these can run DALI pipelines (directly, through a datamodule, or through
-# train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line.
+# train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line
+# (`no_dali` opts a test on synthetic data out).
 _USES_DALI = re.compile(
     r"dali|datamodule|shapes_coco|shapes_imagefolder|make_cfg|train\(|train\.py|experiment=", re.I
 )
@@ -37,7 +38,7 @@ def _module_uses_dali(path: Path) -> bool:
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if _module_uses_dali(Path(item.fspath)):
+        if _module_uses_dali(Path(item.fspath)) and item.get_closest_marker("no_dali") is None:
             item.add_marker(pytest.mark.dali)
 
 

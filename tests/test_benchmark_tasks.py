@@ -129,6 +129,7 @@ def test_sweep_table_lists_one_row_per_batch_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.no_dali  # synthetic data
 def test_compiled_model_trains_through_train(make_cfg, tmp_path):
     from torch._dynamo.utils import counters
 

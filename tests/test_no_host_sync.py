@@ -4,13 +4,22 @@ On a CPU nothing really syncs, so the test counts the calls that would (``.item(
 ``bool(tensor)``, ``torch.tensor(python value)`` ...) with a TorchFunctionMode during a short fit of each
 module, through the configs' callbacks (progress bar, NaN guard, LR monitor, checkpointing).
 
-One process only: under DDP, Lightning 2.6 itself broadcasts a SIGTERM flag and reads it back before every
-training step (``_broadcast_sigterm_tensor``), one small sync per step that this project cannot remove.
+Under DDP (2 CPU processes, gloo) the same holds, and no collective runs on an ordinary step either:
+Lightning 2.6's own per-step broadcast of a SIGTERM flag (``_broadcast_sigterm_tensor``, a device sync
+before every step) is switched off by ``InterruptCheckpoint``, whose one small all-reduce runs every
+``check_every_n_steps`` steps only; the epoch metrics (``train/loss_epoch``, ``train/acc1_epoch``) are
+reduced over the ranks once, at the epoch's end, and equal the mean over every rank's batches.
 """
 
 from __future__ import annotations
 
 import collections
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import pytorch_lightning as pl
@@ -19,7 +28,7 @@ from omegaconf import open_dict
 from torch.overrides import TorchFunctionMode
 
 from ssd_lightning.train import train
-from tests.conftest import compose_config
+from tests.conftest import REPO_ROOT, compose_config
 
 SYNC_PRONE = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "unique", "cpu"}
 FROM_PYTHON = {"tensor", "as_tensor", "scalar_tensor"}  # a host-to-device copy that waits on CUDA
@@ -93,3 +102,78 @@ def test_only_logging_steps_touch_the_host(overrides, tmp_path, monkeypatch):
     busy = {b: dict(c) for b, c in counter.calls.items() if b not in logging_batches}
     assert busy == {}, f"sync-prone calls on ordinary steps: {busy}"
     assert counter.calls, "the counter saw nothing: the test is not measuring"
+
+
+DDP_STEPS, CHECK_EVERY = 8, 4  # per epoch, 2 epochs; the interrupt check at global steps 4, 8, 12, 16
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_ddp_steps_have_no_collective_and_epoch_metrics_cover_all_ranks(tmp_path):
+    probe = tmp_path / "probe"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "data=synthetic_cls",
+            "model=mobilenetv2",
+            "callbacks=classification",
+            "data._target_=tests.ddp_probes.PerRankSyntheticClassification",  # the ranks' losses differ
+            "data.image_size=32",
+            "data.batch_size=4",
+            f"data.steps_per_epoch={DDP_STEPS}",
+            "model.net.num_classes=4",
+            "trainer=ddp_cpu",  # Lightning's launcher: 2 processes
+            "trainer.max_epochs=2",
+            "trainer.log_every_n_steps=1000",  # no logging interval inside the epoch
+            "+trainer.limit_val_batches=0",
+            "eval_epochs=[]",
+            "logger=csv",
+            "+trainer.enable_progress_bar=false",
+            f"callbacks.interrupt.check_every_n_steps={CHECK_EVERY}",
+            "+callbacks.probe._target_=tests.ddp_probes.RecordCollectives",
+            f"+callbacks.probe.directory={probe}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out = proc.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the 2-process run did not finish within 300 s (hang?)")
+    assert proc.returncode == 0, out[-4000:]
+    ranks = [json.loads((probe / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    steps = [{int(k): v for k, v in r["steps"].items()} for r in ranks]
+
+    for rank, record in enumerate(steps):
+        assert sorted(record) == list(range(2 * DDP_STEPS))
+        for step, seen in record.items():
+            if step % DDP_STEPS in (0, DDP_STEPS - 1):
+                continue  # the first batch sets up the logged-metric buffers; the last runs epoch-end work
+            check = (step + 1) % CHECK_EVERY == 0
+            # the interrupt check: one all-reduce of 3 numbers, one read back; nothing on other steps
+            assert seen["collectives"] == (["all_reduce"] if check else []), (rank, step, seen)
+            assert seen["syncs"] == ({"tensor": 1, "tolist": 1} if check else {}), (rank, step, seen)
+    ordinary = [s for s in range(2 * DDP_STEPS) if s % DDP_STEPS not in (0, DDP_STEPS - 1)]
+    assert any((s + 1) % CHECK_EVERY for s in ordinary) and any((s + 1) % CHECK_EVERY == 0 for s in ordinary)
+    # the epoch metrics' reduction happens at the epoch's end (torchmetrics gathers the states)
+    assert "all_gather" in ranks[0]["outside"] and "all_gather" in ranks[1]["outside"]
+
+    with open(tmp_path / "run" / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for epoch in (0, 1):
+        batches = [record[s] for record in steps for s in range(epoch * DDP_STEPS, (epoch + 1) * DDP_STEPS)]
+        images = sum(b["batch_size"] for b in batches)
+        loss = sum(b["loss"] * b["batch_size"] for b in batches) / images
+        acc1 = sum(b["acc1"] * b["batch_size"] for b in batches) / images
+        rank0 = [steps[0][s]["loss"] for s in range(epoch * DDP_STEPS, (epoch + 1) * DDP_STEPS)]
+        assert sum(rank0) / DDP_STEPS != pytest.approx(loss, rel=1e-3)  # the ranks' losses differ
+        logged = next(r for r in rows if r.get("train/loss_epoch") and int(r["epoch"]) == epoch)
+        assert float(logged["train/loss_epoch"]) == pytest.approx(loss, rel=1e-5)
+        assert float(logged["train/acc1_epoch"]) == pytest.approx(acc1, rel=1e-6)

@@ -1,65 +1,226 @@
-"""Preemption and Ctrl-C: finish the current step, write ``last.ckpt``, exit cleanly."""
+"""Preemption and Ctrl-C: finish the current step, write ``last.ckpt``, exit cleanly (on every DDP rank)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger(__name__)
 
 __all__ = ["InterruptCheckpoint"]
 
+_SIGINT, _SIGTERM = 0, 1  # positions in the flag vector the ranks reduce
+
+
+def _distributed(trainer: pl.Trainer) -> bool:
+    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _take_over_launched_ranks(trainer: pl.Trainer) -> list[subprocess.Popen]:
+    """The ranks Lightning's own launcher started from this process (none elsewhere), now ours to wait for.
+
+    They stop at the same step, save with this process and exit 143/130; Lightning's process observer (a
+    thread of this process watching the launcher's list) would take that for a failure and SIGKILL this
+    process, so the list is emptied and this process waits for them instead.
+    """
+    launcher = trainer.strategy.launcher
+    if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
+        return []
+    children = list(launcher.procs)
+    launcher.procs.clear()  # the observer holds this very list
+    return children
+
+
+def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error(f"rank process {child.pid} still runs {timeout:.0f} s after the interrupt; killing it")
+            child.kill()
+
+
+def _no_per_step_broadcast() -> None:
+    """Stands in for Lightning's ``TrainingEpochLoop._broadcast_sigterm_tensor`` (see InterruptCheckpoint)."""
+
 
 class InterruptCheckpoint(pl.Callback):
     """Turns SIGTERM (cluster preemption, ``scancel``, ``docker stop``) and a first Ctrl-C into a checkpoint.
 
-    Lightning itself notices SIGTERM, tells every DDP rank, and raises ``SIGTERMException`` at the end of the
-    current training step. This callback
+    Every process that receives SIGINT or SIGTERM only sets a flag in its signal handler: no collective and
+    no I/O there. At a step boundary the ranks agree through one small all-reduce (MAX of the flags), so
+    they all stop after the same optimizer step, whichever rank (or ranks) got the signal: torchrun and
+    SLURM signal every worker, a terminal's Ctrl-C reaches every process of Lightning's own launcher,
+    ``kill <pid>`` of its main process only rank 0. Then Lightning's own interruption path runs (it raises
+    ``SIGTERMException`` at the end of that step on every rank), this callback writes
+    ``<dirpath>/<filename>`` there (``Trainer.save_checkpoint`` on every rank: rank 0 writes, atomically)
+    and the caller exits with 143 (SIGTERM) or 130 (Ctrl-C).
 
-    * makes the first Ctrl-C (SIGINT) take the same path: the step finishes, nothing is cut mid-update;
-      a second Ctrl-C aborts at once, without a checkpoint;
-    * writes ``<dirpath>/<filename>`` when that exception arrives (atomically, through the Trainer's
-      checkpoint IO), so ``ckpt_path=<dirpath>/last.ckpt`` resumes from exactly that step;
-    * records :attr:`stopped_by` (``"SIGTERM"``/``"SIGINT"``) and :attr:`saved_path` for the caller, which
-      exits with 143/130 as shells expect.
+    The all-reduce runs every ``check_every_n_steps`` optimizer steps, or, when that is ``None``, adaptively
+    about every ``check_every_seconds`` of training (the ranks agree on the interval too: it is computed from
+    the reduced step time). It replaces the broadcast Lightning >= 2.5 does before *every* training step
+    under DDP (``_broadcast_sigterm_tensor``, a device-to-host sync per step), which is switched off. With
+    one process there is nothing to agree on: the flag is read after every step, at no cost.
+
+    A second Ctrl-C aborts at once, without a checkpoint. A signal during validation takes effect after it.
 
     Args:
         dirpath: where to write; defaults to the ModelCheckpoint's directory (else ``<root>/checkpoints``).
         filename: the file name; ``last.ckpt`` so that the usual resume command works.
+        check_every_n_steps: a fixed number of optimizer steps between two agreements of the DDP ranks.
+        check_every_seconds: with ``check_every_n_steps=None``, the target time between two agreements;
+            the delay from a signal to the save is at most about this (plus one step). Keep it well below
+            the time a launcher waits before SIGKILL (torchrun: ``--shutdown-timeout``, 30 s by default).
     """
 
-    def __init__(self, dirpath: str | Path | None = None, filename: str = "last.ckpt") -> None:
+    def __init__(
+        self,
+        dirpath: str | Path | None = None,
+        filename: str = "last.ckpt",
+        check_every_n_steps: int | None = None,
+        check_every_seconds: float = 1.0,
+    ) -> None:
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be >= 1 or None, got {check_every_n_steps}")
+        if not check_every_seconds > 0:
+            raise ValueError(f"check_every_seconds must be > 0, got {check_every_seconds}")
         self.dirpath = dirpath
         self.filename = filename
-        self.stopped_by: str | None = None
+        self.check_every_n_steps = check_every_n_steps
+        self.check_every_seconds = float(check_every_seconds)
+        self.stopped_by: str | None = None  # what stopped the run on this rank: "SIGTERM" / "SIGINT"
         self.saved_path: Path | None = None
+        self._received: str | None = None  # the first signal this process received
+        self.children_exit_timeout = 60.0  # s that rank 0 of Lightning's launcher waits for the others
         self._rank = 0
+        self._trainer: pl.Trainer | None = None  # during fit, for the handlers
+        self._reset_schedule(0)
 
-    # -- Ctrl-C -------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Not in on_fit_start: Lightning records the signal handlers after that hook and restores them in
-        # its teardown, which also removes this one.
-        self.stopped_by, self.saved_path = None, None
+    # -- signals: handlers only set a flag ---------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stopped_by, self.saved_path, self._received = None, None, None
+        self._trainer = trainer
         self._rank = trainer.global_rank
+        # Lightning registers its SIGTERM handler after this hook; its notifier would forward the signal to
+        # the launcher's children and, under DDP, broadcast from inside the handler on the receiving rank
+        # alone (a collective the other ranks never join). Ours only takes note.
+        trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm
+        # Lightning's per-step broadcast of that flag (a device sync before every training step under DDP)
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_per_step_broadcast
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # SIGINT here, not in on_fit_start: Lightning records the handlers when it registers its own (after
+        # on_fit_start) and restores them in its teardown, which so also removes this one.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
+        self._reset_schedule(trainer.global_step)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # a later trainer.validate()/test() gets Lightning's own behaviour back
+            vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
+            vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
+            self._trainer = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._take_note("SIGTERM")
 
     def _on_sigint(self, signum, frame) -> None:
-        if self.stopped_by is not None:  # second Ctrl-C: stop now
+        if self._received == "SIGINT":  # second Ctrl-C: stop now, no checkpoint
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        self.stopped_by = "SIGINT"
-        if self._rank > 0:
-            # A terminal's Ctrl-C reaches every rank; rank 0 alone turns it into SIGTERM, which Lightning
-            # (or torchrun) passes on, so every rank sees exactly one.
+        self._take_note("SIGINT")
+
+    def _take_note(self, name: str) -> None:
+        if self._received is not None:
             return
-        log.warning("Ctrl-C: stopping after this step and saving last.ckpt (press Ctrl-C again to abort now)")
-        signal.raise_signal(signal.SIGTERM)  # Lightning's SIGTERM path: every rank stops at the same step
+        self._received = name
+        if self._rank == 0:
+            what = "Ctrl-C" if name == "SIGINT" else name
+            again = " (press Ctrl-C again to abort now)" if name == "SIGINT" else ""
+            log.warning(f"{what}: stopping after this step and saving {self.filename}{again}")
+        trainer = self._trainer
+        if trainer is not None and not _distributed(trainer) and not trainer.validating:
+            # one process: nothing to agree on; the step in flight is the last one (Lightning's own path)
+            self._stop(trainer, name)
+
+    def _stop(self, trainer: pl.Trainer, agreed: str) -> None:
+        self.stopped_by = self._received or agreed
+        # Lightning's own SIGTERM path: on_advance_end raises SIGTERMException after this step's bookkeeping
+        # (after validation, if this step runs one) on every rank
+        trainer._signal_connector.received_sigterm = True
+
+    # -- agreement at step boundaries ----------------------------------------------------------------
+    def _reset_schedule(self, global_step: int) -> None:
+        self._last_step = global_step
+        self._next_check = global_step + (self.check_every_n_steps or 1)
+        self._last_check_time: float | None = None
+        self._last_check_step = global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # gradient accumulation: no optimizer step yet, keep the batch together
+            return
+        self._last_step = step
+        if self.stopped_by is not None:
+            return
+        if not _distributed(trainer):
+            agreed = self._received
+        elif step >= self._next_check:
+            agreed = self._agree(trainer, step)
+        else:
+            return
+        if agreed is not None:
+            self._stop(trainer, agreed)
+
+    def _agree(self, trainer: pl.Trainer, step: int) -> str | None:
+        """All-reduce (MAX) of [SIGINT received, SIGTERM received, seconds per step] over the ranks."""
+        now = time.monotonic()
+        per_step = 0.0
+        if self._last_check_time is not None:
+            per_step = (now - self._last_check_time) / max(1, step - self._last_check_step)
+        flags = [0.0, 0.0, per_step]
+        if self._received is not None:
+            flags[_SIGINT if self._received == "SIGINT" else _SIGTERM] = 1.0
+        # The collective's device (CUDA under NCCL) and one read back: a single sync per check interval.
+        tensor = torch.tensor(flags, dtype=torch.float32, device=trainer.strategy.root_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        sigint, sigterm, slowest = tensor.tolist()
+        self._last_check_time, self._last_check_step = now, step
+        if self.check_every_n_steps is not None:
+            interval = self.check_every_n_steps
+        elif slowest > 0:  # the same on every rank: computed from reduced values only
+            interval = max(1, min(1000, math.floor(self.check_every_seconds / slowest)))
+        else:
+            interval = 1  # no timing yet (first check)
+        self._next_check = step + interval
+        if sigterm:
+            return "SIGTERM"
+        return "SIGINT" if sigint else None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The evaluation loop raises after any batch when Lightning's flag is up; let validation finish.
+        if self.stopped_by is not None and trainer.state.fn == "fit":
+            trainer._signal_connector.received_sigterm = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn != "fit":
+            return
+        if self.stopped_by is not None:
+            trainer._signal_connector.received_sigterm = True
+        elif self._received is not None and not _distributed(trainer):  # arrived during validation
+            self._stop(trainer, self._received)
 
     # -- the checkpoint -----------------------------------------------------------------------------
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
@@ -74,15 +235,22 @@ class InterruptCheckpoint(pl.Callback):
     ) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
-        self.stopped_by = self.stopped_by or "SIGTERM"
+        self.stopped_by = self.stopped_by or self._received or "SIGTERM"
+        children = _take_over_launched_ranks(trainer)
         path = self.checkpoint_path(trainer)
+        started = time.monotonic()
         try:
             trainer.save_checkpoint(path, weights_only=False)  # every rank calls it: all stopped at this step
         except Exception as error:  # let Lightning finish its clean-up; the message says what was lost
             log.error(f"{self.stopped_by}: could not save {path}: {error}")
             return
+        finally:
+            _wait_for(children, timeout=self.children_exit_timeout)
         self.saved_path = path
+        prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
+        epoch, step = trainer.current_epoch, trainer.global_step
         log.warning(
-            f"{self.stopped_by}: stopped at epoch {trainer.current_epoch}, step {trainer.global_step}; "
-            f"saved {path}. Resume with the same command plus ckpt_path={path}"
+            f"{prefix}{self.stopped_by}: stopped at epoch {epoch}, step {step}; "
+            f"saved {path} in {time.monotonic() - started:.1f} s. Resume with the same command plus "
+            f"ckpt_path={path}"
         )

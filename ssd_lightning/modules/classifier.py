@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssd_lightning.modules.common import (
+    BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
     restore_train_loader_state,
@@ -118,6 +119,7 @@ class ClassifierLitModule(pl.LightningModule):
         self._sync_bn_done = False
 
         self.train_acc1 = MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro")
+        self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
         stages = ["val", "test"] + (["val_ema", "test_ema"] if self.ema is not None else [])
         self.eval_metrics = nn.ModuleDict({stage: _eval_metrics(self.num_classes) for stage in stages})
         # Best validation top-1 and its epoch: buffers, so checkpoints carry them across a resume.
@@ -155,8 +157,12 @@ class ClassifierLitModule(pl.LightningModule):
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
         n = len(labels)
         self.train_acc1(logits, labels)
-        # no prog_bar=True and no LR here: both would sync the device every step (see SSDLitModule)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=n)
+        # no prog_bar=True and no LR here: both would sync the device every step (see SSDLitModule).
+        # Step values are this rank's; epoch values cover all ranks, reduced once at the epoch's end
+        # (torchmetrics' compute), not every step as sync_dist=True would.
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=n)
+        self.train_loss_epoch.update(loss, n)
+        self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
         return loss
 

@@ -8,9 +8,34 @@ from collections.abc import Callable, Mapping
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torchmetrics import Metric
 
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
+
+
+class BatchMean(Metric):
+    """Mean of per-batch values weighted by their batch sizes, over the epoch and over all DDP ranks.
+
+    For epoch metrics such as ``train/loss_epoch``: ``update`` only adds on the device (no host sync, no
+    collective); ranks are reduced once, in ``compute`` at the end of the epoch, whereas
+    ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step. States are not saved in
+    checkpoints (a resumed epoch averages the batches it ran).
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, batch_size: int) -> None:
+        self.total += value.detach().float() * batch_size
+        self.count += batch_size
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
 
 
 def per_device_batch_size(trainer: pl.Trainer) -> int:

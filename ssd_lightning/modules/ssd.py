@@ -11,6 +11,7 @@ from torch import nn
 
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, load_nvidia_checkpoint
 from ssd_lightning.modules.common import (
+    BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
     restore_train_loader_state,
@@ -65,6 +66,7 @@ class SSDLitModule(pl.LightningModule):
         self.box_coder = BoxCoder(default_boxes)
         self.decoder_settings = {**DEFAULT_DECODER, **dict(decoder or {})}
         self.channels_last = channels_last
+        self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.channels_last:
@@ -83,8 +85,12 @@ class SSDLitModule(pl.LightningModule):
         gt_boxes = batch["boxes"].transpose(1, 2)
         loss = self.loss_fn(locs.float(), logits.float(), gt_boxes.float(), batch["labels"].long())
         # not prog_bar=True: Lightning would read it back to the host every step (a device sync); the
-        # progress bar (callbacks.progress_bar) shows it when it redraws, LearningRateMonitor logs the LR
-        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=len(locs))
+        # progress bar (callbacks.progress_bar) shows it when it redraws, LearningRateMonitor logs the LR.
+        # The step value is this rank's; the epoch value the mean over all ranks, reduced at the epoch's
+        # end only (sync_dist=True on a per-step value would all-reduce every step).
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=len(locs))
+        self.train_loss_epoch.update(loss, len(locs))
+        self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
         return loss
 
     def _detect(self, batch: dict[str, torch.Tensor]) -> list[dict]:

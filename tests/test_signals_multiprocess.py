@@ -1,0 +1,187 @@
+"""Ctrl-C and SIGTERM with 2 DDP processes (CPU, gloo), sent as users and schedulers send them.
+
+* torchrun: the signal goes to the agent, which forwards it to every worker (SIGINT for a terminal's Ctrl-C,
+  SIGTERM for ``kill``/SLURM-style stops) and SIGKILLs them after ``--shutdown-timeout`` (30 s);
+* Lightning's own launcher (``python train.py trainer=ddp_cpu``): ``kill <pid>`` reaches rank 0 alone, a
+  terminal's Ctrl-C every process of the foreground process group.
+
+Every rank must stop after the same step, ``last.ckpt`` must be written once and resuming from it must give
+the run that was never interrupted (final weights). A tiny MobileNetV2 classifier on per-rank synthetic
+batches keeps each run short; rank 0 pauses at a step until the signal arrives (tests.ddp_probes), so the
+signal lands mid-training however loaded the machine is, and the tests wait for that marker, not a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+TIMEOUT_S = 300  # a hang, not a slow machine: a run takes 20-60 s on 2 loaded cores
+STEPS_PER_EPOCH, EPOCHS, PAUSE_STEP = 20, 2, 6
+TOTAL = STEPS_PER_EPOCH * EPOCHS
+
+TRAIN = [
+    "train.py",
+    "data=synthetic_cls",
+    "model=mobilenetv2",
+    "callbacks=classification",
+    "data._target_=tests.ddp_probes.PerRankSyntheticClassification",  # the ranks see different batches
+    "data.image_size=32",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    f"data.steps_per_epoch={STEPS_PER_EPOCH}",
+    "model.net.num_classes=4",
+    "model.net.dropout=0.0",  # no RNG in the step: a resumed run can be compared weight by weight
+    "model.lr_scaling.rule=none",
+    "model.optimizer.lr=0.05",
+    "trainer=ddp_cpu",
+    f"trainer.max_epochs={EPOCHS}",
+    "+trainer.limit_val_batches=0",
+    "eval_epochs=[]",
+    "logger=csv",
+    "seed=0",
+    "+trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _start(launcher: str, run_dir: Path, *extra: str) -> subprocess.Popen:
+    prefix = TORCHRUN if launcher == "torchrun" else [sys.executable]
+    return subprocess.Popen(
+        [*prefix, *TRAIN, f"hydra.run.dir={run_dir}", *extra],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a terminal's, and a hang can be killed whole
+    )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        return proc.communicate(timeout=TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the run did not end within {TIMEOUT_S} s (hang?):\n{proc.communicate()[0][-4000:]}")
+
+
+def _processes_in_group(pgid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True)
+    return [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]
+
+
+def _ckpt(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict:
+    """The uninterrupted run's final checkpoint."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    proc = _start("torchrun", run_dir)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    return _ckpt(run_dir)
+
+
+def _interrupt(launcher: str, signum: signal.Signals, run_dir: Path, *, to_group: bool = False):
+    """Start a run, wait until rank 0 pauses mid-training, send ``signum``: (exit code, output, seconds)."""
+    marks = run_dir / "marks"
+    proc = _start(
+        launcher,
+        run_dir,
+        "+callbacks.pause._target_=tests.ddp_probes.PauseForSignal",
+        f"+callbacks.pause.directory={marks}",
+        f"+callbacks.pause.step={PAUSE_STEP}",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (marks / "paused").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"training did not reach step {PAUSE_STEP}:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.1)
+    sent = time.monotonic()
+    if to_group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    out = _finish(proc)
+    elapsed = time.monotonic() - sent
+    deadline = time.monotonic() + 20
+    while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], left  # no rank left behind
+    return proc.returncode, out, elapsed
+
+
+def _stopped_steps(out: str, name: str) -> dict[int, int]:
+    """``{rank: global step}`` from the ``[rank r] SIGxxx: stopped at epoch E, step S; saved ...`` lines."""
+    return {
+        int(r): int(s)
+        for r, s in re.findall(rf"\[rank (\d)\] {name}: stopped at epoch \d+, step (\d+); saved", out)
+    }
+
+
+def _check_stop_and_resume(run_dir: Path, out: str, name: str, straight: dict, resume_with: str) -> int:
+    steps = _stopped_steps(out, name)
+    assert sorted(steps) == [0, 1], out[-4000:]  # every rank saved ...
+    assert steps[0] == steps[1], steps  # ... after the same step
+    saved = _ckpt(run_dir)
+    assert saved["global_step"] == steps[0]
+    assert PAUSE_STEP < saved["global_step"] < TOTAL
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # no temporary file of an interrupted write
+
+    resumed = run_dir.parent / f"{run_dir.name}_resumed"
+    proc = _start(resume_with, resumed, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")
+    resumed_out = _finish(proc)
+    assert proc.returncode == 0, resumed_out[-4000:]
+    final = _ckpt(resumed)
+    assert final["global_step"] == straight["global_step"] == TOTAL
+    for key, value in straight["state_dict"].items():
+        torch.testing.assert_close(final["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    return saved["global_step"]
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_torchrun_signal_saves_on_every_rank_and_resumes(signum, straight, tmp_path):
+    name = signum.name
+    run_dir = tmp_path / "killed"
+    code, out, elapsed = _interrupt("torchrun", signum, run_dir)
+    # torchrun itself ends with a SignalException traceback and status 1, whatever its workers did; they
+    # saved and exited within the agent's grace period (no SIGKILL)
+    assert code == 1 and f"got signal: {int(signum)}" in out, out[-4000:]
+    assert "forcefully exiting" not in out and "Unable to shutdown" not in out, out[-4000:]
+    assert out.count("Traceback") == 1, out[-6000:]  # the agent's only
+    step = _check_stop_and_resume(run_dir, out, name, straight, resume_with="torchrun")
+    print(f"torchrun {name}: saved at step {step}; torchrun exited {elapsed:.1f} s after the signal")
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.parametrize(
+    ("signum", "to_group", "code"),
+    [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
+    ids=["sigterm_to_rank0", "ctrl_c_to_group"],
+)
+def test_lightning_launcher_signal_saves_on_every_rank(signum, to_group, code, straight, tmp_path):
+    name = signum.name
+    run_dir = tmp_path / "killed"
+    got, out, elapsed = _interrupt("lightning", signum, run_dir, to_group=to_group)
+    assert got == code, out[-4000:]
+    assert "Traceback" not in out, out[-6000:]
+    step = _check_stop_and_resume(run_dir, out, name, straight, resume_with="lightning")
+    print(f"Lightning launcher {name}: saved at step {step}; exit {got} {elapsed:.1f} s after the signal")

@@ -96,3 +96,16 @@ def test_multi_gpu_experiments_validate_before_training(experiment, make_cfg):
     if cfg.trainer.devices == 1 or cfg.task != "fit":
         return
     assert cfg.trainer.num_sanity_val_steps >= 1, experiment
+
+
+def test_ddp_configs_pass_the_ddp_options_to_lightning(make_cfg):
+    """trainer=ddp and trainer=ddp_cpu build the same DDPStrategy (gradients as bucket views)."""
+    for group in ("ddp", "ddp_cpu"):
+        cfg = make_cfg([f"trainer={group}", "trainer.accelerator=cpu", "trainer.devices=2"])
+        trainer = hydra.utils.instantiate(cfg.trainer, logger=False, enable_checkpointing=False)
+        assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
+        assert trainer.strategy._ddp_kwargs == {
+            "gradient_as_bucket_view": True,
+            "find_unused_parameters": False,
+        }
+    assert make_cfg(["trainer=ddp", "trainer.strategy=ddp_spawn"]).trainer.strategy == "ddp_spawn"

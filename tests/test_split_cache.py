@@ -289,3 +289,14 @@ def test_two_ranks_both_fail_clearly_on_a_bad_file(split, monkeypatch):
     with pytest.raises(DataError, match=f"annotation {bad_id} references image id 999999999"):
         check_coco_split(image_dir, ann, cache_dir=cache)
     assert len(calls) == 1  # a later run checks afresh (an image may have been fixed meanwhile)
+
+
+def test_unusable_cache_folder_falls_back_to_temp_then_to_none(tmp_path, monkeypatch):
+    from ssd_lightning.data.split_cache import writable_cache_dir
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <file>/ssd_lightning cannot be created
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    assert writable_cache_dir() == tmp_path / "tmp" / f"ssd_lightning-{os.getuid()}"
+    assert writable_cache_dir(blocker / "sub") is None  # an explicit cache_dir is not silently replaced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -14,7 +15,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
-from ssd_lightning.callbacks.coco_map import CocoMAPCallback
+from ssd_lightning.callbacks.coco_map import CocoMAPCallback, _merge_ranks
 from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
 
 CATEGORY_IDS = [4, 9]  # non-contiguous on purpose
@@ -158,6 +159,27 @@ class MetricRecorder(Callback):
         if not trainer.sanity_checking:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
             self.history.append((trainer.current_epoch, metrics))
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class DestroyProcessGroupAtExit(Callback):
+    """Destroy the default process group before interpreter shutdown, in every rank.
+
+    Lightning registers such an exit handler for NCCL only. A gloo group outlives the rank's script: its C++
+    threads are still running while CPython finalizes, and one of them then touching Python state (freeing a
+    tensor it holds, completing a future) is ended by CPython (``pthread_exit``) inside C++ code that cannot
+    unwind: ``std::terminate``, "terminate called without an active exception", SIGABRT. Rare, and more likely
+    on a loaded machine (pytorch/pytorch#190489). ``setup`` runs inside each spawned rank, so the handler is
+    registered there; destroying the group joins its threads while the interpreter is still whole.
+    """
+
+    def setup(self, trainer, pl_module, stage):
+        atexit.unregister(_destroy_process_group)  # once per process
+        atexit.register(_destroy_process_group)
 
 
 def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
@@ -326,6 +348,38 @@ def test_faster_backend_same_numbers(tmp_path, ann_file):
     assert 0.2 < out[0]["val/mAP"] < 0.9
 
 
+def test_default_backend_is_faster_coco_eval():
+    from omegaconf import OmegaConf
+
+    assert CocoMAPCallback().backend == "faster_coco_eval"
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "callbacks" / "detection.yaml")
+    assert cfg.coco_map.backend == "faster_coco_eval"
+
+
+def test_merge_ranks_keeps_first_rank_per_image_and_row_order():
+    """Rank-0 merge of the per-rank (image ids, rows) arrays: sorted by image id, each image's rows in their
+    original order, an image seen by two ranks taken from the lower rank only, images without detections
+    kept in the ids."""
+
+    def rows(image_id, n, tag):  # tag in the score column tells where a row came from
+        out = np.zeros((n, 7))
+        out[:, 0], out[:, 5], out[:, 6] = image_id, tag + np.arange(n) / 100, 4
+        return out
+
+    rank0 = (np.array([30, 10, 20]), np.concatenate([rows(30, 2, 0), rows(10, 3, 0), rows(20, 0, 0)]))
+    rank1 = (np.array([25, 10, 5]), np.concatenate([rows(25, 1, 1), rows(10, 2, 1), rows(5, 2, 1)]))
+    rank2 = (np.zeros(0, dtype=np.int64), np.zeros((0, 7)))
+    ids, merged, duplicates = _merge_ranks([rank0, rank1, rank2])
+    assert ids.tolist() == [5, 10, 20, 25, 30] and duplicates == 1
+    assert merged[:, 0].tolist() == [5, 5, 10, 10, 10, 25, 30, 30]
+    assert merged[:, 5].tolist() == [1.0, 1.01, 0.0, 0.01, 0.02, 1.0, 0.0, 0.01]
+    # rank order decides which copy of a duplicated image is kept
+    ids, merged, duplicates = _merge_ranks([rank1, rank0])
+    assert duplicates == 1 and merged[merged[:, 0] == 10][:, 5].tolist() == [1.0, 1.01]
+    ids, merged, duplicates = _merge_ranks([rank2])
+    assert ids.shape == (0,) and merged.shape == (0, 7) and duplicates == 0
+
+
 def test_with_eval_schedule_and_checkpoint(tmp_path, ann_file):
     """EvalSchedule + CocoMAPCallback + ModelCheckpoint(monitor="val/mAP"): evaluated (and JSON written) only
     on the scheduled epochs, best checkpoint from the best of those."""
@@ -372,7 +426,7 @@ def test_ddp_two_processes_match_one(tmp_path, ann_file):
 
     trainer = _trainer(
         tmp_path / "ddp",
-        [CocoMAPCallback(verbose=False, output_dir=tmp_path / "ddp_out")],
+        [CocoMAPCallback(verbose=False, output_dir=tmp_path / "ddp_out"), DestroyProcessGroupAtExit()],
         devices=2,
         strategy="ddp_spawn",
     )

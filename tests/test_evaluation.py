@@ -12,11 +12,15 @@ import pytest
 import torch
 
 from ssd_lightning.evaluation import (
+    BACKENDS,
     COCO_STAT_NAMES,
+    DEFAULT_BACKEND,
+    coco_array_to_results,
     detections_to_coco_results,
     evaluate_coco,
     to_coco_array,
     to_coco_results,
+    write_coco_results_json,
 )
 
 CATEGORIES = [{"id": 3, "name": "a"}, {"id": 7, "name": "b"}, {"id": 12, "name": "c"}]
@@ -84,9 +88,18 @@ def test_stat_names_order():
     )
 
 
-def test_perfect_detections(two_objects, capsys):
+def test_default_backend_is_faster_coco_eval():
+    import inspect
+
+    assert DEFAULT_BACKEND == BACKENDS[0] == "faster_coco_eval"
+    assert set(BACKENDS) == {"faster_coco_eval", "pycocotools"}
+    assert inspect.signature(evaluate_coco).parameters["backend"].default == "faster_coco_eval"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_perfect_detections(two_objects, backend, capsys):
     dets = [_det(1, 3, [10, 10, 50, 50], 0.9), _det(1, 3, [200, 100, 100, 100], 0.8)]
-    stats = evaluate_coco(two_objects, dets)
+    stats = evaluate_coco(two_objects, dets, backend)
     assert list(stats) == list(COCO_STAT_NAMES)
     assert stats["mAP"] == pytest.approx(1.0)
     assert stats["mAP_50"] == stats["mAP_75"] == pytest.approx(1.0)
@@ -101,7 +114,7 @@ def test_perfect_detections(two_objects, capsys):
 
 
 def test_quiet(two_objects, capsys):
-    evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], verbose=False)
+    evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], "pycocotools", verbose=False)
     evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], "faster_coco_eval", verbose=False)
     assert capsys.readouterr().out == ""
 
@@ -118,11 +131,12 @@ def test_one_of_two_detected(two_objects, backend):
     assert stats["mAR_large"] == pytest.approx(0.0)
 
 
-def test_iou_between_thresholds(two_objects):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_iou_between_thresholds(two_objects, backend):
     """Box shifted so IoU = 0.6: a hit for IoU thresholds 0.50..0.60 (3 of 10), a miss above."""
     # 50x50 box shifted by dx: IoU = (50-dx)*50 / ((50+dx)*50) = 0.6  ->  dx = 12.5
     dets = [_det(1, 3, [22.5, 10, 50, 50], 0.9), _det(1, 3, [200, 100, 100, 100], 0.8)]
-    stats = evaluate_coco(two_objects, dets, verbose=False)
+    stats = evaluate_coco(two_objects, dets, backend, verbose=False)
     # at the 3 thresholds <= 0.6: AP 1; above: the 0.9 det is a FP ranked first, then the TP at recall 0.5
     # precision is 1/2 up to recall 0.5 -> AP = 51/101 * 0.5
     expected = (3 * 1.0 + 7 * (51 / 101) * 0.5) / 10
@@ -131,23 +145,25 @@ def test_iou_between_thresholds(two_objects):
     assert stats["mAP_75"] == pytest.approx(51 / 101 * 0.5)
 
 
-def test_wrong_category_scores_zero(two_objects):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_category_scores_zero(two_objects, backend):
     # category 7 exists in the dataset but has no ground truth: its AP is undefined (-1) and excluded
     dets = [_det(1, 7, [10, 10, 50, 50], 0.9), _det(1, 7, [200, 100, 100, 100], 0.8)]
-    stats = evaluate_coco(two_objects, dets, verbose=False)
+    stats = evaluate_coco(two_objects, dets, backend, verbose=False)
     assert stats["mAP"] == 0.0 and stats["mAR_100"] == 0.0
 
 
-def test_crowd_region_is_ignored(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_crowd_region_is_ignored(tmp_path, backend):
     anns = [_ann(1, 1, 3, [10, 10, 50, 50]), _ann(2, 1, 3, [150, 50, 200, 200], iscrowd=1)]
     ann_file = _write(tmp_path / "crowd.json", _images(1), anns)
     tp = _det(1, 3, [10, 10, 50, 50], 0.5)
     in_crowd = [_det(1, 3, [160, 60, 40, 40], 0.9), _det(1, 3, [250, 150, 60, 60], 0.8)]
-    stats = evaluate_coco(ann_file, [tp, *in_crowd], verbose=False)
+    stats = evaluate_coco(ann_file, [tp, *in_crowd], backend, verbose=False)
     assert stats["mAP"] == pytest.approx(1.0)  # would be 1/3 if the crowd hits counted as false positives
     # the same detections outside the crowd region are false positives ranked above the true positive
     outside = [_det(1, 3, [20, 200, 40, 40], 0.9), _det(1, 3, [80, 200, 60, 60], 0.8)]
-    stats = evaluate_coco(ann_file, [tp, *outside], verbose=False)
+    stats = evaluate_coco(ann_file, [tp, *outside], backend, verbose=False)
     assert stats["mAP"] == pytest.approx(1 / 3)
 
 
@@ -167,15 +183,16 @@ def test_empty_detections_all_zero_when_every_range_has_gt(tmp_path):
         assert set(evaluate_coco(ann_file, [], backend, verbose=False).values()) == {0.0}
 
 
-def test_does_not_mutate_and_accepts_json_path(two_objects, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_does_not_mutate_and_accepts_json_path(two_objects, tmp_path, backend):
     dets = [_det(1, 3, [10, 10, 50, 50], 0.9)]
     before = json.dumps(dets)
-    from_list = evaluate_coco(two_objects, dets, verbose=False)
+    from_list = evaluate_coco(two_objects, dets, backend, verbose=False)
     assert json.dumps(dets) == before  # loadRes adds id/area/segmentation to what it gets: not to ours
     path = tmp_path / "dets.json"
     path.write_text(before)
-    assert evaluate_coco(two_objects, path, verbose=False) == from_list
-    assert evaluate_coco(two_objects, str(path), verbose=False) == from_list
+    assert evaluate_coco(two_objects, path, backend, verbose=False) == from_list
+    assert evaluate_coco(two_objects, str(path), backend, verbose=False) == from_list
 
 
 def test_errors(two_objects, tmp_path):
@@ -255,10 +272,11 @@ def test_matches_pycocotools_by_hand_and_faster_backend(tmp_path, seed):
     reference = _pycocotools_by_hand(ann_file, dets)
     assert 0.2 < reference[0] < 0.9  # a non-trivial value, so agreement means something
     assert (reference[3:6] > 0).all()  # every area range has ground truth and hits
-    ours = evaluate_coco(ann_file, dets, verbose=False)
+    ours = evaluate_coco(ann_file, dets, "pycocotools", verbose=False)
     np.testing.assert_array_equal(np.array(list(ours.values())), reference)
     faster = evaluate_coco(ann_file, dets, "faster_coco_eval", verbose=False)
     np.testing.assert_allclose(np.array(list(faster.values())), reference, rtol=0, atol=1e-12)
+    assert evaluate_coco(ann_file, dets, verbose=False) == faster  # the default
 
 
 def test_backends_agree_on_shapes_coco(shapes_coco):
@@ -270,12 +288,111 @@ def test_backends_agree_on_shapes_coco(shapes_coco):
     np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=0, atol=1e-12)
 
 
+COCO_CATEGORY_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
+
+
+def _coco_like(tmp_path: Path, seed: int, num_images: int = 40) -> tuple[Path, np.ndarray]:
+    """COCO val in miniature: the 80 COCO category ids, ~7 objects per image over all area ranges, ~1 %
+    crowd; detections as SSD gives them: 2-12 jittered copies of each object (some with another class,
+    ties in the 2-decimal scores) plus background false positives, 100-160 per image, so the per-category
+    maxDets cut (1, 10, 100) and the score ordering both matter."""
+    rng = np.random.default_rng(seed)
+    images, anns, rows = _images(num_images, w=640, h=480, start=1), [], []
+    for im in images:
+        for _ in range(rng.poisson(7)):
+            side = float(rng.choice([rng.uniform(6, 30), rng.uniform(35, 90), rng.uniform(100, 300)]))
+            w, h = side * rng.uniform(0.6, 1.4), side * rng.uniform(0.6, 1.4)
+            box = [
+                round(rng.uniform(0, 640 - w), 2),
+                round(rng.uniform(0, 480 - h), 2),
+                round(w, 2),
+                round(h, 2),
+            ]
+            cat = int(rng.choice(COCO_CATEGORY_IDS))
+            anns.append(_ann(len(anns) + 1, im["id"], cat, box, int(rng.random() < 0.01)))
+            for _ in range(rng.integers(2, 13)):
+                x, y, bw, bh = np.asarray(box) + rng.normal(0, 0.1, 4) * [w, h, w, h]
+                c = cat if rng.random() < 0.85 else int(rng.choice(COCO_CATEGORY_IDS))
+                rows.append([im["id"], x, y, abs(bw), abs(bh), round(rng.random(), 2), c])
+        mine = sum(1 for r in rows if r[0] == im["id"])
+        for _ in range(max(0, int(rng.integers(100, 160)) - mine)):
+            bw, bh = rng.uniform(4, 300, 2)
+            c = int(rng.choice(COCO_CATEGORY_IDS))
+            rows.append(
+                [im["id"], rng.uniform(0, 640 - bw), rng.uniform(0, 480 - bh), bw, bh, rng.random(), c]
+            )
+    cats = [{"id": c, "name": f"c{c}"} for c in COCO_CATEGORY_IDS]
+    array = np.asarray(rows, dtype=np.float64)
+    array[:, 1:5] = np.round(array[:, 1:5], 3)
+    array[:, 5] = np.round(array[:, 5], 5)
+    return _write(tmp_path / f"coco_like_{seed}.json", images, anns, cats), array
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backends_agree_at_coco_density(tmp_path, seed):
+    """The default backend gives pycocotools' numbers exactly on COCO-like data (80 categories, 100+
+    detections per image, tied scores, crowd regions)."""
+    ann_file, array = _coco_like(tmp_path, seed)
+    assert len(array) > 100 * 40 and len(np.unique(array[:, 5])) < 0.8 * len(array)  # ties
+    results = coco_array_to_results(array)
+    reference = _pycocotools_by_hand(ann_file, results)
+    assert 0.1 < reference[0] < 0.9 and (reference[3:6] > 0).all() and reference[6] < reference[7]
+    stats = {b: list(evaluate_coco(ann_file, array, b, verbose=False).values()) for b in BACKENDS}
+    np.testing.assert_array_equal(stats["pycocotools"], reference)
+    np.testing.assert_allclose(stats["faster_coco_eval"], reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_array_list_and_json_file_give_the_same_stats(tmp_path, backend):
+    ann_file, array = _coco_like(tmp_path, 2, num_images=12)
+    results = coco_array_to_results(array)
+    json_file = tmp_path / "dets.json"
+    write_coco_results_json(json_file, array)
+    assert json_file.read_text() == json.dumps(results, separators=(",", ":"))  # byte for byte
+    assert json.loads(json_file.read_text()) == results
+    from_array = evaluate_coco(ann_file, array, backend, verbose=False)
+    assert evaluate_coco(ann_file, results, backend, verbose=False) == from_array
+    assert evaluate_coco(ann_file, json_file, backend, verbose=False) == from_array
+    assert 0.1 < from_array["mAP"] < 0.9
+
+
+def test_results_array_conversion_and_writer_edge_cases(tmp_path):
+    array = np.array([[5, -0.5, 1e-3, 2.25, 1 / 3, 0.98765, 7], [6, 0, 0, 1, 1, 0.5, 12]], dtype=np.float64)
+    results = coco_array_to_results(array)
+    assert results[0] == {
+        "image_id": 5,
+        "category_id": 7,
+        "bbox": [-0.5, 1e-3, 2.25, 1 / 3],
+        "score": 0.98765,
+    }
+    assert all(type(r["image_id"]) is int and type(r["category_id"]) is int for r in results)
+    assert all(type(v) is float for r in results for v in [*r["bbox"], r["score"]])
+    buf = io.StringIO()
+    write_coco_results_json(buf, array)
+    assert buf.getvalue() == json.dumps(results, separators=(",", ":"))
+    for empty in (np.zeros((0, 7)), np.zeros((0,))):
+        assert coco_array_to_results(empty) == []
+        buf = io.StringIO()
+        write_coco_results_json(buf, empty)
+        assert buf.getvalue() == "[]"
+    array[1, 5] = np.nan  # not valid JSON with repr ("nan"): written as json.dumps writes it
+    buf = io.StringIO()
+    write_coco_results_json(buf, array)
+    assert '"score":NaN' in buf.getvalue()
+    assert buf.getvalue() == json.dumps(coco_array_to_results(array), separators=(",", ":"))
+    with pytest.raises(ValueError, match=r"\(M, 7\)"):
+        coco_array_to_results(np.zeros((3, 6)))
+    ann_file = _write(tmp_path / "one.json", _images(1), [_ann(1, 1, 3, [0, 0, 5, 5])])
+    with pytest.raises(ValueError, match=r"\(M, 7\)"):
+        evaluate_coco(ann_file, np.zeros((2, 6)), verbose=False)
+
+
 def test_image_ids_subset(tmp_path):
     ann_file, dataset = _random_dataset(tmp_path, 0)
     dets = _noisy_detections(dataset, 0)
     subset = [im["id"] for im in dataset["images"][:15]]
     with pytest.warns(UserWarning, match="15 of the 40 images"):
-        ours = evaluate_coco(ann_file, dets, verbose=False, image_ids=torch.tensor(subset))
+        ours = evaluate_coco(ann_file, dets, "pycocotools", verbose=False, image_ids=torch.tensor(subset))
     np.testing.assert_array_equal(list(ours.values()), _pycocotools_by_hand(ann_file, dets, subset))
     with pytest.warns(UserWarning):
         faster = evaluate_coco(ann_file, dets, "faster_coco_eval", verbose=False, image_ids=subset)
@@ -358,7 +475,7 @@ def test_rounding_leaves_stats_unchanged(tmp_path, seed):
 def test_summary_format_matches_pycocotools(two_objects, capsys):
     from ssd_lightning.evaluation import format_summary
 
-    stats = evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)])
+    stats = evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], "pycocotools")
     printed = capsys.readouterr().out.rstrip("\n")
     assert printed == format_summary(stats)  # pycocotools' own summarize() output
     evaluate_coco(two_objects, [_det(1, 3, [10, 10, 50, 50], 0.9)], "faster_coco_eval")

@@ -113,6 +113,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         _stop_other_ranks(trainer)
         raise
     elapsed = time.perf_counter() - started
+    _release_process_group()
 
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
     if trainer.is_global_zero:
@@ -129,6 +130,18 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
     launcher = trainer.strategy.launcher
     if isinstance(launcher, _SubprocessScriptLauncher):
         launcher.kill(signal.SIGKILL)
+
+
+def _release_process_group() -> None:
+    """Destroy this rank's process group once its task has finished.
+
+    Lightning destroys it only for NCCL. A gloo group still alive while the interpreter shuts down keeps its
+    C++ threads running, and one touching Python state then aborts the process ("terminate called without
+    an active exception", SIGABRT) after a run that succeeded. Not done after failures, where a peer may
+    still be waiting in a collective.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _interrupted_exit_code(trainer: pl.Trainer) -> int:

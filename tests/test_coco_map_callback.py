@@ -338,6 +338,26 @@ def test_conversion_error_surfaces_in_sanity_check(tmp_path, ann_file):
     assert trainer.global_step == 0  # raised by the sanity check, before any training
 
 
+def test_sanity_check_runs_the_evaluator_on_the_images_it_saw(tmp_path, ann_file, monkeypatch):
+    """A broken evaluator (or ground truth) fails in the sanity check, before any training step."""
+    import ssd_lightning.callbacks.coco_map as coco_map
+
+    calls = []
+
+    def broken(ann, rows, backend, *, verbose, image_ids):
+        calls.append(sorted(int(i) for i in image_ids))
+        raise RuntimeError("evaluator broken")
+
+    monkeypatch.setattr(coco_map, "evaluate_coco", broken)
+    cb = CocoMAPCallback(verbose=False)
+    trainer = _trainer(tmp_path, [cb], max_epochs=1, num_sanity_val_steps=1)
+    with pytest.raises(RuntimeError, match="evaluator broken"):
+        trainer.fit(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
+    assert trainer.global_step == 0
+    assert len(calls) == 1 and 0 < len(calls[0]) < len(json.loads(Path(ann_file).read_text())["images"])
+    assert not list(tmp_path.glob("detections_epoch_*.json"))  # the sanity pass writes no results
+
+
 def test_faster_backend_same_numbers(tmp_path, ann_file):
     out = []
     for backend in ("pycocotools", "faster_coco_eval"):

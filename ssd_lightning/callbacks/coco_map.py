@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,9 @@ class CocoMAPCallback(Callback):
     ``ModelCheckpoint(monitor="val/mAP")`` works under DDP and ``trainer.validate`` returns the stats.
     A stat of ``-1`` means "no ground truth in that area range".
 
-    The sanity-check pass converts the detections (so contract errors show up early) but is not evaluated
-    (its few batches would give a meaningless number). An error on one rank is raised on every rank.
+    The sanity-check pass (``num_sanity_val_steps``, on in the multi-GPU recipes) runs the whole path, the
+    gather and the evaluator included, on the images it saw, so that a broken one fails before training;
+    its number (a few batches: meaningless) is not logged. An error on one rank is raised on every rank.
     The results are written (rank 0, atomically) to ``<output_dir>/detections_epoch_<epoch>.json`` in COCO
     results format; ``output_dir`` defaults to ``trainer.log_dir`` (or ``trainer.default_root_dir`` without
     a logger). The best mAP and its epoch are kept in the callback state, so they survive a resume.
@@ -236,9 +238,10 @@ class CocoMAPCallback(Callback):
             errors = [g[3] for g in gathered if g[3] is not None]
             if errors:
                 payload = ("error", "; ".join(errors))
-            elif not sanity:
+            else:
                 try:
-                    payload = ("ok", self._evaluate(gathered, ann_file, out_dir, epoch))
+                    stats = self._evaluate(gathered, ann_file, out_dir, epoch, sanity=sanity)
+                    payload = ("ok", None if sanity else stats)
                 except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
                     payload, local_error = ("error", f"rank 0: {type(e).__name__}: {e}"), e
         payload = trainer.strategy.broadcast(payload, src=0)
@@ -263,7 +266,7 @@ class CocoMAPCallback(Callback):
             pl_module.log(name, value, prog_bar=name == f"{self.prefix}mAP", sync_dist=True, reduce_fx="max")
 
     def _evaluate(
-        self, gathered: list[Any], ann_file: Path, out_dir: Path | None, epoch: int
+        self, gathered: list[Any], ann_file: Path, out_dir: Path | None, epoch: int, sanity: bool = False
     ) -> dict[str, float]:
         image_ids, rows, duplicates = _merge_ranks([(ids, rows) for ids, rows, _, _ in gathered])
         duplicates += sum(local_duplicates for _, _, local_duplicates, _ in gathered)
@@ -278,4 +281,10 @@ class CocoMAPCallback(Callback):
         if len(image_ids) == 0:
             rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")
             return dict.fromkeys(COCO_STAT_NAMES, 0.0)
+        if sanity:  # the evaluator runs on the few images seen, so a broken one fails now; nothing is logged
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="evaluating on .* images", category=UserWarning)
+                evaluate_coco(ann_file, rows, self.backend, verbose=False, image_ids=image_ids)
+            log.info(f"CocoMAPCallback: sanity check evaluated {len(image_ids)} image(s) (not logged)")
+            return {}
         return evaluate_coco(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)

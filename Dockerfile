@@ -8,7 +8,8 @@ FROM nvcr.io/nvidia/pytorch:25.10-py3
 WORKDIR /workspace/ssd_lightning
 ENV PYTHONUNBUFFERED=1
 
-# Dependencies first (cached layer); torch and DALI come from the base image.
+# Dependencies first (cached layer); torch and DALI come from the base image. Its DALI is neither of the
+# two lines `make test` runs (1.34, 2.4+); ssd_lightning/data/dali_compat.py detects what it has.
 COPY pyproject.toml README.md ./
 COPY ssd_lightning ./ssd_lightning
 RUN pip install --no-cache-dir -e .

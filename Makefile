@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev,cuda130
 PYTEST_ARGS ?=
+# Extra pytest arguments for test-dali-lines (its selection is `-m dali`).
+DALI_PYTEST_ARGS ?=
 # The install stamp is keyed on pyproject.toml, this Makefile and EXTRAS: changing any of them re-runs setup.
 STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml Makefile; echo '$(EXTRAS)') | sha1sum | cut -c1-12)
 # DALI wheels of the lines not in EXTRAS: setup removes them, so a venv holds exactly one DALI line.
@@ -54,7 +56,7 @@ test-fast: setup
 
 test-dali-lines:  ## the DALI-dependent tests (marker `dali`) in one venv per line of TEST_DALI_LINES
 	@for line in $(TEST_DALI_LINES); do \
-	  $(MAKE) --no-print-directory VENV=.venv-$$line EXTRAS=dev,$$line test-all PYTEST_ARGS="-m dali $(PYTEST_ARGS)" || exit 1; \
+	  $(MAKE) --no-print-directory VENV=.venv-$$line EXTRAS=dev,$$line test-all PYTEST_ARGS="-m dali $(DALI_PYTEST_ARGS)" || exit 1; \
 	done
 
 clean:

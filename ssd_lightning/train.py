@@ -108,6 +108,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 config_summary=config_summary_from_cfg(cfg),
             )
     except SIGTERMException:
+        _release_process_group()  # every rank stopped at the same step and saved: nobody waits for a peer
         raise SystemExit(_interrupted_exit_code(trainer)) from None
     except Exception:
         _stop_other_ranks(trainer)

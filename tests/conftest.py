@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -20,8 +22,9 @@ CONFIG_DIR = REPO_ROOT / "configs"
 # Two cores: keep each test process from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # The COCO split-check cache (ssd_lightning.data.split_cache) of this test session, not the user's
-# ~/.cache: subprocesses (train.py, torchrun ranks) inherit it.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ssd_lightning_tests_cache_")
+# ~/.cache: subprocesses (train.py, torchrun ranks) inherit it; removed when the session ends.
+os.environ["SSD_LIGHTNING_CACHE_DIR"] = tempfile.mkdtemp(prefix="ssd_lightning_tests_cache_")
+atexit.register(shutil.rmtree, os.environ["SSD_LIGHTNING_CACHE_DIR"], ignore_errors=True)
 
 # A test module that mentions any of these can run DALI pipelines (directly, through a datamodule, or through
 # train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line

@@ -161,11 +161,6 @@ class MetricRecorder(Callback):
             self.history.append((trainer.current_epoch, metrics))
 
 
-def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 class DestroyProcessGroupAtExit(Callback):
     """Destroy the default process group before interpreter shutdown, in every rank.
 
@@ -178,8 +173,10 @@ class DestroyProcessGroupAtExit(Callback):
     """
 
     def setup(self, trainer, pl_module, stage):
-        atexit.unregister(_destroy_process_group)  # once per process
-        atexit.register(_destroy_process_group)
+        from ssd_lightning.train import _release_process_group
+
+        atexit.unregister(_release_process_group)  # once per process
+        atexit.register(_release_process_group)
 
 
 def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:

@@ -109,6 +109,7 @@ DDP_STEPS, CHECK_EVERY = 8, 4  # per epoch, 2 epochs; the interrupt check at glo
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.no_dali  # synthetic data
 @pytest.mark.timeout(400)
 def test_ddp_steps_have_no_collective_and_epoch_metrics_cover_all_ranks(tmp_path):
     probe = tmp_path / "probe"

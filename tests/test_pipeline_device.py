@@ -42,6 +42,9 @@ def test_auto_follows_the_trainer(cuda_machine, root_device, expected):
 def test_explicit_devices(cuda_machine):
     assert pipeline_device(_module("cuda:1"), "cpu") == ("cpu", None)
     assert pipeline_device(_module("cuda:1"), "gpu") == ("gpu", 1)
+    assert pipeline_device(_module(None), "gpu") == ("gpu", 0)
+    with pytest.raises(ValueError, match="the trainer runs on the CPU"):
+        pipeline_device(_module("cpu"), "gpu")
 
 
 def test_without_cuda(monkeypatch):

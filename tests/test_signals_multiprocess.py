@@ -26,7 +26,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.no_dali]  # synthetic data
 
 TIMEOUT_S = 300  # a hang, not a slow machine: a run takes 20-60 s on 2 loaded cores
 STEPS_PER_EPOCH, EPOCHS, PAUSE_STEP = 20, 2, 6

@@ -224,7 +224,10 @@ _RANK = textwrap.dedent(
     def slow_check(*args):
         with open(counter, "a") as f:
             f.write("check\\n")
-        time.sleep(1.5)  # long enough that the other rank asks while this one checks
+        # every rank has entered check_coco_split, and 1.5 s more: the others wait for this check
+        while ready.read_text().count("started") < int(os.environ["WORLD_SIZE"]):
+            time.sleep(0.02)
+        time.sleep(1.5)
         return real(*args)
 
     coco_validation._check_split = slow_check
@@ -234,6 +237,8 @@ _RANK = textwrap.dedent(
     deadline = time.time() + 120
     while ready.read_text().count("ready") < int(os.environ["WORLD_SIZE"]) and time.time() < deadline:
         time.sleep(0.02)
+    with open(ready, "a") as f:
+        f.write("started\\n")
     info = coco_validation.check_coco_split(image_dir, ann, cache_dir=cache)
     counts = info.num_images, info.num_images_with_boxes, info.num_clipped
     print("RESULT", *counts, info.category_map.category_ids, info.reader_annotation_file)
@@ -296,6 +301,7 @@ def test_unusable_cache_folder_falls_back_to_temp_then_to_none(tmp_path, monkeyp
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
+    monkeypatch.delenv("SSD_LIGHTNING_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <file>/ssd_lightning cannot be created
     monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
     assert writable_cache_dir() == tmp_path / "tmp" / f"ssd_lightning-{os.getuid()}"

@@ -199,7 +199,7 @@ class CocoMAPCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        # Converted in the sanity check too (catches contract errors early), evaluated only afterwards.
+        # Converted (and evaluated at epoch end) in the sanity check too: contract errors show up early.
         if not isinstance(outputs, Mapping) or "detections" not in outputs:
             raise ValueError(
                 "CocoMAPCallback: validation_step must return {'detections': [per-image dict, ...]} "
@@ -279,7 +279,8 @@ class CocoMAPCallback(Callback):
         if out_dir is not None:
             _atomic_write_json(out_dir / f"detections_epoch_{epoch}.json", rows)
         if len(image_ids) == 0:
-            rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")
+            if not sanity:
+                rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")
             return dict.fromkeys(COCO_STAT_NAMES, 0.0)
         if sanity:  # the evaluator runs on the few images seen, so a broken one fails now; nothing is logged
             with warnings.catch_warnings():

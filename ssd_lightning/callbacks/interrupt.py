@@ -151,7 +151,11 @@ class InterruptCheckpoint(pl.Callback):
             again = " (press Ctrl-C again to abort now)" if name == "SIGINT" else ""
             log.warning(f"{what}: stopping after this step and saving {self.filename}{again}")
         trainer = self._trainer
-        if trainer is not None and not _distributed(trainer) and not trainer.validating:
+        if (
+            trainer is not None
+            and not _distributed(trainer)
+            and not (trainer.validating or trainer.sanity_checking)
+        ):
             # one process: nothing to agree on; the step in flight is the last one (Lightning's own path)
             self._stop(trainer, name)
 

@@ -14,7 +14,7 @@ Policy for boxes (documented, tested):
 * further outside than that: ``ValueError`` (the file is probably in another box format or the image
   sizes are wrong).
 
-The evaluation (pycocotools) keeps reading the original file.
+The COCO evaluation keeps reading the original file.
 
 The check reads the whole file (~450 MB for COCO train2017; polygons are skipped unparsed) and one header
 per image; its result is cached per machine while the files are unchanged, and concurrent processes (the

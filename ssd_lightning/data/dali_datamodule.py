@@ -27,7 +27,8 @@ def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, i
 
     ``device="auto"`` follows the attached trainer's device: a trainer on a CUDA device gets GPU pipelines on
     that device, a CPU trainer gets CPU pipelines even on a GPU machine (``trainer=cpu``, ``ddp_cpu`` with
-    more ranks than GPUs). Without a trainer, CUDA availability decides. ``"gpu"`` needs CUDA.
+    more ranks than GPUs). Without a trainer, CUDA availability decides. ``"gpu"`` needs CUDA and, with a
+    trainer, a trainer on a CUDA device.
     """
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
@@ -45,7 +46,12 @@ def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, i
         return "cpu", None
     if not torch.cuda.is_available():
         raise ValueError("data.device='gpu' needs CUDA, which is not available; use 'auto' or 'cpu'")
-    return "gpu", cuda_index if cuda_index is not None else torch.cuda.current_device()
+    if cuda_index is None:
+        raise ValueError(
+            "data.device='gpu' but the trainer runs on the CPU (its batches would cross back from the GPU); "
+            "use data.device=auto or a GPU trainer"
+        )
+    return "gpu", cuda_index
 
 
 def check_loader_args(batch_size: int, eval_batch_size: int | None, num_threads: int, device: str) -> None:

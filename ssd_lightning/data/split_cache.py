@@ -5,7 +5,8 @@ COCO train2017) and one header per image; every rank of every run used to pay th
 counts, the category list, which file DALI should read) is kept here as a small JSON file per split,
 valid while the annotation file and the image directory are unchanged:
 
-* key: the resolved paths of the annotation file and the image directory; the entry records the
+* key: the host name and the resolved paths of the annotation file and the image directory (one entry
+  per machine, also in a cache folder shared by a cluster's nodes); the entry records the
   annotation file's size and ``mtime_ns``, the image directory's ``mtime_ns`` (files added, removed or
   renamed) and whether image files were checked; any difference, or another :data:`VERSION`, is a miss;
 * entries are written atomically (temp file + ``os.replace``) and only when the files were last modified
@@ -16,7 +17,8 @@ valid while the annotation file and the image directory are unchanged:
   and the processes that were already waiting raise that same error without checking again; a later run
   ignores it and checks afresh (the user may have fixed an image since). A holder that crashes records
   nothing: the OS releases its lock and the next process checks itself, so no one waits for ever;
-* location: ``cache_dir`` if given, else ``$XDG_CACHE_HOME/ssd_lightning`` (``~/.cache/ssd_lightning``),
+* location: ``cache_dir`` if given, else ``$SSD_LIGHTNING_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssd_lightning``
+  (``~/.cache/ssd_lightning``),
   else ``<tmp>/ssd_lightning-<uid>`` when that is not writable; with no writable directory at all every
   process checks on its own. The dataset directory is never written to (it may be read-only).
 
@@ -30,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,7 +56,9 @@ _ERRORS = {cls.__name__: cls for cls in (errors.DataError, errors.MissingDataErr
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/ssd_lightning``, or ``~/.cache/ssd_lightning``."""
+    """``$SSD_LIGHTNING_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssd_lightning`` (``~/.cache/ssd_lightning``)."""
+    if os.environ.get("SSD_LIGHTNING_CACHE_DIR"):
+        return Path(os.environ["SSD_LIGHTNING_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ssd_lightning"
 
@@ -86,7 +91,10 @@ class SplitCache:
     def __init__(self, folder: Path, annotation_file: Path, image_dir: Path) -> None:
         self.annotation_file = annotation_file.resolve()
         self.image_dir = image_dir.resolve()
-        key = hashlib.sha1(f"{self.annotation_file}\0{self.image_dir}".encode()).hexdigest()[:16]
+        # the host is part of the key: a cache folder shared by the nodes of a cluster ($HOME on NFS) holds
+        # one entry per node, so nodes with local copies at the same path neither queue nor overwrite
+        where = f"{socket.gethostname()}\0{self.annotation_file}\0{self.image_dir}"
+        key = hashlib.sha1(where.encode()).hexdigest()[:16]
         self.path = folder / f"split-{annotation_file.stem}-{key}.json"
         self._started = time.time()
         self._identity = self._current_identity()

@@ -51,7 +51,8 @@ def _eval_metrics(num_classes: int) -> nn.ModuleDict:
 class ClassifierLitModule(pl.LightningModule):
     """Trains and evaluates an image classifier on ``{"images": (N, 3, H, W), "labels": (N,) int64}``.
 
-    Logged: ``train/loss`` (label-smoothed CE), ``train/acc1``, ``lr`` (every step, progress bar);
+    Logged: ``train/loss_step`` (label-smoothed CE, this rank), ``train/loss_epoch`` and
+    ``train/acc1_epoch`` (means over every rank's batches), ``lr-*`` (LearningRateMonitor);
     ``val/loss`` (plain CE), ``val/acc1``, ``val/acc5``, ``val/acc1_best`` (best epoch so far, kept in
     the checkpoint so it survives a resume), the same with ``_ema`` for the EMA weights, and ``test/*``.
 

@@ -431,6 +431,7 @@ def test_validate_on_gpu(tmp_path, ann_file):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_ddp_two_processes_match_one(tmp_path, ann_file):
     """A real 2-process CPU DDP run (gloo, ddp_spawn): each rank sees half of the images, rank 0 evaluates
@@ -494,6 +495,7 @@ trainer.validate(GroundTruthDetector(ann_file, bad_image=bad_image), datamodule=
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_ddp_error_on_one_rank_does_not_hang(tmp_path, ann_file):
     """A conversion error that only rank 1 hits reaches rank 0 as that error, through the gather, instead of

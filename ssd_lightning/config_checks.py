@@ -87,22 +87,6 @@ def _check_values(p: _Problems) -> None:
         )
         p.check("model.net.zero_init_residual", lambda v: isinstance(v, bool), "must be true or false")
 
-    epochs, max_epochs = _select(p.cfg, "eval_epochs"), _select(p.cfg, "trainer.max_epochs")
-    if (
-        p.cfg.get("task") == "fit"
-        and _increasing_ints(epochs)
-        and len(epochs)
-        and _is_int(max_epochs)
-        and max_epochs > 0
-        and epochs[-1] >= max_epochs
-    ):
-        p.add(
-            "eval_epochs",
-            epochs,
-            f"epoch {epochs[-1]} is past trainer.max_epochs={max_epochs} "
-            f"(epochs are 0-based, so the last one is {max_epochs - 1})",
-        )
-
 
 def _check_devices(p: _Problems, cuda_device_count: int) -> None:
     accelerator = str(_select(p.cfg, "trainer.accelerator") or "auto")

@@ -74,7 +74,6 @@ def test_save_switch_keeps_every_epoch(make_cfg):
     [
         (["task=train"], "task='train'"),
         (["eval_epochs=[3,1]"], "eval_epochs"),
-        (["trainer.max_epochs=5", "eval_epochs=[2,5]"], "trainer.max_epochs=5"),
         (["data.batch_size=-4"], "data.batch_size"),
     ],
 )

@@ -170,8 +170,15 @@ def test_bad_eval_epochs(epochs):
         EvalSchedule(epochs)
 
 
+def test_epochs_past_the_end_are_skipped_with_one_warning(tmp_path):
+    """A first quick try (trainer.max_epochs=2) on a recipe's schedule trains and validates the last epoch."""
+    rec = ValidationEpochs()
+    with pytest.warns(UserWarning, match=r"eval_epochs \[21, 31\] lie past the last epoch \(1,") as caught:
+        _fit(tmp_path, [EvalSchedule([0, 21, 31]), rec], max_epochs=2)
+    assert rec.epochs == [0, 1]
+    assert sum("lie past the last epoch" in str(w.message) for w in caught) == 1
+
+
 def test_errors_at_fit_start(tmp_path):
-    with pytest.raises(ValueError, match=r"eval_epochs \[1, 6\].*max_epochs=6"):
-        _fit(tmp_path, [EvalSchedule([1, 6])])
     with pytest.raises(ValueError, match="check_val_every_n_epoch=None"):
         _fit(tmp_path, [EvalSchedule([1])], check_val_every_n_epoch=None, val_check_interval=2)

@@ -89,10 +89,12 @@ class EvalSchedule(Callback):
                 + (" and the last one" if self.always_last else "")
             )
         last = self._last_epoch(trainer)
-        if last is not None and self.eval_epochs and self.eval_epochs[-1] > last:
-            raise ValueError(
-                f"eval_epochs {list(self.eval_epochs)} lists epochs beyond the last one ({last}, from "
-                f"Trainer(max_epochs={trainer.max_epochs}), 0-based); drop them or raise max_epochs"
+        beyond = [e for e in self.eval_epochs if last is not None and e > last]
+        if beyond:  # e.g. trainer.max_epochs=1 on a recipe's schedule: those epochs are never reached
+            rank_zero_warn(
+                f"eval_epochs {beyond} lie past the last epoch ({last}, from Trainer(max_epochs="
+                f"{trainer.max_epochs}), 0-based) and are skipped"
+                + ("; the last epoch is validated" if self.always_last else "")
             )
         self._user_check_val_every_n_epoch = trainer.check_val_every_n_epoch
         self._apply(trainer)

@@ -108,3 +108,14 @@ def test_ddp_configs_pass_the_ddp_options_to_lightning(make_cfg):
             "find_unused_parameters": False,
         }
     assert make_cfg(["trainer=ddp", "trainer.strategy=ddp_spawn"]).trainer.strategy == "ddp_spawn"
+
+
+def test_coco_paths_are_overridable_and_default_to_the_root(make_cfg):
+    """`data.train_images` & co. exist in configs/data/coco.yaml; null derives them from `data.root`."""
+    cfg = make_cfg(
+        ["data=coco", "data.root=/c", "data.val_images=/v/imgs", "data.val_annotations=/v/ann.json"]
+    )
+    dm = hydra.utils.instantiate(cfg.data)
+    assert (str(dm.val_images), str(dm.val_annotations)) == ("/v/imgs", "/v/ann.json")
+    assert str(dm.train_images) == "/c/train2017"
+    assert str(dm.train_annotations) == "/c/annotations/instances_train2017.json"

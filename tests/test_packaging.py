@@ -11,7 +11,10 @@ import yaml
 
 from tests.conftest import REPO_ROOT
 
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport (dev extra)
+    import tomli as tomllib
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
 MAKEFILE = (REPO_ROOT / "Makefile").read_text()
 

@@ -246,7 +246,10 @@ def _check_launcher(words: list[str]) -> str:
 
 
 def _check_pip(words: list[str]) -> str:
-    tomllib = pytest.importorskip("tomllib")
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the backport (dev extra)
+        import tomli as tomllib
     extras_defined = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]

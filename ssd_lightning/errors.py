@@ -18,6 +18,7 @@ __all__ = [
     "DataError",
     "MissingDataError",
     "CheckpointWriteError",
+    "DatasetConflictError",
     "NonFiniteLossError",
     "is_user_error",
     "user_errors_as_messages",
@@ -38,6 +39,10 @@ class DataError(UserError, ValueError):
 
 class MissingDataError(UserError, FileNotFoundError):
     """A dataset folder or file the config points at does not exist."""
+
+
+class DatasetConflictError(UserError, FileExistsError):
+    """A dataset folder to generate exists but is incomplete or other (delete it, or pick another path)."""
 
 
 class CheckpointWriteError(UserError, OSError):

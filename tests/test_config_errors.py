@@ -122,6 +122,19 @@ def test_cli_prints_one_message_and_fails(args, exit_code, expected, tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_incomplete_demo_dataset_is_one_line(tmp_path):
+    """A left-over, incomplete data/shapes (an interrupted generation): one Error line saying to delete it."""
+    (tmp_path / "data" / "shapes" / "train2017").mkdir(parents=True)
+    result = _train(
+        "experiment=demo", f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'o'}"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "is not a complete shapes detection dataset" in result.stderr and "delete" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 15, result.stderr
+
+
+@pytest.mark.slow
 def test_cli_read_only_output_dir_fails_before_training(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ssd_lightning.errors import DatasetConflictError
+
 __all__ = [
     "SHAPE_CATEGORIES",
     "ShapeObject",
@@ -439,7 +441,7 @@ def _atomic_generate(
     """
     root = Path(root)
     if root.exists() and not (root.is_dir() and not any(root.iterdir())):
-        raise FileExistsError(
+        raise DatasetConflictError(
             f"{root} already exists; delete it to regenerate, or use ensure_*_dataset() to reuse it"
         )
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -601,7 +603,7 @@ def _ensure(
     if root.exists() and not (root.is_dir() and not any(root.iterdir())):  # an empty folder counts as missing
         issue = problem(root)
         if issue is not None:
-            raise FileExistsError(
+            raise DatasetConflictError(
                 f"{root} exists but is not a complete shapes {kind} dataset: {issue}. "
                 f"If it is left over from an interrupted or older run, delete {root} and run again; "
                 f"otherwise pass a different path."

@@ -119,3 +119,23 @@ def test_coco_paths_are_overridable_and_default_to_the_root(make_cfg):
     assert (str(dm.val_images), str(dm.val_annotations)) == ("/v/imgs", "/v/ann.json")
     assert str(dm.train_images) == "/c/train2017"
     assert str(dm.train_annotations) == "/c/annotations/instances_train2017.json"
+
+
+def test_recipes_keep_the_references_settings(make_cfg):
+    """torchvision's MobileNetV2 run decayed every parameter; NVIDIA's A100 FP32 SSD script stays NHWC."""
+    from ssd_lightning.models import mobilenet_v2
+    from ssd_lightning.optim import param_groups
+
+    model = make_cfg(["experiment=mobilenetv2_imagenet_8gpu"]).model
+    groups = param_groups(
+        mobilenet_v2(num_classes=10),
+        model.optimizer.weight_decay,
+        norm_weight_decay=model.norm_weight_decay,
+        bias_weight_decay=model.bias_weight_decay,
+        depthwise_weight_decay=model.depthwise_weight_decay,
+    )
+    assert {g["weight_decay"] for g in groups} == {4e-5}
+    assert sum(p.numel() for g in groups for p in g["params"]) == sum(
+        p.numel() for p in mobilenet_v2(num_classes=10).parameters()
+    )
+    assert make_cfg(["experiment=ssd300_a100_fp32_8gpu"]).model.channels_last is True

@@ -28,9 +28,19 @@ from ssd_lightning.errors import user_errors_as_messages
 log = logging.getLogger(__name__)
 
 
+def eval_resize_for_weights(weights: str | None, default: int) -> int:
+    """The resize before the centre crop that torchvision evaluates ``weights`` with (256 for MobileNetV2's
+    IMAGENET1K_V1, 232 for IMAGENET1K_V2); ``default`` without weights."""
+    from ssd_lightning.models.mobilenetv2 import resolve_weights
+
+    resolved = resolve_weights(weights)
+    return default if resolved is None else int(resolved.transforms().resize_size[0])
+
+
 def register_resolvers() -> None:
-    """OmegaConf resolvers used by configs/ (``${if:cond,a,b}``)."""
+    """OmegaConf resolvers used by configs/: ``${if:cond,a,b}``, ``${eval_resize:weights,default}``."""
     OmegaConf.register_new_resolver("if", lambda cond, a, b: a if cond else b, replace=True)
+    OmegaConf.register_new_resolver("eval_resize", eval_resize_for_weights, replace=True)
 
 
 register_resolvers()

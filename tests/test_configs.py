@@ -139,3 +139,16 @@ def test_recipes_keep_the_references_settings(make_cfg):
         p.numel() for p in mobilenet_v2(num_classes=10).parameters()
     )
     assert make_cfg(["experiment=ssd300_a100_fp32_8gpu"]).model.channels_last is True
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"), [(None, 256), ("IMAGENET1K_V1", 256), ("IMAGENET1K_V2", 232), ("DEFAULT", 232)]
+)
+def test_imagenet_eval_resize_follows_the_weights(make_cfg, weights, expected):
+    """torchvision evaluates V1 weights at 256 -> 224 and V2 weights at 232 -> 224; an explicit number wins."""
+    weights_override = "null" if weights is None else weights
+    cfg = make_cfg(["experiment=mobilenetv2_imagenet_8gpu", f"model.net.weights={weights_override}"])
+    assert cfg.data.val_resize == expected
+    assert cfg.data.image_size == 224
+    cfg = make_cfg(["experiment=mobilenetv2_imagenet_8gpu", "data.val_resize=240"])
+    assert cfg.data.val_resize == 240

@@ -1,7 +1,9 @@
-"""Every command README.md shows still works against the code, without running anything heavy.
+"""Every command README.md and docs/*.md show still works against the code, without running anything heavy.
 
 Commands come from the shell-tagged fenced blocks (```bash) and from inline code that starts with a
-command word (`python train.py ... --cfg job`, `make test-fast`, `pip install -e ".[cuda120]"`).
+command word (`python train.py ... --cfg job`, `make test-fast`, `pip install -e ".[cuda120]"`). Inline
+overrides named in the prose (`trainer.max_epochs=1`, `model.channels_last=true`) are composed too: against
+the default config or, for keys of another model or dataset, against one of the experiments.
 
 * ``python train.py`` / ``python predict.py``: the overrides are composed by Hydra's compose API against
   ``configs/`` (``--cfg job`` without a subprocess), so a renamed experiment, group or key fails here.
@@ -14,6 +16,8 @@ command word (`python train.py ... --cfg job`, `make test-fast`, `pip install -e
 * ``sbatch``/``srun``/``torchrun``/``docker``: the files they name exist (``docker build .``: the
   Dockerfile); a ``train.py`` among their arguments gets its overrides composed.
 * ``pip install -e ".[extras]"``: the extras exist in pyproject.toml.
+* ``key=value`` in inline code: composes with ``train.py``'s config (some experiment's, if not the default's);
+  the overrides the docs show as mistakes (``DOCUMENTED_MISTAKES``) must fail to compose.
 
 Anything else must be listed in ``NOT_CHECKED`` with the reason.
 """
@@ -38,13 +42,24 @@ from omegaconf import OmegaConf
 from tests.conftest import REPO_ROOT, compose_config
 
 README = REPO_ROOT / "README.md"
+DOCUMENTS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # first words that make a line of inline code or of an untagged block a command
 COMMAND_WORDS = ("python", "make", "scripts/", "sbatch", "srun", "torchrun", "docker", "pip", "bash", "conda")
 # `key=value` scripts without --help: module attribute holding the accepted keys
 KEY_VALUE_SCRIPTS = {"scripts/export_onnx.py": "DEFAULTS"}
 # Commands that cannot be checked here (exact text as extracted), with the reason.
-NOT_CHECKED: dict[str, str] = {}
+NOT_CHECKED: dict[str, str] = {
+    "docker stop": "docker's own command, named as one of the things that send SIGTERM",
+}
+# Inline overrides the docs show as what a user gets wrong: composing them must fail with this text.
+DOCUMENTED_MISTAKES = {
+    "data.batch_sze=8": "batch_sze",
+    "experiment=ssd300_fp17": "experiment/ssd300_fp17",
+    "model=resnet": "model/resnet",
+}
+# an inline span made only of Hydra overrides: `key=value`, `+key=value`, several separated by spaces
+OVERRIDES_SPAN = re.compile(r"[+~]?[a-z_][\w.]*=\S*(?: [+~]?[a-z_][\w.]*=\S*)*")
 PLACEHOLDER = re.compile(r"<[^<>\s]+>")  # <run>, <date>: the user fills them in
 
 
@@ -52,10 +67,11 @@ PLACEHOLDER = re.compile(r"<[^<>\s]+>")  # <run>, <date>: the user fills them in
 class Command:
     text: str
     line: int
+    file: str = "README.md"
 
     @property
     def id(self) -> str:
-        return f"L{self.line}:{self.text[:60]}"
+        return f"{self.file}:{self.line}:{self.text[:60]}"
 
 
 def _fenced_blocks(text: str) -> list[tuple[str, int, str]]:
@@ -82,26 +98,61 @@ def _block_commands(content: str, first_line: int) -> list[Command]:
     return commands
 
 
-def _inline_commands(text: str) -> list[Command]:
+def _inline_spans(text: str) -> list[tuple[str, int]]:
+    """(inline code, line number) outside fenced blocks."""
     without_blocks = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.M | re.S)
-    commands = []
-    for match in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", without_blocks):
-        span = match.group(1).strip()
-        if span.startswith(tuple(w + " " for w in COMMAND_WORDS)) or re.match(r"scripts/\S+\.sh\b", span):
-            commands.append(Command(span, without_blocks.count("\n", 0, match.start()) + 1))
-    return commands
+    return [
+        (match.group(1).strip(), without_blocks.count("\n", 0, match.start()) + 1)
+        for match in re.finditer(r"(?<!`)`([^`\n]+)`(?!`)", without_blocks)
+    ]
 
 
-def readme_commands() -> list[Command]:
-    text = README.read_text()
+def _is_command(span: str) -> bool:
+    return span.startswith(tuple(w + " " for w in COMMAND_WORDS)) or bool(
+        re.match(r"scripts/\S+\.sh\b", span)
+    )
+
+
+def documented_commands(document: Path) -> list[Command]:
+    text, name = document.read_text(), str(document.relative_to(REPO_ROOT))
     commands = []
     for language, first_line, content in _fenced_blocks(text):
         if language in SHELL_LANGUAGES:
-            commands += _block_commands(content, first_line)
-    return commands + _inline_commands(text)
+            commands += [Command(c.text, c.line, name) for c in _block_commands(content, first_line)]
+    return commands + [Command(span, line, name) for span, line in _inline_spans(text) if _is_command(span)]
 
 
-COMMANDS = readme_commands()
+@functools.cache
+def _top_level_names() -> frozenset[str]:
+    """Keys and config groups an undotted override can name: train.py's and predict.py's."""
+    names = {p.name for p in (REPO_ROOT / "configs").iterdir() if p.is_dir()}
+    for config in ("train", "predict"):
+        names |= set(OmegaConf.load(REPO_ROOT / "configs" / f"{config}.yaml")) - {"defaults"}
+    return frozenset(names)
+
+
+def _is_override_span(span: str) -> bool:
+    """`trainer.max_epochs=1`, `task=validate`, `model.x=1 data.y=2`; not `enable_checkpointing=True`
+    (a Python keyword argument) or `torch==2.14.1`."""
+    if not OVERRIDES_SPAN.fullmatch(span) or _is_command(span):
+        return False
+    keys = [word.split("=", 1)[0].lstrip("+~") for word in span.split()]
+    return any("." in key for key in keys) or all(key in _top_level_names() for key in keys)
+
+
+def documented_overrides(document: Path) -> list[Command]:
+    """Inline spans that are Hydra overrides of train.py or predict.py (`trainer.max_epochs=1`)."""
+    name = str(document.relative_to(REPO_ROOT))
+    return [
+        Command(span, line, name)
+        for span, line in _inline_spans(document.read_text())
+        if _is_override_span(span)
+    ]
+
+
+COMMANDS = [command for document in DOCUMENTS for command in documented_commands(document)]
+OVERRIDES = [override for document in DOCUMENTS for override in documented_overrides(document)]
+EXPERIMENTS = sorted(p.stem for p in (REPO_ROOT / "configs" / "experiment").glob("*.yaml"))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -110,7 +161,11 @@ def _tokens(command: str) -> list[str]:
     words = shlex.split(PLACEHOLDER.sub("PLACEHOLDER", command), comments=True)
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # VAR=value command ...
         words.pop(0)
-    return words
+    if words[:1] == [".venv/bin/python"]:
+        words[0] = "python"
+    if words[:1] == ["bash"] and len(words) > 1 and words[1].startswith("scripts/"):
+        words.pop(0)  # bash scripts/x.sh: the script is checked
+    return [word for word in words if word != "..."]  # `train.py ...`: the user's own overrides
 
 
 def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
@@ -186,6 +241,13 @@ def _check_python_script(script: str, args: list[str]) -> str:
     missing = [option for option in options if option not in help_text]
     assert not missing, f"{script} --help does not list {missing}"
     return f"{script} --help lists {options}"
+
+
+def _check_python_module(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, f"no module {module}"
+    assert 'if __name__ == "__main__":' in Path(spec.origin).read_text(), f"{module} has no __main__ block"
+    return f"{module} runs as a script"
 
 
 def _check_shell_script(path: str, args: list[str]) -> str:
@@ -267,6 +329,8 @@ def check_command(command: str) -> str:
     head = words[0]
     if head in ("python", "python3"):
         script, args = words[1], words[2:]
+        if script == "-m":
+            return _check_python_module(args[0])
         if script == "train.py":
             return _check_hydra_app(args, "train")
         if script == "predict.py":
@@ -284,9 +348,28 @@ def check_command(command: str) -> str:
     raise AssertionError(f"no check for {command!r}: add one here, or list it in NOT_CHECKED with a reason")
 
 
+def check_overrides(span: str) -> str:
+    """Compose the overrides of an inline span with train.py's default config, else with the first
+    experiment that has their keys, else with predict.py's config; raises the default config's error if
+    none composes them."""
+    overrides = _tokens(span)
+    try:
+        compose_config(overrides)
+        return "composed with the default config"
+    except Exception as default_error:
+        attempts = [([f"experiment={e}", *overrides], "train", f"experiment={e}") for e in EXPERIMENTS]
+        for attempt, config_name, name in [*attempts, (overrides, "predict", "predict.py's config")]:
+            try:
+                compose_config(attempt, config_name=config_name)
+            except Exception:
+                continue
+            return f"composed with {name}"
+        raise default_error
+
+
 # ---------------------------------------------------------------------------------------------- tests
 def test_the_readme_has_the_commands_this_file_expects():
-    texts = [c.text for c in COMMANDS]
+    texts = [c.text for c in COMMANDS if c.file == "README.md"]
     assert any(t.startswith("make train") for t in texts) and any(t.startswith("make test") for t in texts)
     assert sum(t.startswith("python train.py") for t in texts) >= 5
     assert any(t.startswith("python predict.py") for t in texts)
@@ -303,13 +386,41 @@ def test_not_checked_entries_are_still_in_the_readme():
     assert not stale, f"remove from NOT_CHECKED: {stale}"
 
 
-def test_untagged_blocks_hold_no_commands():
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda d: d.name)
+def test_untagged_blocks_hold_no_commands(document: Path):
     """A command in a block without a shell tag would escape this file: tag the block ```bash."""
-    for language, first_line, content in _fenced_blocks(README.read_text()):
+    for language, first_line, content in _fenced_blocks(document.read_text()):
         if language in SHELL_LANGUAGES or language == "python":
             continue
         for offset, line in enumerate(content.splitlines()):
-            assert not line.strip().startswith(COMMAND_WORDS), f"README.md:{first_line + offset}: {line}"
+            assert not line.strip().startswith(COMMAND_WORDS), (
+                f"{document.name}:{first_line + offset}: {line}"
+            )
+
+
+@pytest.mark.parametrize(
+    "override", [o for o in OVERRIDES if o.text not in DOCUMENTED_MISTAKES], ids=lambda o: o.id
+)
+def test_documented_override(override: Command):
+    check_overrides(override.text)
+
+
+@pytest.mark.parametrize(("span", "error"), DOCUMENTED_MISTAKES.items())
+def test_documented_mistakes_fail_and_are_still_documented(span: str, error: str):
+    assert span in {o.text for o in OVERRIDES}, f"remove {span!r} from DOCUMENTED_MISTAKES"
+    with pytest.raises(Exception, match=re.escape(error)):
+        check_overrides(span)
+
+
+def test_prose_overrides_are_found_and_a_stale_key_would_fail():
+    texts = {o.text for o in OVERRIDES}
+    assert {"trainer.max_epochs=1", "model.depthwise_weight_decay=0.0", "data.min_scale=0.15"} <= texts
+    assert not {"enable_checkpointing=True", "torch==2.14.1 torchvision==0.29.1"} & texts  # not overrides
+    with pytest.raises(Exception, match="depthwise_weight_dekay"):
+        check_overrides("model.depthwise_weight_dekay=0.0")
+    assert check_overrides("model.depthwise_weight_decay=0.0").startswith(
+        "composed with experiment=mobilenetv2"
+    )
 
 
 @pytest.mark.parametrize(

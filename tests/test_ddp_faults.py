@@ -23,6 +23,9 @@ pytest.importorskip("nvidia.dali")
 pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess]
 
 TIMEOUT_S = 150
+# What docs/reliability.md promises: the job ends within this, on a loaded 2-core box (10-20 s when quiet),
+# instead of the other rank waiting for the collective timeout (30 min for gloo and NCCL).
+ENDS_WITHIN_S = 120
 
 
 def _processes_in_group(pgid: int) -> list[str]:
@@ -76,4 +79,4 @@ def test_a_failing_rank_ends_the_job_with_its_message(failing_rank, shapes_coco,
     while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], left
-    print(f"rank {failing_rank} failure ended the job in {elapsed:.0f} s")
+    assert elapsed < ENDS_WITHIN_S, f"rank {failing_rank}'s failure took {elapsed:.0f} s to end the job"

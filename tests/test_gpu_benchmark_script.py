@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
+import zipfile
+from importlib import metadata
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
@@ -185,13 +190,41 @@ def test_without_hydra_and_without_wheels_the_script_says_how_to_get_them(tmp_pa
     assert "scripts/gpu_benchmark.sh prepare" in proc.stderr and "no_wheels" in proc.stderr
 
 
-@pytest.mark.skipif(
-    not list((REPO_ROOT / "build" / "gpu_wheels").glob("*.whl")),
-    reason="no carried wheels here: bash scripts/gpu_benchmark.sh prepare",
-)
+def _wheel_of_installed(distribution: str, wheel_dir: Path) -> Path:
+    """A pure-Python wheel of an installed distribution, built offline from its installed files (what
+    `scripts/gpu_benchmark.sh prepare` downloads where PyPI is reachable)."""
+    dist = metadata.distribution(distribution)
+    name, version = re.sub(r"[-.]+", "_", dist.metadata["Name"]), dist.version
+    info = f"{name}-{version}.dist-info"
+    files = {
+        str(f): f.locate().read_bytes()
+        for f in dist.files
+        if not str(f).startswith("..") and "__pycache__" not in str(f) and ".dist-info/" not in str(f)
+    }
+    files[f"{info}/METADATA"] = dist.read_text("METADATA").encode()
+    files[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    record = [
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
+        for path, data in files.items()
+    ]
+    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
+    wheel = wheel_dir / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return wheel
+
+
 def test_without_hydra_the_carried_wheels_are_installed_offline_and_used(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for distribution in ("hydra-core", "omegaconf", "antlr4-python3-runtime"):
+        _wheel_of_installed(distribution, wheels)
     site = tmp_path / "site"
-    env = {**_hide_hydra(tmp_path), "GPU_BENCH_SITE": str(site), "PIP_NO_INDEX": "1"}
+    env = {**_hide_hydra(tmp_path), "GPU_BENCH_SITE": str(site), "GPU_BENCH_WHEELS": str(wheels)}
+    env["PIP_NO_INDEX"] = "1"
     command = ["bash", str(SCRIPT), "--dry-run", "--no-compile"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,23 +10,29 @@ ranks holds 250k detections. What is timed is the callback itself, phase by phas
 * gather: the rows of every rank to rank 0 (``_gather_to_rank_zero``, rank 0's wait included);
 * write JSON: ``detections_epoch_<e>.json`` (COCO results format);
 * evaluate: ``evaluate_coco`` (annotation file loaded, results built, COCOeval evaluate/accumulate/summarize);
+* per-class rows: the part of evaluate that reads the per-class AP out of the precision array and counts the
+  ground truth per category (``per_class=True``, the default);
+* per-class report: ``per_class_epoch_<e>.json`` written (and the table printed: not here, verbose is off);
 * other: deduplication by image id, conversion, the broadcast of the stats, logging;
 * epoch end: the whole ``on_validation_epoch_end`` on rank 0, i.e. what a validation pass pays after the
   last batch.
 
 Both backends run in the same job; ``--baseline-rev REV`` adds the callback and ``evaluation.py`` of a git
 revision (loaded with ``git show``), so old and new paths are measured side by side, interleaved, on the same
-machine. The 12 stats of every configuration must be identical (the script exits with 1 otherwise), and so
-must the written JSON files.
+machine; ``--per-class both`` times the new path with ``per_class=False`` as well (the difference of the two
+"epoch end" columns is what per-class AP costs). The 12 stats of every configuration must be identical (the
+script exits with 1 otherwise), and so must the written JSON files and the per-class APs of the two backends.
 
     python scripts/benchmark_eval.py                              # 2 ranks, both backends
     python scripts/benchmark_eval.py --baseline-rev e636053       # + the pre-#15 callback and evaluation
     python scripts/benchmark_eval.py --images 500 --backends faster_coco_eval   # a quick look
+    python scripts/benchmark_eval.py --backends faster_coco_eval --per-class both --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -48,6 +54,8 @@ import torch
 from pytorch_lightning.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset
 
+from ssd_lightning.evaluation import COCO_STAT_NAMES
+
 REPO = Path(__file__).resolve().parents[1]
 WORKDIR_ENV = "SSD_BENCHMARK_EVAL_DIR"  # rank 0 creates the work dir, the other ranks inherit its path
 #: The 80 category ids of COCO 2017 (1..90 with 10 gaps).
@@ -65,6 +73,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="passes per configuration (median reported)")
     p.add_argument("--no-save", action="store_true", help="save_detections=False (no JSON file)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--per-class",
+        choices=["on", "off", "both"],
+        default="on",
+        help="CocoMAPCallback(per_class=...) of the new path; 'both' times it with and without",
+    )
     return p.parse_args()
 
 
@@ -201,6 +215,7 @@ CPU: dict[str, float] = defaultdict(float)  # CPU seconds of this process (all i
 
 
 def _timed(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0, c0 = time.perf_counter(), time.process_time()
         try:
@@ -218,12 +233,19 @@ def instrument(module: Any) -> type:
         module._gather_to_rank_zero = _timed("gather", module._gather_to_rank_zero)
         module._atomic_write_json = _timed("write JSON", module._atomic_write_json)
         module.evaluate_coco = _timed("evaluate", module.evaluate_coco)
+        if hasattr(module, "evaluate_coco_per_class"):  # not in revisions before per-class AP
+            module.evaluate_coco_per_class = _timed("evaluate", module.evaluate_coco_per_class)
+            evaluation = sys.modules[module.evaluate_coco_per_class.__module__]
+            evaluation._class_rows = _timed("per-class rows", evaluation._class_rows)
         module._benchmark_instrumented = True
     base = module.CocoMAPCallback
 
     class Timed(base):
         def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
             _timed("accumulate", super().on_validation_batch_end)(*args, **kwargs)
+
+        def _report_per_class(self, *args: Any, **kwargs: Any) -> None:
+            _timed("per-class report", super()._report_per_class)(*args, **kwargs)
 
         def on_validation_epoch_end(self, *args: Any, **kwargs: Any) -> None:
             _timed("epoch end", super().on_validation_epoch_end)(*args, **kwargs)
@@ -251,9 +273,14 @@ def main() -> int:
 
     import ssd_lightning.callbacks.coco_map as coco_map
 
-    paths = {"new": instrument(coco_map)}
+    new = instrument(coco_map)
+    paths: dict[str, Any] = {}
     if args.baseline_rev:
-        paths = {f"old ({args.baseline_rev})": instrument(load_baseline(args.baseline_rev, workdir)), **paths}
+        paths[f"old ({args.baseline_rev})"] = instrument(load_baseline(args.baseline_rev, workdir))
+    if args.per_class in ("off", "both"):
+        paths["new, per-class off"] = functools.partial(new, per_class=False)
+    if args.per_class in ("on", "both"):
+        paths["new"] = new
     configs = [(path, backend) for path in paths for backend in args.backends]
     image_ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
     model = StandInDetector(ann_file, args.detections)
@@ -287,7 +314,7 @@ def main() -> int:
             if trainer.global_rank == 0:
                 timing = dict(PHASES, accumulate=float(mine))
                 timing["other"] = timing["epoch end"] - sum(
-                    timing.get(k, 0.0) for k in ("gather", "write JSON", "evaluate")
+                    timing.get(k, 0.0) for k in ("gather", "write JSON", "evaluate", "per-class report")
                 )
                 timing["epoch end CPU"] = CPU["epoch end"]
                 runs[path, backend].append(timing)
@@ -304,9 +331,19 @@ def main() -> int:
     if child:
         return 0
 
-    names = ["accumulate", "gather", "write JSON", "evaluate", "other", "epoch end", "epoch end CPU"]
+    names = [
+        "accumulate",
+        "gather",
+        "write JSON",
+        "evaluate",
+        "per-class rows",
+        "per-class report",
+        "other",
+        "epoch end",
+        "epoch end CPU",
+    ]
     medians = {c: {n: statistics.median(r.get(n, 0.0) for r in runs[c]) for n in names} for c in configs}
-    reference = medians[configs[-len(args.backends)]]["epoch end"]  # the new path, first backend
+    reference = medians[configs[-len(args.backends)]]["epoch end"]  # the last path, first backend
     print(
         f"\n{args.images} images x {args.detections} detections = {args.images * args.detections:,} on "
         f"{args.devices} ranks (gloo, CPU, {os.cpu_count()} cores), batch {args.batch_size}, "
@@ -328,9 +365,16 @@ def main() -> int:
 
     # the same backend must give exactly the same numbers on both paths; the two backends agree to 1e-12
     # (pycocotools and faster-coco-eval sum in a different order, like the tests allow)
-    same = all(stats[c] == stats[path, c[1]] for c in configs for path in paths)
-    values = np.array([list(s.values()) for s in stats.values()])
+    # (per-class APs too, on the paths that have them)
+    twelve = {c: [s[n] for n in COCO_STAT_NAMES] for c, s in stats.items()}
+    same = all(twelve[c] == twelve[path, c[1]] for c in configs for path in paths)
+    values = np.array(list(twelve.values()))
     spread = float((values.max(axis=0) - values.min(axis=0)).max())
+    per_class = [s for s in stats.values() if len(s) > len(COCO_STAT_NAMES)]
+    if per_class:
+        same = same and all(s.keys() == per_class[0].keys() for s in per_class)
+        values = np.array([list(s.values()) for s in per_class]) if same else values
+        spread = max(spread, float((values.max(axis=0) - values.min(axis=0)).max()))
     same_json = len(set(digests.values())) <= 1
     first = stats[configs[0]]
     print(

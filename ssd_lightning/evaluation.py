@@ -13,6 +13,12 @@ Meaning of the returned values (the 12 numbers of ``COCOeval.stats``, named by `
 * no detections at all: the same numbers COCOeval gives for a detector that outputs nothing, i.e. ``0.0``
   wherever ground truth exists and ``-1.0`` where it does not (pycocotools' ``loadRes`` crashes on an empty
   list, so this case is built without it).
+
+Per-class AP (``evaluate_coco(..., per_class=True)`` or :func:`evaluate_coco_per_class`) is read from the
+same evaluation, COCOeval's ``eval["precision"]`` array, not by evaluating again: ``AP/<name>`` is AP@[.5:.95]
+and ``AP50/<name>`` AP@.5 of one category (area all, 100 detections per image), equal to what COCOeval gives
+with ``params.catIds = [that category]``. A category without ground truth among the evaluated images has no
+AP: it is left out of the metrics dict, and its :class:`ClassAP` row holds NaN.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import contextlib
 import copy
 import io
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -34,11 +42,16 @@ __all__ = [
     "BACKENDS",
     "COCO_STAT_NAMES",
     "DEFAULT_BACKEND",
+    "ClassAP",
+    "class_ap_from_precision",
     "coco_array_to_results",
     "detections_to_coco_array",
     "detections_to_coco_results",
     "evaluate_coco",
+    "evaluate_coco_per_class",
+    "format_per_class_table",
     "format_summary",
+    "per_class_metrics",
     "to_coco_array",
     "to_coco_results",
     "write_coco_results_json",
@@ -347,7 +360,15 @@ def _empty_pycocotools_results(coco_gt: Any) -> Any:
     return res
 
 
-def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool) -> np.ndarray:
+class _Evaluated(NamedTuple):
+    """A finished COCOeval (either backend: the same ``stats``, ``params`` and ``eval["precision"]``) and the
+    ground-truth dataset dict it ran on."""
+
+    coco_eval: Any
+    gt_dataset: dict
+
+
+def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool) -> _Evaluated:
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -365,12 +386,12 @@ def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any,
     else:
         with contextlib.redirect_stdout(io.StringIO()):
             coco_eval.summarize()
-    return np.asarray(coco_eval.stats, dtype=np.float64)
+    return _Evaluated(coco_eval, coco_gt.dataset)
 
 
 def _run_faster_coco_eval(
     annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool
-) -> np.ndarray:
+) -> _Evaluated:
     from faster_coco_eval import COCO, COCOeval_faster
 
     def quiet(*args: Any, **kwargs: Any) -> None:
@@ -385,10 +406,145 @@ def _run_faster_coco_eval(
     coco_eval.evaluate()
     coco_eval.accumulate()
     coco_eval.summarize()  # prints 14 lines (adds AR@0.5, AR@0.75): print the standard 12 ourselves
-    stats = np.asarray(coco_eval.stats, dtype=np.float64)
     if verbose:
-        print(format_summary(stats))
-    return stats
+        print(format_summary(coco_eval.stats))
+    return _Evaluated(coco_eval, coco_gt.dataset)
+
+
+@dataclass(frozen=True)
+class ClassAP:
+    """COCO AP of one category (area all, 100 detections per image), a row of the per-class table.
+
+    Attributes:
+        category_id: the dataset's category id.
+        name: the category name as the annotation file spells it.
+        key: ``name`` made safe as a metric name, the ``<key>`` of ``AP/<key>``: ``/`` (which would nest
+            the tag in TensorBoard/MLflow) becomes ``_``, surrounding whitespace goes, an empty name becomes
+            ``category_<id>``; names that then collide get ``_<id>`` appended. Spaces are kept.
+        ap: AP@[.5:.95]; NaN when the category has no ground truth among the evaluated images.
+        ap50: AP@.5; NaN likewise.
+        num_gt: ground-truth boxes of the category among the evaluated images, crowd regions not counted
+            (COCOeval ignores them).
+    """
+
+    category_id: int
+    name: str
+    key: str
+    ap: float
+    ap50: float
+    num_gt: int
+
+
+def class_ap_from_precision(
+    precision: np.ndarray,
+    iou_thresholds: Sequence[float] | np.ndarray,
+    *,
+    area_index: int = 0,
+    max_dets_index: int = -1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-category AP@[.5:.95] and AP@.5 from COCOeval's ``eval["precision"]``, vectorised over categories.
+
+    Args:
+        precision: ``(T, R, K, A, M)`` precision at T IoU thresholds, R recall points, K categories, A area
+            ranges, M maxDets settings; ``-1`` where undefined (no ground truth), as both backends store it.
+        iou_thresholds: ``(T,)`` IoU thresholds (``params.iouThrs``); must contain 0.5.
+        area_index: index into A (``params.areaRngLbl``; 0 is ``"all"``).
+        max_dets_index: index into M (``params.maxDets``; -1 is 100).
+
+    Returns:
+        ``(ap, ap50)``, each ``(K,)``: the mean of the defined (``> -1``) entries over T and R (over R at IoU
+        0.5), exactly what ``COCOeval.summarize`` averages for one category; NaN where none is defined.
+    """
+    precision = np.asarray(precision, dtype=np.float64)
+    if precision.ndim != 5:
+        raise ValueError(f"precision must have shape (T, R, K, A, M), got {tuple(precision.shape)}")
+    thresholds = np.asarray(iou_thresholds, dtype=np.float64).reshape(-1)
+    if thresholds.shape[0] != precision.shape[0]:
+        raise ValueError(
+            f"{thresholds.shape[0]} IoU thresholds for a precision array with T={precision.shape[0]}"
+        )
+    at_50 = np.flatnonzero(np.isclose(thresholds, 0.5))
+    if at_50.size != 1:
+        raise ValueError(f"the IoU thresholds must contain 0.5 once, got {thresholds.tolist()}")
+    selected = precision[:, :, :, area_index, max_dets_index]  # (T, R, K)
+    return _mean_of_defined(selected), _mean_of_defined(selected[at_50])
+
+
+def _mean_of_defined(precision: np.ndarray) -> np.ndarray:
+    """``(T, R, K) -> (K,)``: mean over T and R of the entries ``> -1``; NaN where there are none."""
+    per_class = np.ascontiguousarray(precision.reshape(-1, precision.shape[-1]).T)  # (K, T*R)
+    defined = per_class > -1
+    count = defined.sum(axis=1)
+    # a sum along the contiguous axis is pairwise, as COCOeval's np.mean: rounding error ~1e-16, not ~1e-14
+    total = np.where(defined, per_class, 0.0).sum(axis=1)
+    return np.divide(total, count, out=np.full(count.shape, np.nan), where=count > 0)
+
+
+def _metric_keys(category_ids: Sequence[int], names: Sequence[str]) -> list[str]:
+    """Metric-safe names: ``/`` (it would nest the tag in TensorBoard/MLflow) becomes ``_``, surrounding
+    whitespace goes, an empty name becomes ``category_<id>``; names that then collide get ``_<id>``."""
+    keys = [
+        str(n).replace("/", "_").strip() or f"category_{c}" for c, n in zip(category_ids, names, strict=True)
+    ]
+    collided = {k for k in keys if keys.count(k) > 1}
+    return [f"{k}_{c}" if k in collided else k for c, k in zip(category_ids, keys, strict=True)]
+
+
+def _count_gt(gt_dataset: dict, category_ids: np.ndarray, image_ids: Sequence[int]) -> np.ndarray:
+    """``(K,)`` non-crowd ground-truth boxes per category (``category_ids`` sorted) in ``image_ids``."""
+    anns = gt_dataset.get("annotations", [])
+    cats = np.fromiter((a["category_id"] for a in anns), dtype=np.int64, count=len(anns))
+    images = np.fromiter((a["image_id"] for a in anns), dtype=np.int64, count=len(anns))
+    crowd = np.fromiter((bool(a.get("iscrowd", 0)) for a in anns), dtype=bool, count=len(anns))
+    keep = ~crowd & np.isin(images, np.asarray(image_ids, dtype=np.int64)) & np.isin(cats, category_ids)
+    return np.bincount(np.searchsorted(category_ids, cats[keep]), minlength=len(category_ids))
+
+
+def _class_rows(evaluated: _Evaluated) -> list[ClassAP]:
+    """One :class:`ClassAP` per category of the evaluation, in category id order."""
+    params = evaluated.coco_eval.params
+    category_ids = np.asarray(params.catIds, dtype=np.int64)
+    ap, ap50 = class_ap_from_precision(
+        evaluated.coco_eval.eval["precision"],
+        params.iouThrs,
+        area_index=list(params.areaRngLbl).index("all"),
+        max_dets_index=int(np.argmax(params.maxDets)),
+    )
+    names_by_id = {int(c["id"]): str(c.get("name", "")) for c in evaluated.gt_dataset.get("categories", [])}
+    names = [names_by_id.get(int(c), "") for c in category_ids]
+    keys = _metric_keys(category_ids.tolist(), names)
+    num_gt = _count_gt(evaluated.gt_dataset, category_ids, params.imgIds)
+    return [
+        ClassAP(int(c), name, key, float(a), float(a50), int(n))
+        for c, name, key, a, a50, n in zip(category_ids, names, keys, ap, ap50, num_gt, strict=True)
+    ]
+
+
+def per_class_metrics(classes: Iterable[ClassAP]) -> dict[str, float]:
+    """``{"AP/<key>": ap, "AP50/<key>": ap50}`` for every category that has an AP (NaN rows left out)."""
+    metrics = {}
+    for row in classes:
+        if not math.isnan(row.ap):
+            metrics[f"AP/{row.key}"] = row.ap
+            metrics[f"AP50/{row.key}"] = row.ap50
+    return metrics
+
+
+def format_per_class_table(classes: Iterable[ClassAP]) -> str:
+    """A compact per-class table, worst AP first (ties: lower AP50, then category id); categories without
+    ground truth (AP undefined) last, shown as ``-``."""
+
+    def order(row: ClassAP) -> tuple:
+        undefined = math.isnan(row.ap)
+        return (undefined, 0.0 if undefined else row.ap, 0.0 if undefined else row.ap50, row.category_id)
+
+    def value(x: float) -> str:
+        return f"{'-':>6}" if math.isnan(x) else f"{x:6.3f}"
+
+    lines = [f"{'AP':>6} {'AP50':>6} {'GT':>7} {'id':>6}  category"]
+    for row in sorted(classes, key=order):
+        lines.append(f"{value(row.ap)} {value(row.ap50)} {row.num_gt:>7d} {row.category_id:>6d}  {row.name}")
+    return "\n".join(lines)
 
 
 _SUMMARY_ROWS = (  # (AP?, IoU, area, maxDets) per stat, as COCOeval.summarize() prints them
@@ -420,6 +576,32 @@ def format_summary(stats: Sequence[float] | Mapping[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _evaluate(
+    annotation_file: str | os.PathLike,
+    detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
+    backend: str,
+    verbose: bool,
+    image_ids: Any,
+) -> _Evaluated:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    ann_path = Path(annotation_file)
+    if not ann_path.is_file():
+        raise FileNotFoundError(
+            f"annotation_file {str(ann_path)!r} does not exist; pass the dataset's COCO instances JSON"
+        )
+    results = _load_results(detections)
+    run = _run_pycocotools if backend == "pycocotools" else _run_faster_coco_eval
+    return run(ann_path, results, image_ids, verbose)
+
+
+def _named_stats(evaluated: _Evaluated, backend: str) -> dict[str, float]:
+    stats = np.asarray(evaluated.coco_eval.stats, dtype=np.float64)
+    if stats.shape[0] < len(COCO_STAT_NAMES):
+        raise RuntimeError(f"{backend} returned {stats.shape[0]} stats, expected {len(COCO_STAT_NAMES)}")
+    return {name: float(v) for name, v in zip(COCO_STAT_NAMES, stats[: len(COCO_STAT_NAMES)], strict=True)}
+
+
 def evaluate_coco(
     annotation_file: str | os.PathLike,
     detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
@@ -427,6 +609,7 @@ def evaluate_coco(
     *,
     verbose: bool = True,
     image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    per_class: bool = False,
 ) -> dict[str, float]:
     """Official COCO bbox evaluation of ``detections`` against ``annotation_file``.
 
@@ -443,27 +626,42 @@ def evaluate_coco(
         image_ids: evaluate only these images (default: every image of the annotation file, the official
             protocol). Images listed here without any detection count as misses. A warning says when this is a
             subset of the dataset.
+        per_class: add ``AP/<name>`` (AP@[.5:.95]) and ``AP50/<name>`` (AP@.5) of every category that has
+            ground truth among the evaluated images, in category id order after the 12 stats; a category
+            without ground truth is left out (its AP is undefined). ``<name>`` is the category name with
+            ``/`` replaced by ``_`` (see :class:`ClassAP` ``.key``). Read from the same evaluation: no
+            extra COCOeval run. :func:`evaluate_coco_per_class` gives the rows with ids and GT counts.
 
     Returns:
-        The 12 COCOeval stats as ``{name: float}`` in ``COCO_STAT_NAMES`` order. ``-1.0`` means undefined (no
-        ground truth in that area range among the evaluated images); with no detections at all every defined
-        stat is ``0.0`` (see the module docstring).
+        The 12 COCOeval stats as ``{name: float}`` in ``COCO_STAT_NAMES`` order (then the per-class APs).
+        ``-1.0`` means undefined (no ground truth in that area range among the evaluated images); with no
+        detections at all every defined stat is ``0.0`` (see the module docstring).
 
     Raises:
         FileNotFoundError: ``annotation_file`` (or a detections path) does not exist.
         ValueError: unknown ``backend``, malformed detections, or image/category ids the annotation file does
             not define.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    ann_path = Path(annotation_file)
-    if not ann_path.is_file():
-        raise FileNotFoundError(
-            f"annotation_file {str(ann_path)!r} does not exist; pass the dataset's COCO instances JSON"
-        )
-    results = _load_results(detections)
-    run = _run_pycocotools if backend == "pycocotools" else _run_faster_coco_eval
-    stats = run(ann_path, results, image_ids, verbose)
-    if stats.shape[0] < len(COCO_STAT_NAMES):
-        raise RuntimeError(f"{backend} returned {stats.shape[0]} stats, expected {len(COCO_STAT_NAMES)}")
-    return {name: float(v) for name, v in zip(COCO_STAT_NAMES, stats[: len(COCO_STAT_NAMES)], strict=True)}
+    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
+    stats = _named_stats(evaluated, backend)
+    if per_class:
+        stats.update(per_class_metrics(_class_rows(evaluated)))
+    return stats
+
+
+def evaluate_coco_per_class(
+    annotation_file: str | os.PathLike,
+    detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
+    backend: str = DEFAULT_BACKEND,
+    *,
+    verbose: bool = True,
+    image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+) -> tuple[dict[str, float], list[ClassAP]]:
+    """:func:`evaluate_coco` (same arguments) that also returns one :class:`ClassAP` row per category of the
+    annotation file, in category id order, with NaN AP for the categories without ground truth.
+
+    Returns:
+        ``(stats, classes)``: the 12 stats of :func:`evaluate_coco` and the per-class rows.
+    """
+    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
+    return _named_stats(evaluated, backend), _class_rows(evaluated)

@@ -215,7 +215,9 @@ def test_validate_perfect_detections(tmp_path, ann_file, capsys):
     cb = CocoMAPCallback(output_dir=tmp_path / "out")
     trainer = _trainer(tmp_path, [cb])
     (metrics,) = trainer.validate(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
-    assert {f"val/{n}" for n in COCO_STAT_NAMES} == set(metrics)  # no best tracking outside fit
+    per_class = {f"val/{m}/c{c}" for c in CATEGORY_IDS for m in ("AP", "AP50")}
+    assert {f"val/{n}" for n in COCO_STAT_NAMES} | per_class == set(metrics)  # no best tracking outside fit
+    assert all(metrics[k] == pytest.approx(1.0) for k in per_class)
     assert metrics["val/mAP"] == pytest.approx(1.0)
     assert metrics["val/mAP_small"] == pytest.approx(1.0)  # all area ranges are populated
     assert metrics["val/mAR_100"] == pytest.approx(1.0)
@@ -416,6 +418,133 @@ def test_with_eval_schedule_and_checkpoint(tmp_path, ann_file):
     ]
     assert rec.history[1][1]["val/mAP_best_epoch"] == 3
     assert Path(best.best_model_path).name == "epoch=3.ckpt"
+    assert sorted(p.name for p in tmp_path.glob("per_class_epoch_*.json")) == [
+        "per_class_epoch_1.json",
+        "per_class_epoch_3.json",
+    ]
+    assert all({"val/AP/c4", "val/AP50/c9"} <= set(m) for _, m in rec.history)
+
+
+# ----------------------------------------------------------------------------------------- per-class AP
+def _rename_categories(ann_file: Path, names: dict[int, str], extra: list[dict]) -> Path:
+    """The same annotation file with other category names and extra categories (without any box)."""
+    data = json.loads(ann_file.read_text())
+    data["categories"] = [{"id": c["id"], "name": names[c["id"]]} for c in data["categories"]] + extra
+    ann_file.write_text(json.dumps(data))
+    return ann_file
+
+
+def _restricted_pycocotools(ann_file: Path, json_file: Path, category_id: int) -> tuple[float, float]:
+    """(AP, AP50) of pycocotools' COCOeval on one category (``params.catIds = [category_id]``)."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(ann_file))
+        ev = COCOeval(gt, gt.loadRes(str(json_file)), "bbox")
+        ev.params.catIds = [category_id]
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return ev.stats[0], ev.stats[1]
+
+
+@pytest.mark.parametrize("backend", ["faster_coco_eval", "pycocotools"])
+def test_per_class_logged_written_and_printed(tmp_path, ann_file, backend, capsys):
+    """val/AP/<name> and val/AP50/<name> logged (a '/' in a name made '_', a space kept, a category without
+    ground truth left out), equal to pycocotools restricted to that category; per_class_epoch_0.json holds
+    every category with its GT count; the table is printed worst first; the CSV logger takes the keys."""
+    import csv
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    ann_file = _rename_categories(
+        ann_file, {4: "traffic light", 9: "a/b"}, extra=[{"id": 13, "name": "no boxes"}]
+    )
+    cb = CocoMAPCallback(backend=backend, output_dir=tmp_path / "out")
+    trainer = _trainer(tmp_path, [cb], logger=CSVLogger(tmp_path / "logs", name="", version=""))
+    (metrics,) = trainer.validate(
+        GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
+    )
+    detections = tmp_path / "out" / "detections_epoch_0.json"
+    expected = {
+        4: _restricted_pycocotools(ann_file, detections, 4),
+        9: _restricted_pycocotools(ann_file, detections, 9),
+    }
+    assert _restricted_pycocotools(ann_file, detections, 13) == (-1.0, -1.0)  # no ground truth: undefined
+    assert abs(expected[4][0] - expected[9][0]) > 0.02 and all(0.2 < ap < 0.9 for ap, _ in expected.values())
+
+    per_class = {k: v for k, v in metrics.items() if k.startswith(("val/AP/", "val/AP50/"))}
+    assert per_class == pytest.approx(
+        {
+            "val/AP/traffic light": expected[4][0],
+            "val/AP50/traffic light": expected[4][1],
+            "val/AP/a_b": expected[9][0],
+            "val/AP50/a_b": expected[9][1],
+        },
+        abs=1e-6,  # logged as float32
+    )
+    assert cb.last_stats["AP/a_b"] == pytest.approx(expected[9][0], abs=1e-12)
+
+    gt = json.loads(ann_file.read_text())["annotations"]
+    records = json.loads((tmp_path / "out" / "per_class_epoch_0.json").read_text())
+    assert [(r["category_id"], r["name"], r["metric_key"]) for r in records] == [
+        (4, "traffic light", "traffic light"),
+        (9, "a/b", "a_b"),
+        (13, "no boxes", "no boxes"),
+    ]
+    for r in records[:2]:
+        assert (r["AP"], r["AP50"]) == pytest.approx(expected[r["category_id"]], abs=1e-12)
+        assert r["num_gt"] == sum(a["category_id"] == r["category_id"] for a in gt) > 0
+    assert records[2] == {
+        "category_id": 13,
+        "name": "no boxes",
+        "metric_key": "no boxes",
+        "AP": None,
+        "AP50": None,
+        "num_gt": 0,
+    }
+
+    out = capsys.readouterr().out
+    assert out.count("Average Precision") == 6  # the summary, then the table
+    table = out[out.index("Per-class AP") :].splitlines()[2:5]
+    worst_first = sorted(expected, key=lambda c: expected[c][0])
+    names = {4: "traffic light", 9: "a/b"}
+    assert [line.split(None, 4)[4] for line in table] == [names[c] for c in worst_first] + ["no boxes"]
+    assert [float(line.split()[0]) for line in table[:2]] == pytest.approx(
+        [expected[c][0] for c in worst_first], abs=5e-4
+    )
+
+    with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert float(row["val/AP/traffic light"]) == pytest.approx(expected[4][0], abs=1e-6)
+    assert float(row["val/AP50/a_b"]) == pytest.approx(expected[9][1], abs=1e-6)
+
+
+def test_per_class_off(tmp_path, ann_file, capsys):
+    cb = CocoMAPCallback(output_dir=tmp_path, per_class=False)
+    (metrics,) = _trainer(tmp_path, [cb]).validate(
+        GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
+    )
+    assert set(metrics) == {f"val/{n}" for n in COCO_STAT_NAMES}
+    assert (tmp_path / "detections_epoch_0.json").is_file()
+    assert not list(tmp_path.glob("per_class_epoch_*.json"))
+    assert "Per-class AP" not in capsys.readouterr().out
+
+
+def test_per_class_on_by_default_and_quiet_without_verbose(tmp_path, ann_file, capsys):
+    from omegaconf import OmegaConf
+
+    assert CocoMAPCallback().per_class is True
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "callbacks" / "detection.yaml")
+    assert cfg.coco_map.per_class is True
+    cb = CocoMAPCallback(verbose=False, save_detections=False)
+    (metrics,) = _trainer(tmp_path, [cb]).validate(
+        GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file), verbose=False
+    )
+    assert metrics["val/AP/c4"] == pytest.approx(1.0) and metrics["val/AP50/c9"] == pytest.approx(1.0)
+    assert not list(tmp_path.glob("*_epoch_*.json"))  # save_detections=False: no file at all
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.gpu

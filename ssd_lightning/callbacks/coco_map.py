@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -20,8 +22,12 @@ from ssd_lightning.evaluation import (
     BACKENDS,
     COCO_STAT_NAMES,
     DEFAULT_BACKEND,
+    ClassAP,
     detections_to_coco_array,
     evaluate_coco,
+    evaluate_coco_per_class,
+    format_per_class_table,
+    per_class_metrics,
     write_coco_results_json,
 )
 
@@ -46,17 +52,41 @@ def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
     return gathered
 
 
-def _atomic_write_json(path: Path, array: np.ndarray) -> None:
-    """Write the ``(M, 7)`` results ``array`` to ``path`` as a COCO results JSON, atomically."""
+def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """Create ``path`` with what ``write`` writes to an open text file, atomically (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            write_coco_results_json(f, array)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_write_json(path: Path, array: np.ndarray) -> None:
+    """Write the ``(M, 7)`` results ``array`` to ``path`` as a COCO results JSON, atomically."""
+    _atomic_write(path, lambda f: write_coco_results_json(f, array))
+
+
+def _per_class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
+    """The rows of ``per_class_epoch_<e>.json``: category order, an undefined AP (no ground truth) as null."""
+
+    def value(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return [
+        {
+            "category_id": row.category_id,
+            "name": row.name,
+            "metric_key": row.key,
+            "AP": value(row.ap),
+            "AP50": value(row.ap50),
+            "num_gt": row.num_gt,
+        }
+        for row in classes
+    ]
 
 
 def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -100,22 +130,33 @@ class CocoMAPCallback(Callback):
     ``ModelCheckpoint(monitor="val/mAP")`` works under DDP and ``trainer.validate`` returns the stats.
     A stat of ``-1`` means "no ground truth in that area range".
 
+    With ``per_class`` (the default) it also logs ``val/AP/<name>`` (AP@[.5:.95]) and ``val/AP50/<name>``
+    (AP@.5) of every category that has ground truth among the evaluated images (the others have no AP and
+    are not logged), read from the same COCOeval run (cheap: see docs/benchmarks.md). ``<name>`` is the
+    annotation file's category name with ``/`` replaced by ``_`` (a ``/`` would nest the tag in TensorBoard),
+    spaces kept (``val/AP/traffic light``), ``_<category id>`` appended where names collide. Rank 0 writes
+    ``per_class_epoch_<epoch>.json`` next to the detections (one record per category, in id order:
+    ``category_id``, ``name``, ``metric_key``, ``AP``, ``AP50`` (null without ground truth), ``num_gt``
+    (non-crowd ground-truth boxes)) and, with ``verbose``, prints a per-class table, worst AP first.
+
     The sanity-check pass (``num_sanity_val_steps``, on in the multi-GPU recipes) runs the whole path, the
     gather and the evaluator included, on the images it saw, so that a broken one fails before training;
     its number (a few batches: meaningless) is not logged. An error on one rank is raised on every rank.
     The results are written (rank 0, atomically) to ``<output_dir>/detections_epoch_<epoch>.json`` in COCO
-    results format; ``output_dir`` defaults to ``trainer.log_dir`` (or ``trainer.default_root_dir`` without
-    a logger). The best mAP and its epoch are kept in the callback state, so they survive a resume.
+    results format (and ``per_class_epoch_<epoch>.json``, see above); ``output_dir`` defaults to
+    ``trainer.log_dir`` (or ``trainer.default_root_dir`` without a logger). The best mAP and its epoch are
+    kept in the callback state, so they survive a resume.
 
     Args:
         backend: ``"faster_coco_eval"`` (C++, the default) or ``"pycocotools"`` (the reference; same
             numbers, ~7x slower at COCO-val size).
         output_dir: where to write the detection JSON files.
         save_detections: write the JSON files at all.
-        verbose: print the 12-line COCO summary on rank 0.
+        verbose: print the 12-line COCO summary (and the per-class table) on rank 0.
         annotation_file: overrides ``trainer.datamodule.val_annotation_file``.
         category_map: overrides ``trainer.datamodule.category_map``; anything with ``label_to_category_id``.
         prefix: metric name prefix.
+        per_class: log, write and print the AP of every category (see above).
     """
 
     def __init__(
@@ -128,6 +169,7 @@ class CocoMAPCallback(Callback):
         annotation_file: str | os.PathLike | None = None,
         category_map: Any = None,
         prefix: str = "val/",
+        per_class: bool = True,
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -139,6 +181,7 @@ class CocoMAPCallback(Callback):
         self.annotation_file = annotation_file
         self.category_map = category_map
         self.prefix = prefix
+        self.per_class = per_class
         self.best_map: float | None = None
         self.best_epoch: int | None = None
         self.last_stats: dict[str, float] | None = None
@@ -254,7 +297,7 @@ class CocoMAPCallback(Callback):
         stats: dict[str, float] = payload[1]
         self.last_stats = stats
 
-        metrics = {f"{self.prefix}{name}": stats[name] for name in COCO_STAT_NAMES}
+        metrics = {f"{self.prefix}{name}": value for name, value in stats.items()}  # the 12, then per class
         if trainer.state.fn == "fit":
             if self.best_map is None or stats["mAP"] > self.best_map:
                 self.best_map, self.best_epoch = stats["mAP"], epoch
@@ -288,4 +331,22 @@ class CocoMAPCallback(Callback):
                 evaluate_coco(ann_file, rows, self.backend, verbose=False, image_ids=image_ids)
             log.info(f"CocoMAPCallback: sanity check evaluated {len(image_ids)} image(s) (not logged)")
             return {}
-        return evaluate_coco(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)
+        if not self.per_class:
+            return evaluate_coco(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)
+        stats, classes = evaluate_coco_per_class(
+            ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids
+        )
+        self._report_per_class(classes, out_dir, epoch)
+        return {**stats, **per_class_metrics(classes)}
+
+    def _report_per_class(self, classes: Sequence[ClassAP], out_dir: Path | None, epoch: int) -> None:
+        """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""
+        if out_dir is not None:
+            records = _per_class_records(classes)
+            _atomic_write(
+                out_dir / f"per_class_epoch_{epoch}.json",
+                lambda f: json.dump(records, f, indent=1, allow_nan=False),
+            )
+        if self.verbose:
+            print(f"Per-class AP (area all, maxDets 100), epoch {epoch}, worst first:")
+            print(format_per_class_table(classes))

@@ -47,21 +47,30 @@ class CategoryMap:
             raise ValueError(f"category_ids must be unique, got {list(self.category_ids)}")
 
     @classmethod
-    def from_coco(cls, source: str | os.PathLike | Mapping[str, Any]) -> CategoryMap:
-        """Build from a COCO annotation file (path) or its parsed dict (only ``categories`` is read)."""
+    def from_coco(
+        cls, source: str | os.PathLike | Mapping[str, Any], *, where: str | None = None
+    ) -> CategoryMap:
+        """Build from a COCO annotation file (path) or its parsed dict (only ``categories`` is read).
+
+        ``where`` names the source in error messages (default: the path, or "the annotation dict").
+        """
         if isinstance(source, Mapping):
-            data, where = source, "the annotation dict"
+            data, where = source, where or "the annotation dict"
         else:
-            where = os.fspath(source)
-            with open(where, encoding="utf-8") as f:
+            where = where or os.fspath(source)
+            with open(source, encoding="utf-8") as f:
                 data = json.load(f)
         cats = data.get("categories") if isinstance(data, Mapping) else None
         if not isinstance(cats, list) or not cats:
             raise DataError(f"{where}: 'categories' must be a non-empty list of {{'id', 'name'}} dicts")
         ids, names = [], ["background"]
         for cat in cats:
-            if not isinstance(cat, Mapping) or not isinstance(cat.get("id"), int):
-                raise DataError(f"{where}: every category needs an integer 'id', got {cat!r}")
+            cat_id = cat.get("id") if isinstance(cat, Mapping) else None
+            if not isinstance(cat_id, int) or isinstance(cat_id, bool):
+                raise DataError(
+                    f"{where}: every category needs an integer 'id' (0 is fine; the annotations' "
+                    f"'category_id' refers to it), got {cat!r}"
+                )
             ids.append(int(cat["id"]))
             names.append(str(cat.get("name", cat["id"])))
         if len(set(ids)) != len(ids):

@@ -50,9 +50,10 @@ class CocoDALIDataModule(DALIDataModule):
         augment: the reference augmentation; False gives decode + resize only (tests, debugging).
         include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
         check_files: check that every listed image exists and looks like an image, in ``setup()``.
-        cache_dir: where the results of the annotation check (and clipped copies of annotation files) are
-            kept, so that an unchanged split is checked once per machine, not by every rank of every run
-            (default ``$XDG_CACHE_HOME/ssd_lightning``; see :mod:`ssd_lightning.data.split_cache`).
+        cache_dir: where the results of the annotation check (and normalised or clipped copies of
+            annotation files) are kept, so that an unchanged split is checked once per machine, not by
+            every rank of every run (default ``$XDG_CACHE_HOME/ssd_lightning``; see
+            :mod:`ssd_lightning.data.split_cache`).
         train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
             that a resumed run sees the same images).
 
@@ -61,6 +62,11 @@ class CocoDALIDataModule(DALIDataModule):
     "image_sizes" (N, 2) int64 (height, width) of the original}``. Training drops the incomplete last
     batch per rank; validation yields every image exactly once across ranks (see
     :mod:`ssd_lightning.data.dali_iterator`). Training skips images without boxes; validation keeps them.
+
+    Exports of labelling tools work as they are written: category ids from 0, ``file_name`` in subfolders,
+    PNGs, annotations without ``iscrowd``/``area``/``id`` and string image ids (read through a normalised
+    copy whose image ids ``1..N`` the batches and :attr:`val_annotation_file` share), EXIF-rotated photos
+    where DALI decodes them upright; see :mod:`ssd_lightning.data.coco_validation` for the policy.
     """
 
     def __init__(
@@ -121,8 +127,13 @@ class CocoDALIDataModule(DALIDataModule):
     # ----------------------------------------------------------------- metadata other code reads
     @property
     def val_annotation_file(self) -> Path:
-        """The original validation annotation file (ground truth for COCO evaluation)."""
-        return self.val_annotations
+        """The validation ground truth for the COCO evaluation: ``val_annotations``, or its normalised copy
+        where the export lacked COCO fields or integer image ids (then batches carry the copy's image ids;
+        see :func:`~ssd_lightning.data.coco_validation.check_coco_split`)."""
+        if "val" not in self._splits and self.val_annotations.is_file() and self.val_images.is_dir():
+            self._split("val")  # checked (and cached) once; setup() reuses it
+        info = self._splits.get("val")
+        return self.val_annotations if info is None else info.evaluation_annotation_file
 
     @property
     def category_map(self) -> CategoryMap:

@@ -14,7 +14,25 @@ Policy for boxes (documented, tested):
 * further outside than that: ``ValueError`` (the file is probably in another box format or the image
   sizes are wrong).
 
-The COCO evaluation keeps reading the original file.
+The COCO evaluation keeps reading the unclipped file.
+
+Policy for exports of labelling tools (documented, tested), which often leave out what COCO tools need:
+
+* annotations without ``iscrowd`` (0 filled in), ``area`` (box ``w * h``) or a unique integer ``id``
+  (renumbered ``1..M``; pycocotools needs them, and it silently keeps one of two boxes sharing an id), and
+  image ids that are not integers in DALI's int32 range (strings: DALI fails with "Error parsing JSON
+  file"): a *normalised copy* is written next to the clipped copies, with ONE warning per split that says
+  what was filled in and for how many. Images get ids ``1..N`` in file order and keep the old id as
+  ``original_id``; both the reader and the COCO evaluation read the normalised copy, so the ids of
+  validation batches and of the detections files are the new ones. Category ids stay as they are (0 is
+  fine: labels are ``1..K`` in the file's category order, see :mod:`ssd_lightning.data.categories`).
+* images with an EXIF orientation other than 1 (phone photos stored sideways plus a "rotate" tag):
+  labelling tools draw the boxes on the upright image. DALI 2.x decoders apply the tag (the image comes out
+  upright, as in every viewer), DALI 1.34's do not (:func:`decoder_applies_exif_orientation`). The header
+  check records these images (JPEG, TIFF, WebP; not done with ``check_files=False``) and
+  :func:`check_coco_split` raises, naming them, where the boxes cannot line up: on a line that ignores the
+  tag, and where the file lists an image with its stored (unrotated) width and height while the decoder
+  turns it upright (some exporters write that).
 
 The check reads the whole file (~450 MB for COCO train2017; polygons are skipped unparsed) and one header
 per image; its result is cached per machine while the files are unchanged, and concurrent processes (the
@@ -23,6 +41,7 @@ ranks of a node) wait for the first one's result: see :mod:`ssd_lightning.data.s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +57,14 @@ from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.split_cache import SplitCache, writable_cache_dir
 from ssd_lightning.errors import DataError, MissingDataError, UserError
 
-__all__ = ["CocoSplitInfo", "check_coco_split", "check_image_headers", "find_undecodable_images"]
+__all__ = [
+    "CocoSplitInfo",
+    "check_coco_split",
+    "check_image_headers",
+    "decoder_applies_exif_orientation",
+    "exif_orientation",
+    "find_undecodable_images",
+]
 
 MIN_BOX_SIZE = 0.1  # px; DALI readers.coco default size_threshold
 _MAGIC = {
@@ -49,6 +75,11 @@ _MAGIC = {
     b"MM\x00*": "TIFF",
 }
 _MAX_LISTED = 5
+_HEADER_BYTES = 4096
+_EXIF_ORIENTATION = 0x0112  # EXIF tag "Orientation"
+_SWAPS_SIDES = frozenset({5, 6, 7, 8})  # orientations that turn the image by 90 degrees
+_INT32 = range(-(2**31), 2**31)  # DALI reads image ids as int32
+_COPY_FORMAT = 2  # part of the copies' names: bump when what goes into a copy changes
 
 
 @dataclass(frozen=True)
@@ -57,23 +88,34 @@ class CocoSplitInfo:
 
     Attributes:
         image_dir: directory the ``file_name`` entries are relative to.
-        annotation_file: the original annotation file (use this one for evaluation).
-        reader_annotation_file: the file to give DALI (the original, or a clipped copy).
+        annotation_file: the original annotation file.
+        reader_annotation_file: the file to give DALI (the original, or a normalised and/or clipped copy).
+        evaluation_annotation_file: the file to give the COCO evaluation (the original, or the normalised
+            copy: same image ids as ``reader_annotation_file``, boxes not clipped).
         category_map: labels <-> category ids in DALI's order.
         num_images: images listed.
         num_images_with_boxes: images with at least one box DALI keeps (what ``skip_empty`` leaves).
         num_dropped: boxes below 0.1 px dropped.
         num_clipped: boxes clipped to the image.
+        filled: what the normalised copy filled in, as ``(what, how many)`` pairs (empty: no copy).
+        exif_listed_upright: ``file_name`` of the images with an EXIF orientation whose listed size is
+            their upright size (what DALI 2.x decodes).
+        exif_listed_unrotated: the same for images listed with their stored size, which differs from the
+            upright one (a 90-degree tag on a non-square image).
     """
 
     image_dir: Path
     annotation_file: Path
     reader_annotation_file: Path
+    evaluation_annotation_file: Path
     category_map: CategoryMap
     num_images: int
     num_images_with_boxes: int
     num_dropped: int
     num_clipped: int
+    filled: tuple[tuple[str, int], ...] = ()
+    exif_listed_upright: tuple[str, ...] = ()
+    exif_listed_unrotated: tuple[str, ...] = ()
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -82,26 +124,33 @@ def _listing(items: Sequence[str]) -> str:
     return shown + more
 
 
-def check_image_headers(paths: Iterable[Path]) -> None:
+def check_image_headers(paths: Iterable[Path]) -> list[Path]:
     """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP).
 
-    Reads 12 bytes per file, so it is cheap even for COCO's 118k images. Truncated files pass here; DALI's
-    decoder names those when it meets them (see :func:`find_undecodable_images`).
+    Reads the first 4 KiB of each file (one page: as cheap as its first bytes, so fine for COCO's 118k
+    images). Truncated files pass here; DALI's decoder names those when it meets them (see
+    :func:`find_undecodable_images`).
+
+    Returns:
+        the files that may carry an EXIF orientation (see :func:`exif_orientation`): JPEGs with an ``Exif``
+        segment before their image data (or whose header segments run past that first page), TIFFs, WebPs.
     """
-    missing, bad = [], []
+    missing, bad, exif_candidates = [], [], []
     for path in paths:
         try:
             with open(path, "rb") as f:
-                head = f.read(12)
+                head = f.read(_HEADER_BYTES)
         except FileNotFoundError:
             missing.append(str(path))
             continue
         except IsADirectoryError:
             bad.append(f"{path} (a directory)")
             continue
-        is_webp = head[:4] == b"RIFF" and head[8:12] == b"WEBP"
-        if not is_webp and not any(head.startswith(m) for m in _MAGIC):
+        kind = _image_kind(head)
+        if kind is None:
             bad.append(f"{path} (starts with {head[:4]!r})")
+        elif kind in ("TIFF", "WebP") or (kind == "JPEG" and _jpeg_may_have_exif(head)):
+            exif_candidates.append(path)
     if missing:
         raise MissingDataError(
             f"{len(missing)} image file(s) listed in the annotations do not exist: {_listing(missing)}. "
@@ -112,6 +161,64 @@ def check_image_headers(paths: Iterable[Path]) -> None:
             f"{len(bad)} file(s) are not images DALI can decode (JPEG, PNG, BMP, TIFF, WebP): "
             f"{_listing(bad)}. Re-encode or remove them."
         )
+    return exif_candidates
+
+
+def _image_kind(head: bytes) -> str | None:
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    return next((kind for magic, kind in _MAGIC.items() if head.startswith(magic)), None)
+
+
+def _jpeg_may_have_exif(head: bytes) -> bool:
+    """Walk the JPEG's header segments in ``head``: True at an APP1 ``Exif`` segment or past ``head``'s end,
+    False at the image data (EXIF comes before it)."""
+    at = 2  # after SOI
+    while at + 4 <= len(head):
+        if head[at] != 0xFF:
+            return True  # not a marker where one should be: let PIL decide
+        marker = head[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker == 0xDA or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC)):
+            return False  # start of scan / of frame: no EXIF segment before the image data
+        if marker == 0xE1 and head[at + 4 : at + 10] == b"Exif\x00\x00":
+            return True
+        at += 2 + int.from_bytes(head[at + 2 : at + 4], "big")
+    return True
+
+
+def exif_orientation(path: Path) -> tuple[int, tuple[int, int]] | None:
+    """``(EXIF orientation, (width, height) as stored)`` of an image, or None when PIL cannot read it.
+
+    Orientation 1 is upright; 2-8 say how viewers turn or mirror the stored pixels (5-8 swap width and
+    height). Values outside 1-8 count as 1.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+            size = img.size
+    except Exception:  # noqa: BLE001 - unreadable: DALI's decoder names it (find_undecodable_images)
+        return None
+    return (orientation if orientation in range(1, 9) else 1), size
+
+
+@functools.cache
+def decoder_applies_exif_orientation() -> bool:
+    """Whether this DALI's image decoders turn images upright by their EXIF orientation.
+
+    True on the 2.x line (``adjust_orientation``, on by default, in the decoders' schema); False on 1.34,
+    whose decoders return the stored pixels. Detected from the schema, not the version number.
+    """
+    from nvidia.dali import backend
+
+    schema = backend.GetSchema("decoders__Image")
+    return schema.HasArgument("adjust_orientation") and (
+        schema.GetArgumentDefaultValueString("adjust_orientation") == "True"
+    )
 
 
 def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
@@ -163,12 +270,14 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _clipped_copy(path: Path, data: dict[str, Any], out_dir: Path) -> Path:
-    """Write ``data`` (boxes clipped, polygons empty: DALI reads boxes) for DALI, keyed on the original."""
+def _derived_copy(path: Path, data: dict[str, Any], out_dir: Path, kind: str) -> Path:
+    """Write ``data`` (polygons empty: nothing here reads them) as ``<stem>.<kind>.<key>.json`` in
+    ``out_dir``, keyed on the original file's path, size and mtime; an existing copy is reused."""
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    where = f"{_COPY_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha1(where.encode()).hexdigest()[:16]
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{path.stem}.clipped.{key}.json"
+    out = out_dir / f"{path.stem}.{kind}.{key}.json"
     if not out.exists():
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -193,15 +302,17 @@ def check_coco_split(
     Args:
         image_dir: directory the ``file_name`` entries are relative to.
         annotation_file: COCO instances JSON.
-        check_files: also check that every listed image exists and starts like an image.
-        cache_dir: where the check results and clipped copies go (default
+        check_files: also check that every listed image exists and starts like an image (and look for
+            EXIF orientations).
+        cache_dir: where the check results and the normalised and clipped copies go (default
             :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
 
     Raises:
         FileNotFoundError: ``image_dir``, ``annotation_file`` or a listed image is missing.
-        ValueError: unparsable JSON, missing COCO keys, no images, duplicate ids, annotations that
-            reference unknown images or categories, malformed boxes, boxes far outside their image, files
-            that are not images.
+        ValueError: unparsable JSON, missing COCO keys, no images, duplicate or unusable ids, annotations
+            that reference unknown images or categories, malformed boxes, boxes far outside their image,
+            files that are not images, EXIF-rotated images whose boxes cannot line up with what DALI
+            decodes.
     """
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
     if not image_dir.is_dir():
@@ -231,35 +342,86 @@ def check_coco_split(
                     cache.store_error(exc)  # the processes waiting for this one raise it too
                     raise
                 cache.store(_to_json(info), files_checked=check_files)
+    _raise_if_orientation_mismatch(info)  # depends on the DALI line, not only on the files: not cached
+    _warn_about_changes(info)
+    return info
+
+
+def _warn_about_changes(info: CocoSplitInfo) -> None:
+    """One warning line per kind of change the reader or the evaluation will see."""
+    annotation_file = info.annotation_file
+    if info.filled:
+        done = ", ".join(_FILLED[what].format(n=n) for what, n in info.filled)
+        warnings.warn(
+            f"{annotation_file}: filled in what the export leaves out: {done}; the reader and the COCO "
+            f"evaluation use the normalised copy {info.evaluation_annotation_file}",
+            stacklevel=3,
+        )
     if info.num_dropped:
         warnings.warn(
             f"{annotation_file}: {info.num_dropped} box(es) narrower or lower than {MIN_BOX_SIZE} px are "
             "ignored",
-            stacklevel=2,
+            stacklevel=3,
         )
     if info.num_clipped:
         warnings.warn(
             f"{annotation_file}: {info.num_clipped} box(es) extending slightly outside their image were "
-            "clipped to it (the reader uses a clipped copy; evaluation uses the original file)",
-            stacklevel=2,
+            "clipped to it (the reader uses a clipped copy; evaluation uses the unclipped boxes)",
+            stacklevel=3,
         )
-    return info
+
+
+_FILLED = {  # what the normalised copy changed -> how the warning says it
+    "image id": "ids 1..{n} for the {n} images, as not all ids were integers (old ids in 'original_id')",
+    "annotation id": "ids 1..{n} for the {n} annotations, as ids were missing, duplicated or not integers",
+    "iscrowd": "iscrowd=0 for {n} annotation(s)",
+    "area": "area=w*h of the box for {n} annotation(s)",
+}
+
+
+def _raise_if_orientation_mismatch(info: CocoSplitInfo) -> None:
+    """Raise where EXIF-rotated images and their boxes cannot line up under this DALI (module docstring)."""
+    oriented = info.exif_listed_upright + info.exif_listed_unrotated
+    if not oriented:
+        return
+    where = f"{info.annotation_file} (images in {info.image_dir})"
+    if not decoder_applies_exif_orientation():
+        import nvidia.dali
+
+        raise DataError(
+            f"{where}: {len(oriented)} image(s) carry an EXIF orientation tag, which the decoders of DALI "
+            f"{nvidia.dali.__version__} ignore, while labelling tools draw the boxes on the upright image: "
+            f"{_listing(oriented)}. Turn their pixels upright (e.g. `exiftran -ai FILE`, or PIL's "
+            "ImageOps.exif_transpose and save) or use DALI 2.x, whose decoders apply the tag"
+        )
+    if info.exif_listed_unrotated:
+        raise DataError(
+            f"{where}: {len(info.exif_listed_unrotated)} image(s) carry an EXIF rotation and are listed with "
+            "their stored width and height, but DALI decodes them upright (width and height swapped): "
+            f"{_listing(info.exif_listed_unrotated)}. If their boxes were drawn on the upright image (what "
+            "labelling tools show), swap 'width' and 'height' in these image entries; if on the stored "
+            "pixels, remove the tag (`exiftool -Orientation= FILE`)"
+        )
 
 
 def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
     return {
         "reader_annotation_file": str(info.reader_annotation_file.resolve()),
+        "evaluation_annotation_file": str(info.evaluation_annotation_file.resolve()),
         "category_ids": list(info.category_map.category_ids),
         "names": list(info.category_map.names),
         "num_images": info.num_images,
         "num_images_with_boxes": info.num_images_with_boxes,
         "num_dropped": info.num_dropped,
         "num_clipped": info.num_clipped,
+        "filled": [list(pair) for pair in info.filled],
+        "exif_listed_upright": list(info.exif_listed_upright),
+        "exif_listed_unrotated": list(info.exif_listed_unrotated),
     }
 
 
 def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) -> CocoSplitInfo | None:
-    """The cached result, or None when it is malformed or its clipped copy is gone."""
+    """The cached result, or None when it is malformed or a copy it names is gone."""
     try:
         counts = {
             k: int(entry[k]) for k in ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped")
@@ -267,25 +429,140 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
         cmap = CategoryMap(
             tuple(int(i) for i in entry["category_ids"]), tuple(str(n) for n in entry["names"])
         )
-        reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] else annotation_file
+        filled = tuple((str(what), int(n)) for what, n in entry["filled"])
+        reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] or filled else annotation_file
+        evaluation = Path(entry["evaluation_annotation_file"]) if filled else annotation_file
+        exif = {k: tuple(str(n) for n in entry[k]) for k in ("exif_listed_upright", "exif_listed_unrotated")}
     except (KeyError, TypeError, ValueError):
         return None
-    if not reader.is_file():  # the clipped copy was deleted
+    if not (reader.is_file() and evaluation.is_file()):  # a copy was deleted
         return None
-    return CocoSplitInfo(image_dir, annotation_file, reader, cmap, **counts)
+    return CocoSplitInfo(
+        image_dir, annotation_file, reader, evaluation, cmap, **counts, filled=filled, **exif
+    )
 
 
 def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip_dir: Path) -> CocoSplitInfo:
     """The check itself: reads the whole annotation file (and one header per image with ``check_files``)."""
     data = _load_json(annotation_file)
-    category_map = CategoryMap.from_coco(data) if data["categories"] else None
+    where = f"annotation file {annotation_file}"
+    category_map = CategoryMap.from_coco(data, where=where) if data["categories"] else None
     if category_map is None:
         raise DataError(f"annotation file {annotation_file} has an empty 'categories' list")
     if not data["images"]:
         raise DataError(f"annotation file {annotation_file} lists no images; the split would be empty")
+    filled = _normalise(data, annotation_file)
+    sizes = _image_sizes(data["images"], annotation_file)
+    upright: list[str] = []
+    unrotated: list[str] = []
+    if check_files:
+        by_path = {image_dir / name: (w, h, name) for w, h, name in sizes.values()}
+        upright, unrotated = _oriented_images(check_image_headers(by_path), by_path, annotation_file)
+    category_ids = set(category_map.category_ids)
+    boxes = _check_boxes(data["annotations"], sizes, category_ids, image_dir, annotation_file)
 
+    evaluation_file = reader_file = annotation_file
+    if filled:  # before clipping: the evaluation reads the boxes as they were drawn
+        evaluation_file = reader_file = _derived_copy(annotation_file, data, clip_dir, "normalised")
+    for ann, bbox in boxes.clipped:
+        ann["bbox"] = bbox
+    if boxes.clipped:
+        reader_file = _derived_copy(annotation_file, data, clip_dir, "clipped")
+    return CocoSplitInfo(
+        image_dir=image_dir,
+        annotation_file=annotation_file,
+        reader_annotation_file=reader_file,
+        evaluation_annotation_file=evaluation_file,
+        category_map=category_map,
+        num_images=len(sizes),
+        num_images_with_boxes=len(boxes.with_boxes),
+        num_dropped=boxes.dropped,
+        num_clipped=len(boxes.clipped),
+        filled=tuple(filled),
+        exif_listed_upright=tuple(upright),
+        exif_listed_unrotated=tuple(unrotated),
+    )
+
+
+def _is_int_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_box(bbox: Any) -> bool:
+    return (
+        isinstance(bbox, list)
+        and len(bbox) == 4
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in bbox)
+    )
+
+
+def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, int]]:
+    """Fill in, in place, what minimal exports leave out (module docstring); ``(what, how many)`` changed."""
+    for ann in data["annotations"]:
+        if not isinstance(ann, dict):
+            raise DataError(
+                f"annotation file {annotation_file}: every entry of 'annotations' must be an object with "
+                f"'image_id', 'category_id' and 'bbox', got {ann!r}"
+            )
+    changes = [
+        ("image id", _renumber_images(data, annotation_file)),
+        ("annotation id", _renumber_annotations(data["annotations"])),
+        *_fill_defaults(data["annotations"]),
+    ]
+    return [(what, n) for what, n in changes if n]
+
+
+def _renumber_images(data: dict[str, Any], annotation_file: Path) -> int:
+    """Give the images ids 1..N (old id in ``original_id``) unless all are integers DALI can read."""
+    images = data["images"]
+    old_ids = [img.get("id") if isinstance(img, dict) else None for img in images]
+    if all(_is_int_id(i) and i in _INT32 for i in old_ids):
+        return 0
+    new_ids: dict[int | str, int] = {}
+    for new_id, (img, old_id) in enumerate(zip(images, old_ids, strict=True), start=1):
+        if not (_is_int_id(old_id) or isinstance(old_id, str)):
+            raise DataError(
+                f"annotation file {annotation_file}: image entry {img!r} needs an 'id' that is an integer "
+                "or a string"
+            )
+        if old_id in new_ids:
+            raise DataError(f"annotation file {annotation_file}: duplicate image id {old_id!r}")
+        new_ids[old_id] = new_id
+        img["original_id"], img["id"] = old_id, new_id
+    for ann in data["annotations"]:
+        old_id = ann.get("image_id")
+        if (_is_int_id(old_id) or isinstance(old_id, str)) and old_id in new_ids:
+            ann["image_id"] = new_ids[old_id]  # unknown ones stay: the box check names them
+    return len(images)
+
+
+def _renumber_annotations(annotations: list[dict[str, Any]]) -> int:
+    """Give the annotations ids 1..M unless every one has a unique integer id (pycocotools needs them)."""
+    ids = [ann.get("id") for ann in annotations]
+    if all(_is_int_id(i) for i in ids) and len(set(ids)) == len(ids):
+        return 0
+    for new_id, ann in enumerate(annotations, start=1):
+        ann["id"] = new_id
+    return len(annotations)
+
+
+def _fill_defaults(annotations: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """COCO's ``iscrowd`` (0) and ``area`` (box area) where an annotation lacks them."""
+    crowd = area = 0
+    for ann in annotations:
+        if "iscrowd" not in ann:
+            ann["iscrowd"] = 0
+            crowd += 1
+        if "area" not in ann and _is_box(ann.get("bbox")):
+            ann["area"] = float(ann["bbox"][2]) * float(ann["bbox"][3])
+            area += 1
+    return [("iscrowd", crowd), ("area", area)]
+
+
+def _image_sizes(images: list[Any], annotation_file: Path) -> dict[int, tuple[float, float, str]]:
+    """``{image id: (width, height, file_name)}``; raises on malformed or duplicate entries."""
     sizes: dict[int, tuple[float, float, str]] = {}
-    for img in data["images"]:
+    for img in images:
         try:
             iid, w, h, name = img["id"], float(img["width"]), float(img["height"]), str(img["file_name"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -298,25 +575,68 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
         if w <= 0 or h <= 0:
             raise DataError(f"annotation file {annotation_file}: image {name} (id {iid}) has size {w}x{h}")
         sizes[iid] = (w, h, name)
-    if check_files:
-        check_image_headers(image_dir / s[2] for s in sizes.values())
+    return sizes
 
-    valid_cats = set(category_map.category_ids)
-    with_boxes: set[int] = set()
-    dropped = clipped = 0
-    for ann in data["annotations"]:
+
+def _oriented_images(
+    candidates: Iterable[Path], listed: dict[Path, tuple[float, float, str]], annotation_file: Path
+) -> tuple[list[str], list[str]]:
+    """``file_name`` of the EXIF-rotated images listed with their upright size, and of those listed with
+    their stored size (only where that differs); raises for those listed with neither."""
+    upright, unrotated, neither = [], [], []
+    for path in candidates:
+        found = exif_orientation(path)
+        if found is None or found[0] == 1:
+            continue
+        orientation, (stored_w, stored_h) = found
+        upright_size = (stored_h, stored_w) if orientation in _SWAPS_SIDES else (stored_w, stored_h)
+        width, height, name = listed[path]
+        if (width, height) == upright_size:
+            upright.append(name)
+        elif (width, height) == (stored_w, stored_h):
+            unrotated.append(name)
+        else:
+            upright_w, upright_h = upright_size
+            neither.append(f"{name} (listed {width:g}x{height:g}, upright {upright_w}x{upright_h})")
+    if neither:
+        raise DataError(
+            f"annotation file {annotation_file}: the listed width and height of {len(neither)} EXIF-rotated "
+            f"image(s) are neither their upright nor their stored size: {_listing(neither)}; fix them"
+        )
+    return upright, unrotated
+
+
+@dataclass
+class _BoxCheck:
+    """What :func:`_check_boxes` found: boxes to clip (annotation, new box), images with boxes, drops."""
+
+    clipped: list[tuple[dict[str, Any], list[float]]]
+    with_boxes: set[int]
+    dropped: int
+
+
+def _check_boxes(
+    annotations: list[dict[str, Any]],
+    sizes: dict[int, tuple[float, float, str]],
+    valid_cats: set[int],
+    image_dir: Path,
+    annotation_file: Path,
+) -> _BoxCheck:
+    """Check every annotation's image, category and box (module docstring); nothing is changed here."""
+    found = _BoxCheck(clipped=[], with_boxes=set(), dropped=0)
+    for ann in annotations:
         iid, cid, bbox = ann.get("image_id"), ann.get("category_id"), ann.get("bbox")
-        if iid not in sizes:
+        if not isinstance(iid, int | str) or iid not in sizes:
             raise DataError(
-                f"annotation file {annotation_file}: annotation {ann.get('id')} references image id {iid}, "
+                f"annotation file {annotation_file}: annotation {ann.get('id')} references image id {iid!r}, "
                 "which is not in 'images'; fix or remove that annotation"
             )
-        if cid not in valid_cats:
+        if not isinstance(cid, int | str) or cid not in valid_cats:
             raise DataError(
-                f"annotation file {annotation_file}: annotation {ann.get('id')} has category id {cid}, "
+                f"annotation file {annotation_file}: annotation {ann.get('id')} has category id {cid!r}, "
                 f"which is not in 'categories' {sorted(valid_cats)}"
             )
-        if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, int | float) for v in bbox)):
+        if not _is_box(bbox):
             raise DataError(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} needs bbox [x, y, w, h], "
                 f"got {bbox!r}"
@@ -324,7 +644,7 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
         x, y, bw, bh = (float(v) for v in bbox)
         iw, ih, name = sizes[iid]
         if bw < MIN_BOX_SIZE or bh < MIN_BOX_SIZE:
-            dropped += 1
+            found.dropped += 1
             continue
         tol_x, tol_y = max(2.0, 0.02 * iw), max(2.0, 0.02 * ih)
         if x < -tol_x or y < -tol_y or x + bw > iw + tol_x or y + bh > ih + tol_y:
@@ -335,23 +655,9 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
             )
         left, top, right, bottom = max(x, 0.0), max(y, 0.0), min(x + bw, iw), min(y + bh, ih)
         if (left, top, right, bottom) != (x, y, x + bw, y + bh):
-            clipped += 1
-            ann["bbox"] = [left, top, right - left, bottom - top]
+            found.clipped.append((ann, [left, top, right - left, bottom - top]))
             if right - left < MIN_BOX_SIZE or bottom - top < MIN_BOX_SIZE:
-                dropped += 1
+                found.dropped += 1
                 continue
-        with_boxes.add(iid)
-
-    reader_file = annotation_file
-    if clipped:
-        reader_file = _clipped_copy(annotation_file, data, clip_dir)
-    return CocoSplitInfo(
-        image_dir=image_dir,
-        annotation_file=annotation_file,
-        reader_annotation_file=reader_file,
-        category_map=category_map,
-        num_images=len(sizes),
-        num_images_with_boxes=len(with_boxes),
-        num_dropped=dropped,
-        num_clipped=clipped,
-    )
+        found.with_boxes.add(iid)
+    return found

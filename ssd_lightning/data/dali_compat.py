@@ -22,7 +22,9 @@ Pipeline checkpointing (exact resume) exists in both lines. One difference no ar
 1.34's CPU decoder decodes a truncated JPEG (the missing part grey) and only logs "Input file read error",
 where 2.x raises, so only 2.x names a truncated file (through
 :func:`~ssd_lightning.data.coco_validation.find_undecodable_images`); the header check before training
-catches missing and non-image files on both.
+catches missing and non-image files on both. And 1.34's decoders ignore a JPEG's EXIF orientation, where 2.x
+apply it: :func:`~ssd_lightning.data.coco_validation.decoder_applies_exif_orientation` tells which, and the
+split check names EXIF-rotated images on 1.34 (their boxes would not line up).
 """
 
 from __future__ import annotations

@@ -236,3 +236,47 @@ def test_constructor_defaults_and_errors(tmp_path):
         CocoDALIDataModule(tmp_path, device="tpu")
     with pytest.raises(ValueError, match="batch_size"):
         CocoDALIDataModule(tmp_path, batch_size=0)
+
+
+def test_val_skip_empty_reproduces_nvidias_protocol(shapes_coco, tmp_path):
+    """NVIDIA validates only images with annotations; the official protocol (default) validates all, so a
+    detection on an empty image is a false positive only there."""
+    import shutil
+
+    import numpy as np
+
+    from ssd_lightning.evaluation import evaluate_coco
+
+    root = tmp_path / "data"
+    shutil.copytree(shapes_coco, root)
+    ann = _ann(root, "val")
+    emptied = {im["id"] for im in ann["images"][:3]}
+    ann["annotations"] = [a for a in ann["annotations"] if a["image_id"] not in emptied]
+    (root / "annotations" / "instances_val2017.json").write_text(json.dumps(ann))
+    all_ids = {im["id"] for im in ann["images"]}
+    annotated = {a["image_id"] for a in ann["annotations"]}
+    empty = all_ids - annotated  # the emptied ones and any the generator left without shapes
+    assert emptied <= empty
+
+    def validated_ids(**kwargs):
+        dm = _dm(root, eval_batch_size=4, **kwargs)
+        return [i for batch in dm.val_dataloader() for i in batch["image_ids"].tolist()]
+
+    official, nvidia = validated_ids(), validated_ids(val_skip_empty=True)
+    assert sorted(official) == sorted(all_ids)
+    assert sorted(nvidia) == sorted(annotated)  # each once, padding removed
+
+    # perfect detections on every annotated image, one spurious box on every empty one
+    # (ranked above the true ones: a false positive after every true one would not lower AP)
+    rows = [[a["image_id"], *a["bbox"], 0.9, a["category_id"]] for a in ann["annotations"]]
+    rows += [[i, 5.0, 5.0, 40.0, 40.0, 1.0, ann["categories"][0]["id"]] for i in empty]
+    file = root / "annotations" / "instances_val2017.json"
+    scores = {
+        name: evaluate_coco(file, np.array([r for r in rows if r[0] in ids]), verbose=False, image_ids=ids)[
+            "mAP"
+        ]
+        for name, ids in (("official", official), ("nvidia", nvidia))
+    }
+    assert scores["nvidia"] == pytest.approx(1.0)
+    assert scores["official"] < 1.0
+    assert np.isfinite(scores["official"])

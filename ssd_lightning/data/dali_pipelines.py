@@ -170,8 +170,10 @@ def coco_val_pipeline(
     device: str = "cpu",
     dtype: types.DALIDataType = types.FLOAT,
     image_size: int = 300,
+    skip_empty: bool = False,
 ):
-    """Validation graph: every image (empty ones too) once per shard, decode RGB, resize, normalise."""
+    """Validation graph: every image once per shard (``skip_empty``: only those with boxes, NVIDIA's
+    protocol), decode RGB, resize, normalise."""
     decoder_device, image_device = _devices(device)
     jpegs, _, _, image_ids = fn.readers.coco(
         name="Reader",
@@ -179,7 +181,7 @@ def coco_val_pipeline(
         annotations_file=annotations_file,
         ltrb=True,
         ratio=True,
-        skip_empty=False,
+        skip_empty=skip_empty,
         image_ids=True,
         shard_id=shard_id,
         num_shards=num_shards,

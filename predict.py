@@ -33,6 +33,7 @@ def main(cfg: DictConfig) -> None:
         num_classes=cfg.num_classes,
         decoder=OmegaConf.to_container(cfg.decoder) if cfg.decoder else None,
         device=device,
+        trust_checkpoint=cfg.trust_checkpoint,
     )
     inputs = collect_inputs(cfg.input)
     log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, device)

@@ -4,8 +4,10 @@
     python scripts/export_onnx.py nvidia_checkpoint=nvidia_ssdpyt_amp.pt output=ssd300_coco.onnx
 
 Arguments are ``key=value`` (OmegaConf): ``ckpt_path`` or ``nvidia_checkpoint`` (+ ``backbone``,
-``num_classes``), ``run_config`` (default ``<run>/.hydra/config.yaml``), ``output``, ``opset`` (17),
-``check`` (true: run the file with onnxruntime at batch 2 and print the largest difference to PyTorch).
+``num_classes``), ``trust_checkpoint`` (false: the file is read with ``torch.load(weights_only=True)``;
+true unpickles it fully, which can run code from it), ``run_config`` (default
+``<run>/.hydra/config.yaml``), ``output``, ``opset`` (17), ``check`` (true: run the file with onnxruntime
+at batch 2 and print the largest difference to PyTorch).
 
 The ONNX graph: input ``images`` (N, 3, 300, 300) float32, preprocessed as in ``ssd_lightning.predict.
 preprocess`` (RGB, resized to 300×300, ImageNet mean/std); outputs ``locs`` (N, 4, 8732) box offsets and
@@ -36,6 +38,7 @@ DEFAULTS = {
     "nvidia_checkpoint": None,
     "backbone": "resnet50",
     "num_classes": 81,
+    "trust_checkpoint": False,
     "run_config": None,
     "output": "model.onnx",
     "opset": 17,
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         run_config=cfg.run_config,
         backbone=cfg.backbone,
         num_classes=cfg.num_classes,
+        trust_checkpoint=cfg.trust_checkpoint,
     )
     path = export_onnx(detector.net, cfg.output, opset=cfg.opset)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): images (N, 3, 300, 300) -> locs, logits")

@@ -1,8 +1,11 @@
-"""Checkpoint writing that never leaves a half-written file under a checkpoint's name."""
+"""Checkpoint writing that never leaves a half-written file under a checkpoint's name, and reading that
+never runs code from the file."""
 
 from __future__ import annotations
 
 import os
+import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +13,7 @@ import torch
 from pytorch_lightning.plugins import TorchCheckpointIO
 
 from ssd_lightning.errors import CheckpointWriteError
+from ssd_lightning.weights import UntrustedCheckpointError, untrusted_message
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -21,7 +25,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     and no temporary file behind (a kill -9 can leave a ``.tmp``, never a truncated ``.ckpt``). Write errors
     become :class:`CheckpointWriteError` naming the file and what to do. Remote URLs (``s3://`` ...) go
     through Lightning's own fsspec writer.
+
+    Reading (``ckpt_path=`` resume / validate) uses ``torch.load(weights_only=True)``: this project's
+    checkpoints hold tensors and plain values only (mid-epoch loader states included), so nothing else is
+    ever unpickled; a file that needs more is refused with
+    :class:`~ssd_lightning.weights.UntrustedCheckpointError` before any of its code runs, unless
+    ``trust_checkpoint=True`` (``model.trust_checkpoint=true``). Lightning itself leaves ``weights_only``
+    to torch's default, which an environment variable can turn off, and turns it off for http URLs.
+
+    Args:
+        trust_checkpoint: unpickle checkpoints fully when the caller does not choose (``weights_only=None``);
+            an explicit ``weights_only`` of the caller is honoured.
     """
+
+    def __init__(self, trust_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.trust_checkpoint = bool(trust_checkpoint)
+
+    def load_checkpoint(
+        self,
+        path,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if weights_only is None:
+            weights_only = not self.trust_checkpoint
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except pickle.UnpicklingError as e:
+            if not weights_only:
+                raise
+            raise UntrustedCheckpointError(untrusted_message("ckpt_path", path, e)) from None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if "://" in str(path):

@@ -88,6 +88,28 @@ def _check_values(p: _Problems) -> None:
         p.check("model.net.zero_init_residual", lambda v: isinstance(v, bool), "must be true or false")
 
 
+def _check_weight_files(p: _Problems) -> None:
+    """``model.init_from``, ``model.trust_checkpoint``: a missing file fails before anything heavy starts."""
+    p.check("model.trust_checkpoint", lambda v: isinstance(v, bool), "must be true or false")
+    init_from = _select(p.cfg, "model.init_from")
+    if init_from is None:
+        return
+    if _select(p.cfg, "model.nvidia_checkpoint") is not None:
+        p.add(
+            "model.init_from",
+            init_from,
+            "model.nvidia_checkpoint is set too: nvidia_checkpoint loads every weight strictly (to evaluate "
+            "it), init_from what matches (to fine-tune); keep one",
+        )
+    elif not _select(p.cfg, "ckpt_path") and not Path(str(init_from)).expanduser().is_file():
+        p.add(
+            "model.init_from",
+            init_from,
+            "no such file; point it at an NVIDIA SSD300 checkpoint, a .ckpt of a run of this project or a "
+            "state dict (when resuming with ckpt_path=, the file is not read)",
+        )
+
+
 def _check_devices(p: _Problems, cuda_device_count: int) -> None:
     accelerator = str(_select(p.cfg, "trainer.accelerator") or "auto")
     devices = _select(p.cfg, "trainer.devices")
@@ -115,6 +137,7 @@ def validate_config(cfg: DictConfig, *, cuda_device_count: int | None = None) ->
         cuda_device_count = torch.cuda.device_count()
     problems = _Problems(cfg)
     _check_values(problems)
+    _check_weight_files(problems)
     _check_devices(problems, cuda_device_count)
     if problems.lines:
         count = len(problems.lines)
@@ -130,6 +153,11 @@ def validate_config(cfg: DictConfig, *, cuda_device_count: int | None = None) ->
         warnings.append(
             "precision=fp16 on a CPU runs as bf16-mixed (CPUs have no fp16 autocast); "
             "use precision=bf16 to say so"
+        )
+    if _select(cfg, "model.init_from") is not None and _select(cfg, "task") == "validate":
+        warnings.append(
+            "model.init_from applies to task=fit only; to validate a file's weights use ckpt_path= (a "
+            "checkpoint of this project) or model.nvidia_checkpoint="
         )
     return warnings
 

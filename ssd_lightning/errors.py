@@ -59,15 +59,15 @@ def is_user_error(error: BaseException) -> bool:
 
     Ours (:class:`UserError`), Lightning's ``MisconfigurationException`` (it names Trainer arguments), and
     Hydra's ``InstantiationException`` when the constructor rejected an argument value (a ``ValueError``,
-    the convention of every constructor here); a ``TypeError`` there is a bug or a wrong key and keeps its
-    traceback.
+    the convention of every constructor here, or one of ours: a refused checkpoint); a ``TypeError``
+    there is a bug or a wrong key and keeps its traceback.
     """
     from hydra.errors import InstantiationException
     from lightning_fabric.utilities.exceptions import MisconfigurationException
 
     if isinstance(error, (UserError, MisconfigurationException)):
         return True
-    return isinstance(error, InstantiationException) and isinstance(error.__cause__, ValueError)
+    return isinstance(error, InstantiationException) and isinstance(error.__cause__, (ValueError, UserError))
 
 
 def _rank_prefix() -> str:

@@ -29,6 +29,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor, nn
 
 from ssd_lightning.models import BoxCoder, dboxes300_coco, load_nvidia_checkpoint, ssd300
+from ssd_lightning.weights import read_checkpoint
 
 __all__ = [
     "COCO_CATEGORY_IDS",
@@ -186,6 +187,7 @@ def load_detector(
     num_classes: int = 81,
     decoder: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
+    trust_checkpoint: bool = False,
 ) -> Detector:
     """Build the network of a checkpoint, load its weights, find its class names; ``eval()`` mode.
 
@@ -202,9 +204,15 @@ def load_detector(
 
     ``decoder`` overrides keys of the decoder settings (see :meth:`BoxCoder.decode`).
 
+    Both are read with ``torch.load(weights_only=True)`` (tensors and plain values only; see
+    :func:`ssd_lightning.weights.read_checkpoint`); ``trust_checkpoint=True`` unpickles them fully, which
+    can run code from the file, so only for files from a source you trust.
+
     Raises:
         ValueError: none or both sources given; checkpoint without ``state_dict``/``net.*`` keys.
         FileNotFoundError: checkpoint or run config missing (the message says what to pass).
+        UntrustedCheckpointError: the file holds more than tensors and plain values and
+            ``trust_checkpoint`` is false; nothing from it has run.
     """
     if (ckpt_path is None) == (nvidia_checkpoint is None):
         raise ValueError("give exactly one of ckpt_path=<Lightning .ckpt> or nvidia_checkpoint=<NVIDIA .pt>")
@@ -212,7 +220,12 @@ def load_detector(
     if nvidia_checkpoint is not None:
         net = ssd300(backbone=backbone, num_classes=num_classes)
         net.load_state_dict(
-            load_nvidia_checkpoint(nvidia_checkpoint, backbone=backbone, num_classes=num_classes)
+            load_nvidia_checkpoint(
+                nvidia_checkpoint,
+                backbone=backbone,
+                num_classes=num_classes,
+                trust_checkpoint=trust_checkpoint,
+            )
         )
         if num_classes == len(COCO_CLASS_NAMES):
             names, ids = COCO_CLASS_NAMES, COCO_CATEGORY_IDS
@@ -238,7 +251,7 @@ def load_detector(
         if "weights_backbone" in net_cfg:
             net_cfg.weights_backbone = None  # the checkpoint has every weight; never download
         net = hydra.utils.instantiate(net_cfg)
-        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+        checkpoint = read_checkpoint(ckpt, trust_checkpoint=trust_checkpoint, what="ckpt_path")
         state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
         if not isinstance(state, Mapping):
             raise ValueError(

@@ -93,7 +93,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.trainer.get("enable_progress_bar") is False:  # the Trainer switch wins over callbacks.progress_bar
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
     loggers = instantiate_group(cfg.get("logger"))
-    plugins = [*(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []), AtomicCheckpointIO()]
+    trust = bool(OmegaConf.select(cfg, "model.trust_checkpoint", default=False))
+    plugins = [
+        *(hydra.utils.instantiate(cfg.trainer.get("plugins")) or []),
+        AtomicCheckpointIO(trust_checkpoint=trust),
+    ]
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins
     )

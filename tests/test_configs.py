@@ -145,7 +145,7 @@ def test_recipes_keep_the_references_settings(make_cfg):
     ("weights", "expected"), [(None, 256), ("IMAGENET1K_V1", 256), ("IMAGENET1K_V2", 232), ("DEFAULT", 232)]
 )
 def test_imagenet_eval_resize_follows_the_weights(make_cfg, weights, expected):
-    """torchvision evaluates V1 weights at 256 -> 224 and V2 weights at 232 -> 224; an explicit number wins."""
+    """torchvision evaluates V1 weights at 256 -> 224, V2 weights at 232 -> 224; an explicit number wins."""
     weights_override = "null" if weights is None else weights
     cfg = make_cfg(["experiment=mobilenetv2_imagenet_8gpu", f"model.net.weights={weights_override}"])
     assert cfg.data.val_resize == expected

@@ -79,9 +79,9 @@ def test_pretrained_path_lightning_checkpoint_picks_net_not_ema(tmp_path):
     state |= {f"ema.module.{k}": v for k, v in other.state_dict().items()}
     state |= {"ema.n_averaged": torch.tensor(3), "acc1_best": torch.tensor(0.5)}
     path = tmp_path / "last.ckpt"
-    # Lightning checkpoints also pickle hyper-parameters (here a partial optimizer).
+    # a class in the hyper-parameters: loads only when trusted
     torch.save({"state_dict": state, "hyper_parameters": {"optimizer": torch.optim.SGD}}, path)
-    ours = mobilenet_v2(width_mult=0.5, num_classes=4, pretrained_path=path)
+    ours = mobilenet_v2(width_mult=0.5, num_classes=4, pretrained_path=path, trust_checkpoint=True)
     for key, value in net.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value), key
 

@@ -8,13 +8,13 @@ files (Lightning/DDP checkpoints included) and :class:`MobileNetV2SSDBackbone`.
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import torch
 from torch import Tensor, nn
 from torchvision.models import MobileNet_V2_Weights, MobileNetV2
+
+from ssd_lightning.weights import network_state_dict, read_checkpoint
 
 __all__ = [
     "DEFAULT_INVERTED_RESIDUAL_SETTING",
@@ -39,9 +39,6 @@ DEFAULT_INVERTED_RESIDUAL_SETTING: list[list[int]] = [
     [6, 320, 1, 1],
 ]
 
-#: Key prefixes added by wrappers around the network: DDP (``module.``), LightningModules that hold the
-#: network as ``self.model``/``self.net``, ``torch.compile`` (``_orig_mod.``).
-_WRAPPER_PREFIXES = ("module.", "model.", "net.", "_orig_mod.")
 _CLASSIFIER_KEYS = ("classifier.1.weight", "classifier.1.bias")
 
 
@@ -87,48 +84,6 @@ def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_
             f"weights={weights!r} is not a MobileNetV2 weights name of torchvision; "
             f"expected one of {names} or None (use pretrained_path= for a local file)"
         ) from None
-
-
-def _read_checkpoint(path: Path) -> object:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Lightning checkpoints pickle hyper-parameters (e.g. partial optimizers). The file was named
-        # explicitly by the user, so it is trusted as Lightning itself does when resuming.
-        log.warning("%s holds more than tensors; loading it with weights_only=False", path)
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def _extract_state_dict(checkpoint: object, source: str) -> dict[str, Tensor]:
-    """Find the network's tensors in a checkpoint and strip wrapper prefixes from their keys."""
-    state = checkpoint
-    for key in ("state_dict", "model"):  # Lightning, torchvision's reference scripts
-        if isinstance(state, Mapping) and isinstance(state.get(key), Mapping):
-            state = state[key]
-            break
-    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(
-            f"{source} holds no state dict: expected a dict of tensors, or a dict with a 'state_dict' "
-            "or 'model' entry holding one"
-        )
-    state = dict(state)
-    changed = True
-    while changed:  # "model.module.features..." → "features..."
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            inside = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            if inside:
-                if len(inside) < len(state):
-                    log.info(
-                        "%s: using the %d tensors under %r, ignoring %d others (e.g. EMA copies)",
-                        source,
-                        len(inside),
-                        prefix,
-                        len(state) - len(inside),
-                    )
-                state, changed = inside, True
-                break
-    return state
 
 
 def load_mobilenet_v2_state_dict(
@@ -183,6 +138,7 @@ def mobilenet_v2(
     dropout: float = 0.2,
     weights: str | MobileNet_V2_Weights | None = None,
     pretrained_path: str | Path | None = None,
+    trust_checkpoint: bool = False,
 ) -> MobileNetV2:
     """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init).
 
@@ -201,7 +157,10 @@ def mobilenet_v2(
             downloaded by torchvision on first use; needs width 1.0 and the default table.
         pretrained_path: a local file with a state dict (plain, or under ``state_dict``/``model``, keys
             possibly prefixed ``module.``/``model.``/``net.``), loaded strictly. With a different
-            class count the classifier is left at its initialisation (logged).
+            class count the classifier is left at its initialisation (logged). Read with
+            ``torch.load(weights_only=True)`` (:func:`ssd_lightning.weights.read_checkpoint`).
+        trust_checkpoint: unpickle ``pretrained_path`` fully instead, which can run code from the file;
+            only for files from a source you trust.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
@@ -239,9 +198,10 @@ def mobilenet_v2(
         load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")
     elif pretrained_path is not None:
         path = Path(pretrained_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"pretrained_path={str(path)!r} does not exist or is not a file")
-        state = _extract_state_dict(_read_checkpoint(path), source=str(path))
+        checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what="pretrained_path")
+        state, left_out = network_state_dict(checkpoint, source=f"pretrained_path={path}")
+        if left_out:
+            log.info("%s: ignoring %d entries outside the network (e.g. EMA copies)", path, len(left_out))
         load_mobilenet_v2_state_dict(model, state, source=str(path))
     return model
 
@@ -265,6 +225,7 @@ class MobileNetV2SSDBackbone(nn.Module):
         width_mult: as in :func:`mobilenet_v2`.
         weights: torchvision ImageNet weights name (width 1.0 only), or ``None``.
         pretrained_path: local MobileNetV2 classifier checkpoint instead of ``weights``.
+        trust_checkpoint: unpickle ``pretrained_path`` fully (see :func:`mobilenet_v2`).
     """
 
     def __init__(
@@ -273,9 +234,15 @@ class MobileNetV2SSDBackbone(nn.Module):
         width_mult: float = 1.0,
         weights: str | MobileNet_V2_Weights | None = None,
         pretrained_path: str | Path | None = None,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__()
-        net = mobilenet_v2(width_mult=width_mult, weights=weights, pretrained_path=pretrained_path)
+        net = mobilenet_v2(
+            width_mult=width_mult,
+            weights=weights,
+            pretrained_path=pretrained_path,
+            trust_checkpoint=trust_checkpoint,
+        )
         features = net.features
         tap1, tap2 = features[7], features[14]
         if tap1.use_res_connect or tap2.use_res_connect or len(tap1.conv) != 4 or len(tap2.conv) != 4:

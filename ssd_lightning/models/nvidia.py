@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ssd_lightning.models.ssd300 import ssd300
+from ssd_lightning.weights import read_checkpoint
 
-__all__ = ["load_nvidia_checkpoint"]
+__all__ = ["load_nvidia_checkpoint", "unwrap_distributed_key"]
 
 _PREFIXES = ("module.1.", "module.")
 
 
-def _strip_prefix(key: str) -> str:
+def unwrap_distributed_key(key: str) -> str:
+    """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the reference's
+    ``unwrap_distributed``, one key at a time)."""
     for prefix in _PREFIXES:
         if key.startswith(prefix):
             return key[len(prefix) :]
@@ -40,6 +42,7 @@ def load_nvidia_checkpoint(
     *,
     backbone: str = "resnet50",
     num_classes: int = 81,
+    trust_checkpoint: bool = False,
 ) -> dict[str, Tensor]:
     """Read an NVIDIA SSD300 checkpoint and return a state dict for ``ssd300(backbone=..., num_classes=...)``.
 
@@ -50,17 +53,21 @@ def load_nvidia_checkpoint(
         path_or_dict: checkpoint file, or the loaded checkpoint / state dict.
         backbone: backbone the checkpoint was trained with (the reference default is resnet50).
         num_classes: classes including background (81 for COCO).
+        trust_checkpoint: unpickle the file fully (``torch.load(weights_only=False)``), which can run code
+            from the file. By default it is read with ``weights_only=True``: tensors, plain values and the
+            reference's ``argparse.Namespace`` only (:func:`ssd_lightning.weights.read_checkpoint`).
 
     Raises:
         FileNotFoundError: the path does not exist.
+        pickle.UnpicklingError: the file holds other objects and ``trust_checkpoint`` is false (the
+            message says how to load it); nothing from the file has run.
         ValueError: the keys or shapes do not match the model; the message names the missing and
             unexpected keys (or mismatched shapes).
     """
     if isinstance(path_or_dict, (str, os.PathLike)):
-        path = Path(path_or_dict)
-        if not path.is_file():
-            raise FileNotFoundError(f"NVIDIA SSD checkpoint not found: {path}")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = read_checkpoint(
+            path_or_dict, trust_checkpoint=trust_checkpoint, what="NVIDIA SSD checkpoint"
+        )
     else:
         checkpoint = path_or_dict
     if not isinstance(checkpoint, Mapping):
@@ -68,7 +75,7 @@ def load_nvidia_checkpoint(
     state = checkpoint.get("model", checkpoint)
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint['model'] must be a state dict, got {type(state).__name__}")
-    state = {_strip_prefix(k): v for k, v in state.items() if isinstance(v, Tensor)}
+    state = {unwrap_distributed_key(k): v for k, v in state.items() if isinstance(v, Tensor)}
 
     with torch.device("meta"):
         expected = ssd300(backbone=backbone, num_classes=num_classes).state_dict()

@@ -18,6 +18,7 @@ from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
+    init_net_from_file,
     restore_train_loader_state,
     steps_per_epoch,
 )
@@ -79,6 +80,12 @@ class ClassifierLitModule(pl.LightningModule):
             place it is done; leave the Trainer's own ``sync_batchnorm`` flag off.
         channels_last: run the network in NHWC memory format (faster with AMP on GPUs).
         num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
+        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net`` (a
+            Lightning checkpoint of this project, a torchvision/DDP state dict); a classifier of another
+            class count keeps its initialisation; no optimizer or epoch state is taken; ignored when resuming
+            from ``ckpt_path`` (see :func:`ssd_lightning.weights.init_from_checkpoint`).
+        trust_checkpoint: unpickle ``init_from`` fully instead of ``torch.load(weights_only=True)``; this
+            can run code from the file, so only for trusted files.
     """
 
     def __init__(
@@ -97,6 +104,8 @@ class ClassifierLitModule(pl.LightningModule):
         sync_batchnorm: bool = False,
         channels_last: bool = False,
         num_classes: int | None = None,
+        init_from: str | None = None,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Plain values only (the optimizer factory is kept as an attribute), so checkpoints load with
@@ -138,6 +147,14 @@ class ClassifierLitModule(pl.LightningModule):
         # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
         self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         self._sync_bn_done = True
+
+    def on_fit_start(self) -> None:
+        loaded = init_net_from_file(
+            self, self.net, self.hparams.init_from, trust_checkpoint=self.hparams.trust_checkpoint
+        )
+        if loaded and self.ema is not None:  # the average starts from the loaded weights, not the random ones
+            self.ema.module.load_state_dict(self.net.state_dict())
+            self.ema.reset()
 
     def on_train_start(self) -> None:
         restore_train_loader_state(self.trainer)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
@@ -12,6 +14,9 @@ from torchmetrics import Metric
 
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
+from ssd_lightning.weights import init_from_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class BatchMean(Metric):
@@ -146,3 +151,34 @@ def check_num_classes(module: pl.LightningModule, net_num_classes: int | None, k
         f"{key}={net_num_classes} but the data has {data_classes} classes "
         f"(including background for detection); set {key}={data_classes}"
     )
+
+
+def init_net_from_file(
+    module: pl.LightningModule, net: nn.Module, path: str | os.PathLike | None, *, trust_checkpoint: bool
+) -> bool:
+    """``model.init_from`` (call in ``on_fit_start``): load the file's weights that match ``net``.
+
+    Skipped when the fit resumes from a checkpoint (``ckpt_path``, or one Lightning found itself): the
+    checkpoint's weights, optimizer and position win, and the file need not exist any more. Runs after
+    the network is on its device and wrapped, before the sanity check and the first step; every rank
+    reads the file. Returns whether weights were loaded.
+    """
+    if path is None:
+        return False
+    resumed_from = module.trainer.ckpt_path
+    if resumed_from:
+        if module.trainer.is_global_zero:
+            log.info(
+                "model.init_from=%s not applied: resuming from %s, whose weights win",
+                path,
+                resumed_from,
+            )
+        return False
+    init_from_checkpoint(
+        net,
+        path,
+        trust_checkpoint=trust_checkpoint,
+        what="model.init_from",
+        log_summary=module.trainer.is_global_zero,
+    )
+    return True

@@ -9,11 +9,13 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from ssd_lightning.errors import ConfigError
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, load_nvidia_checkpoint
 from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
+    init_net_from_file,
     restore_train_loader_state,
 )
 
@@ -32,7 +34,14 @@ class SSDLitModule(pl.LightningModule):
             or any schedule of :func:`ssd_lightning.optim.lr_factor`; stepped every iteration.
         decoder: post-processing settings of :meth:`BoxCoder.decode`.
         channels_last: run the network in NHWC memory format (the reference's GPU default).
-        nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict).
+        nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict), e.g. to
+            evaluate it.
+        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``: an
+            NVIDIA SSD300 checkpoint, a Lightning checkpoint of this project or a plain state dict. Class
+            heads of another class count keep their initialisation; no optimizer or epoch state is taken;
+            ignored when resuming from ``ckpt_path`` (see :func:`ssd_lightning.weights.init_from_checkpoint`).
+        trust_checkpoint: unpickle ``nvidia_checkpoint``/``init_from`` fully instead of
+            ``torch.load(weights_only=True)``; this can run code from the file, so only for trusted files.
     """
 
     def __init__(
@@ -45,6 +54,8 @@ class SSDLitModule(pl.LightningModule):
         decoder: Mapping | None = None,
         channels_last: bool = False,
         nvidia_checkpoint: str | Path | None = None,
+        init_from: str | Path | None = None,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
@@ -52,11 +63,17 @@ class SSDLitModule(pl.LightningModule):
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
         self.net = net
         self.optimizer_factory = optimizer
+        if nvidia_checkpoint is not None and init_from is not None:
+            raise ConfigError(
+                "model.nvidia_checkpoint and model.init_from are both set: nvidia_checkpoint loads every "
+                "weight strictly (to evaluate it), init_from what matches (to fine-tune); keep one"
+            )
         if nvidia_checkpoint is not None:
             state = load_nvidia_checkpoint(
                 nvidia_checkpoint,
                 backbone=getattr(net, "backbone_name", "resnet50"),
                 num_classes=getattr(net, "num_classes", 81),
+                trust_checkpoint=trust_checkpoint,
             )
             self.net.load_state_dict(state, strict=True)
         if channels_last:
@@ -72,6 +89,10 @@ class SSDLitModule(pl.LightningModule):
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return self.net(images)
+
+    def on_fit_start(self) -> None:
+        trust = self.hparams.trust_checkpoint
+        init_net_from_file(self, self.net, self.hparams.init_from, trust_checkpoint=trust)
 
     def on_train_start(self) -> None:
         restore_train_loader_state(self.trainer)

@@ -1,0 +1,265 @@
+"""Reading weight files from elsewhere without running their code, and starting a network from them.
+
+Every file this package reads weights from (``model.init_from``, ``model.nvidia_checkpoint``,
+``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints, ``ckpt_path`` through
+:class:`~ssd_lightning.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
+``torch.load(weights_only=True)``, which rebuilds tensors, containers and plain values only, plus the
+allow-list :data:`SAFE_GLOBALS`. A file holding anything else is refused with
+:class:`UntrustedCheckpointError`, before any of its code runs; ``trust_checkpoint=True`` unpickles it
+fully, which can run arbitrary code from the file (a pickle names functions to call while loading).
+
+:func:`init_from_checkpoint` loads the tensors of such a file whose name and shape match a network
+(``model.init_from``): Lightning checkpoints of this project (``state_dict`` with ``net.`` keys), NVIDIA
+SSD300 checkpoints (``model`` with ``module.``/``module.1.`` keys) and plain state dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ssd_lightning.errors import ConfigError, UserError
+
+__all__ = [
+    "SAFE_GLOBALS",
+    "CheckpointNotFoundError",
+    "CheckpointReadError",
+    "InitReport",
+    "UntrustedCheckpointError",
+    "init_from_checkpoint",
+    "load_matching",
+    "network_state_dict",
+    "read_checkpoint",
+    "untrusted_message",
+]
+
+log = logging.getLogger(__name__)
+
+#: Classes ``torch.load(weights_only=True)`` may rebuild beyond tensors and plain containers. The NVIDIA
+#: reference's ``main.py`` can keep its ``argparse.Namespace`` of command-line arguments in a checkpoint;
+#: a Namespace is rebuilt by setting attributes, never by calling anything the file names. Its
+#: ``MultiStepLR`` state (``collections.Counter`` milestones) is in torch's own allow-list.
+SAFE_GLOBALS: list[type] = [argparse.Namespace]
+
+#: Wrappers' key prefixes: DDP (``module.``), LightningModules (``net.``, ``model.``), torch.compile.
+_WRAPPER_PREFIXES = ("module.", "net.", "model.", "_orig_mod.")
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A weights file named by the config or an argument does not exist."""
+
+
+class CheckpointReadError(UserError, ValueError):
+    """A weights file exists but is no checkpoint ``torch.load`` can read."""
+
+
+class UntrustedCheckpointError(UserError, pickle.UnpicklingError):
+    """A checkpoint holds Python objects that only full unpickling (``trust_checkpoint``) would rebuild."""
+
+
+def untrusted_message(what: str, path: str | os.PathLike, error: BaseException) -> str:
+    """The message of :class:`UntrustedCheckpointError`: what the file holds and the two ways out."""
+    named = re.search(r"GLOBAL (\S+)", str(error))
+    detail = f"it names {named.group(1)}" if named else type(error).__name__
+    return (
+        f"{what}={path} holds Python objects beyond tensors and plain values ({detail}); loading it means "
+        "unpickling them, which can run code from the file, so it was not loaded. If you trust where the "
+        "file comes from, set trust_checkpoint=true (train.py: model.trust_checkpoint=true; Python: "
+        "trust_checkpoint=True). Otherwise load it once where you trust it and keep only its weights: "
+        "torch.save(state_dict, 'weights.pt')"
+    )
+
+
+def read_checkpoint(
+    path: str | os.PathLike, *, trust_checkpoint: bool = False, what: str = "checkpoint"
+) -> Any:
+    """Load ``path`` on the CPU with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`.
+
+    Args:
+        path: a local file.
+        trust_checkpoint: unpickle the file fully instead (``weights_only=False``): only for files from a
+            source you trust, since unpickling can run code the file names.
+        what: how the caller names the file in messages (the config key, e.g. ``"model.init_from"``).
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+        UntrustedCheckpointError: the file holds objects ``weights_only`` refuses (the message says how to
+            trust it); nothing of the file has run.
+        CheckpointReadError: not a file ``torch.load`` can read (truncated, not a checkpoint).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{what}={path} not found: no such file")
+    try:
+        if trust_checkpoint:
+            log.warning("%s=%s: unpickling it fully (trust_checkpoint=true)", what, path)
+            return torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trust_checkpoint and "GLOBAL" in str(e):  # the file names a class or function to call
+            raise UntrustedCheckpointError(untrusted_message(what, path, e)) from None
+        raise CheckpointReadError(_unreadable_message(what, path, e)) from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise CheckpointReadError(_unreadable_message(what, path, e)) from e
+
+
+def _unreadable_message(what: str, path: Path, error: BaseException) -> str:
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error: \s*([^\n]{1,120})", text)
+    detail = found.group(1) if found else text.splitlines()[0][:200] if text else type(error).__name__
+    return (
+        f"{what}={path} is not a checkpoint torch.load can read ({type(error).__name__}: {detail}); is it "
+        "truncated, or another kind of file?"
+    )
+
+
+# --------------------------------------------------------------------------- partial initialisation
+def _nvidia_key(key: str) -> str:
+    from ssd_lightning.models.nvidia import unwrap_distributed_key
+
+    return unwrap_distributed_key(key)
+
+
+def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Tensor], list[str]]:
+    """The network's tensors in a checkpoint, wrapper prefixes removed, and the keys left out.
+
+    Layouts: a Lightning checkpoint (``checkpoint["state_dict"]``; of its ``net.*``/``model.*`` entries,
+    the others, e.g. an EMA copy or metric states, are left out), an NVIDIA SSD300 checkpoint
+    (``checkpoint["model"]``, ``module.``/``module.1.`` removed as the reference's
+    ``unwrap_distributed`` does; also torchvision's reference scripts), or a plain state dict. Non-tensor
+    entries are left out.
+
+    Raises:
+        CheckpointReadError: no tensors found.
+    """
+    container = checkpoint
+    nvidia_layout = False
+    if isinstance(checkpoint, Mapping):
+        if isinstance(checkpoint.get("state_dict"), Mapping):
+            container = checkpoint["state_dict"]
+        elif isinstance(checkpoint.get("model"), Mapping):
+            container, nvidia_layout = checkpoint["model"], True
+    if not isinstance(container, Mapping):
+        raise CheckpointReadError(
+            f"{source} holds no state dict but a {type(checkpoint).__name__}: expected a dict of tensors "
+            "or a checkpoint dict"
+        )
+    state = {str(k): v for k, v in container.items() if isinstance(v, Tensor)}
+    left_out = [str(k) for k, v in container.items() if not isinstance(v, Tensor)]
+    if nvidia_layout:
+        state = {_nvidia_key(k): v for k, v in state.items()}
+    stripped = True
+    while stripped:  # "net._orig_mod.features.0" -> "features.0"
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            inside = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            if inside:
+                left_out += [k for k in state if not k.startswith(prefix)]
+                state, stripped = inside, True
+                break
+    if not state:
+        raise CheckpointReadError(
+            f"{source} holds no state dict: expected a dict of tensors, a Lightning checkpoint "
+            "('state_dict') or an NVIDIA / torchvision checkpoint ('model')"
+        )
+    return state, left_out
+
+
+def _preview(keys: list[str], n: int = 3) -> str:
+    if not keys:
+        return ""
+    more = f", +{len(keys) - n} more" if len(keys) > n else ""
+    return f" ({', '.join(keys[:n])}{more})"
+
+
+@dataclass
+class InitReport:
+    """What :func:`load_matching` did, key by key (model-side names)."""
+
+    source: str
+    loaded: list[str] = field(default_factory=list)  # copied from the file
+    other_shape: list[str] = field(default_factory=list)  # in the file with another shape: left at init
+    absent: list[str] = field(default_factory=list)  # not in the file: left at init
+    unused: list[str] = field(default_factory=list)  # file tensors the model has no place for
+    left_out: list[str] = field(default_factory=list)  # file entries outside the network (EMA, metrics)
+    loaded_fraction: float = 0.0  # of the model's parameter and buffer elements
+
+    def summary(self) -> str:
+        """One line: loaded, re-initialised, ignored."""
+        total = len(self.loaded) + len(self.other_shape) + len(self.absent)
+        return (
+            f"{self.source}: loaded {len(self.loaded)}/{total} tensors ({self.loaded_fraction:.0%} of the "
+            f"weights); re-initialised {len(self.other_shape)} whose shape differs in the file"
+            f"{_preview(self.other_shape)} and {len(self.absent)} the file lacks{_preview(self.absent)}; "
+            f"ignored {len(self.unused)} file tensors the model has no place for{_preview(self.unused)} "
+            f"and {len(self.left_out)} entries outside the network{_preview(self.left_out)}"
+        )
+
+
+@torch.no_grad()
+def load_matching(
+    net: nn.Module, state: Mapping[str, Tensor], *, source: str, left_out: list[str] | None = None
+) -> InitReport:
+    """Copy every tensor of ``state`` whose name and shape match ``net``'s; the rest stays as it is.
+
+    Tensors that differ in shape (e.g. class heads for another class count) or that the file lacks keep
+    ``net``'s current values: for a network just built, its own initialisation (the reference init).
+    """
+    own = net.state_dict()
+    report = InitReport(source=source, left_out=list(left_out or []))
+    matched = {}
+    for key, value in own.items():
+        if key not in state:
+            report.absent.append(key)
+        elif tuple(state[key].shape) != tuple(value.shape):
+            report.other_shape.append(key)
+        else:
+            matched[key] = state[key]
+            report.loaded.append(key)
+    report.unused = sorted(set(state) - set(own))
+    net.load_state_dict(matched, strict=False)  # copies into the existing tensors (dtype, device kept)
+    elements = sum(v.numel() for v in own.values())
+    report.loaded_fraction = sum(own[k].numel() for k in matched) / max(elements, 1)
+    return report
+
+
+def init_from_checkpoint(
+    net: nn.Module,
+    path: str | os.PathLike,
+    *,
+    trust_checkpoint: bool = False,
+    what: str = "model.init_from",
+    log_summary: bool = True,
+) -> InitReport:
+    """Load the matching weights of the file at ``path`` into ``net`` and log one line saying what happened
+    (``log_summary``); ``what`` names the file's config key in messages.
+
+    Raises:
+        ConfigError: not a single parameter of ``net`` matches the file (another architecture).
+        CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see :func:`read_checkpoint`.
+    """
+    source = f"{what}={path}"
+    checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what=what)
+    state, left_out = network_state_dict(checkpoint, source=source)
+    report = load_matching(net, state, source=source, left_out=left_out)
+    parameters = {name for name, _ in net.named_parameters()}
+    if not parameters & set(report.loaded):
+        raise ConfigError(
+            f"{source}: none of the network's parameters matches the file by name and shape (file keys e.g. "
+            f"{sorted(state)[:3]}, network keys e.g. {sorted(parameters)[:3]}); it was made for another "
+            f"architecture. Point {what} at a checkpoint of this network (same model.net), or remove it"
+        )
+    if log_summary:  # a warning when less than half of the network came from the file
+        log.log(logging.INFO if report.loaded_fraction >= 0.5 else logging.WARNING, "%s", report.summary())
+    return report

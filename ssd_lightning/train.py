@@ -7,6 +7,7 @@ composed by Hydra's compose API.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import warnings
@@ -15,6 +16,7 @@ from pathlib import Path
 import hydra
 import pytorch_lightning as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -24,6 +26,7 @@ from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.config_checks import check_writable_dir, validate_config
 from ssd_lightning.errors import user_errors_as_messages
+from ssd_lightning.run_dir import hydra_subdir_for, log_name_for, output_dir_for, resolve_run_reference
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +41,14 @@ def eval_resize_for_weights(weights: str | None, default: int) -> int:
 
 
 def register_resolvers() -> None:
-    """OmegaConf resolvers used by configs/: ``${if:cond,a,b}``, ``${eval_resize:weights,default}``."""
+    """OmegaConf resolvers used by configs/: ``${if:cond,a,b}``, ``${eval_resize:weights,default}``, and
+    the run directories of ``resume=``/``run_dir=``: ``${run_output_dir:...}``, ``${hydra_subdir:...}``,
+    ``${log_name:...}``."""
     OmegaConf.register_new_resolver("if", lambda cond, a, b: a if cond else b, replace=True)
     OmegaConf.register_new_resolver("eval_resize", eval_resize_for_weights, replace=True)
+    OmegaConf.register_new_resolver("run_output_dir", output_dir_for, replace=True)
+    OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir_for, replace=True)
+    OmegaConf.register_new_resolver("log_name", log_name_for, replace=True)
 
 
 register_resolvers()
@@ -72,8 +80,14 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats."""
+    """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats.
+
+    ``resume=<run dir>`` / ``run_dir=<run dir>`` replace ``cfg`` by that run's config (see
+    :mod:`ssd_lightning.run_dir`), with the command line's overrides on top."""
     _silence_known_harmless_warnings()
+    cfg = resolve_run_reference(cfg, _command_line_overrides())
+    if cfg.get("resume"):
+        _save_resumed_config(cfg)
     for message in validate_config(cfg):
         log.warning(message)
     check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
@@ -134,6 +148,25 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         _print_summary(cfg, trainer, metrics, elapsed)
     return metrics
+
+
+def _command_line_overrides() -> list[str]:
+    """This invocation's overrides (``train.py`` arguments), as Hydra recorded them."""
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)
+
+
+def _save_resumed_config(cfg: DictConfig) -> None:
+    """Replace the config Hydra saved for a resume (the defaults + ``resume=``) by the one that runs: the
+    run's own with this command line's overrides. Lightning's DDP children (no output_subdir) skip it."""
+    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
+        return
+    folder = Path(cfg.paths.output_dir) / HydraConfig.get().output_subdir
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".config.yaml.{os.getpid()}.tmp"
+    OmegaConf.save(cfg, tmp)
+    os.replace(tmp, folder / "config.yaml")
 
 
 def _stop_other_ranks(trainer: pl.Trainer) -> None:

@@ -24,7 +24,8 @@ class StepMetricsProgressBar(TQDMProgressBar):
                 metrics["loss"] = f"{float(loss):.3f}"
             if trainer.optimizers:
                 metrics["lr"] = f"{trainer.optimizers[0].param_groups[0]['lr']:.3g}"
-            bar = self.train_progress_bar.format_dict if self.train_progress_bar else {}
+            # `is not None`: a tqdm without a total (a resumed epoch) raises on bool()
+            bar = self.train_progress_bar.format_dict if self.train_progress_bar is not None else {}
             batch_size = getattr(trainer.datamodule, "batch_size", None)
             if bar.get("elapsed") and batch_size:  # over the epoch so far, all ranks
                 metrics["img/s"] = f"{bar['n'] / bar['elapsed'] * batch_size * trainer.world_size:.1f}"

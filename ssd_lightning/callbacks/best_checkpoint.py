@@ -1,0 +1,55 @@
+"""``checkpoints/best.ckpt``: the weights of the evaluation that scored highest, beside ``last.ckpt``."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Keeps one checkpoint, ``<dirpath>/best.ckpt``, of the validation with the best ``monitor`` value
+    (``val/mAP`` for detectors, ``val/acc1`` for classifiers), rewritten in place (atomically, through the
+    run's checkpoint IO) when a later evaluation beats it. It is saved after validation, so epochs that the
+    evaluation schedule skips never replace it; its score survives a resume (callback state).
+
+    A run whose validation does not log ``monitor`` (its callback disabled, e.g. ``~callbacks.coco_map``)
+    writes no ``best.ckpt`` and says so once, instead of failing the way ``ModelCheckpoint`` does.
+
+    Args:
+        dirpath: the run's checkpoint folder.
+        monitor: the metric to maximise (or minimise, with ``mode="min"``).
+        mode: ``"max"`` or ``"min"``.
+        filename: file name without ``.ckpt``.
+    """
+
+    def __init__(
+        self, dirpath: str | os.PathLike, monitor: str, mode: str = "max", filename: str = "best"
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            mode=mode,
+            save_top_k=1,
+            save_last=False,
+            auto_insert_metric_name=False,
+            enable_version_counter=False,  # rewrite best.ckpt, never best-v1.ckpt
+            save_on_train_epoch_end=False,  # after validation, when the metric is fresh
+        )
+        self._said_missing = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.monitor in trainer.callback_metrics:
+            super().on_validation_end(trainer, pl_module)
+        elif not self._said_missing and trainer.is_global_zero:
+            self._said_missing = True
+            log.warning(
+                "validation logged no %s: no %s.ckpt is written (is the callback that logs it disabled?)",
+                self.monitor,
+                self.filename,
+            )

@@ -1,0 +1,139 @@
+"""A run directory as the unit users continue and evaluate: ``resume=<run dir>`` and ``run_dir=<run dir>``.
+
+A run directory is what ``train.py`` writes: ``.hydra/config.yaml`` (the composed config),
+``checkpoints/last.ckpt`` and ``checkpoints/best.ckpt``, ``csv/``, ``tensorboard/``, ``<task_name>.log``.
+
+* ``resume=<dir>`` continues that run in place: its own config, with this command line's ``key=value``
+  overrides on top, from its ``last.ckpt``, writing into the same directory (Hydra's run dir is set to it
+  by ``configs/hydra/default.yaml``; this invocation's own composed config goes to
+  ``.hydra/resume_<time>/``, the run's ``.hydra/config.yaml`` stays as it was).
+* ``run_dir=<dir>`` (with ``task=validate``) evaluates that run with its own config and its best
+  checkpoint (``best.ckpt``, else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
+
+``ckpt_path=<file>`` on the command line wins over the checkpoint either would pick.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from datetime import datetime
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ssd_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONFIG_GROUPS_DIR = Path(__file__).resolve().parents[1] / "configs"
+# keys of this invocation that are not applied to the stored config
+_INVOCATION_KEYS = ("resume", "run_dir")
+
+
+@functools.cache
+def _invocation_time() -> str:
+    """This process's start, fixed at first use: Hydra resolves its directory keys more than once."""
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
+
+
+def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: str) -> str:
+    """Hydra's run directory: the resumed run's, ``<run_dir>/<task>/<time>`` for an evaluation of a run,
+    else ``default`` (``outputs/<task_name>/<time>``). Used by ``configs/hydra/default.yaml``."""
+    if resume:
+        return str(resume)
+    if run_dir:
+        return f"{run_dir}/{task}/{_invocation_time()}"
+    return default
+
+
+def hydra_subdir_for(resume: str | None) -> str:
+    """Where Hydra saves this invocation's config: ``.hydra``, or ``.hydra/resume_<time>`` when resuming
+    (the run's own ``.hydra/config.yaml`` is what a resume reads, so it is never overwritten)."""
+    return f".hydra/resume_{_invocation_time()}" if resume else ".hydra"
+
+
+def log_name_for(resume: str | None, task_name: str) -> str:
+    """The run's log file name (``<task_name>.log``): a resumed run keeps appending to its own."""
+    stored = Path(str(resume)) / ".hydra" / "config.yaml" if resume else None
+    if stored is not None and stored.is_file():
+        task_name = OmegaConf.load(stored).get("task_name") or task_name
+    return f"{task_name}.log"
+
+
+def stored_config(run: Path, key: str) -> DictConfig:
+    """The composed config a run was started with (``<run>/.hydra/config.yaml``)."""
+    file = run / ".hydra" / "config.yaml"
+    if not file.is_file():
+        raise ConfigError(
+            f"{key}={run}: {file} not found; {key} takes a run directory written by train.py "
+            "(it holds .hydra/ and checkpoints/), e.g. outputs/demo/<date>_<time>"
+        )
+    return OmegaConf.load(file)
+
+
+def apply_overrides(cfg: DictConfig, overrides: list[str], key: str) -> DictConfig:
+    """Apply this command line's ``key=value`` / ``+key=value`` / ``~key`` overrides to a stored config.
+
+    Config group choices (``trainer=ddp``, ``experiment=...``) cannot be re-applied to a composed config:
+    they are refused with a message naming the keys to set instead.
+    """
+    own = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _INVOCATION_KEYS]
+    own = [o for o in own if not o.lstrip("+~").startswith("hydra.")]
+    for override in OverridesParser.create().parse_overrides(own):
+        name = override.key_or_group
+        if "." not in name and (CONFIG_GROUPS_DIR / name).is_dir():
+            raise ConfigError(
+                f"{key}= takes the run's own config, so the config group choice {override.input_line!r} "
+                f"cannot be applied to it; set the keys it would change instead (e.g. {name}.<key>=<value>)"
+            )
+        if override.is_sweep_override():
+            raise ConfigError(f"{key}= runs one job: {override.input_line!r} is a sweep")
+        with open_dict(cfg):
+            if override.is_delete():
+                parent, _, leaf = name.rpartition(".")
+                node = OmegaConf.select(cfg, parent) if parent else cfg
+                if node is not None and leaf in node:
+                    del node[leaf]
+            else:
+                OmegaConf.update(cfg, name, override.value(), merge=True, force_add=True)
+    return cfg
+
+
+def _checkpoint(run: Path, names: tuple[str, ...], key: str) -> Path:
+    for name in names:
+        path = run / "checkpoints" / name
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"{key}={run}: no {' or '.join(names)} in {run / 'checkpoints'}; the run saved no checkpoint yet "
+        "(it saves one every epoch and on SIGTERM/Ctrl-C)"
+    )
+
+
+def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """``cfg`` itself, or for ``resume=``/``run_dir=`` the referenced run's config with ``overrides`` on
+    top, its checkpoint as ``ckpt_path`` (unless given) and this invocation's output directory."""
+    resume, run_dir = cfg.get("resume"), cfg.get("run_dir")
+    if not resume and not run_dir:
+        return cfg
+    if resume and run_dir:
+        raise ConfigError(
+            "resume= and run_dir= both given: resume=<dir> continues a run, run_dir=<dir> evaluates it"
+        )
+    key = "resume" if resume else "run_dir"
+    run = Path(str(resume or run_dir)).expanduser()
+    if resume and cfg.get("task") not in (None, "fit"):
+        raise ConfigError(f"resume= continues training (task=fit); to evaluate a run use run_dir={run}")
+    merged = apply_overrides(stored_config(run, key), overrides, key)
+    explicit_ckpt = any(o.lstrip("+").startswith("ckpt_path=") for o in overrides)
+    with open_dict(merged):
+        merged.resume = str(run) if resume else None
+        merged.run_dir = str(run) if run_dir else None
+        merged.paths.output_dir = cfg.paths.output_dir  # this invocation's (for resume= the run's own)
+        if not explicit_ckpt:
+            names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
+            merged.ckpt_path = str(_checkpoint(run, names, key))
+    log.info("%s=%s: the run's own config and checkpoint %s", key, run, merged.ckpt_path)
+    return merged

@@ -1,0 +1,265 @@
+"""A run directory is the unit users continue and evaluate: `resume=<run dir>`,
+`task=validate run_dir=<run dir>`, `checkpoints/best.ckpt`, and a CSV log that continues across the resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from omegaconf import OmegaConf
+
+from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
+from ssd_lightning.errors import ConfigError
+from ssd_lightning.loggers import ContinuingCSVLogger
+from ssd_lightning.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
+from tests.conftest import REPO_ROOT
+
+
+def _stored_run(tmp_path: Path, checkpoints=("last.ckpt",)) -> Path:
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    cfg = {
+        "task": "fit",
+        "ckpt_path": None,
+        "paths": {"output_dir": str(run)},
+        "trainer": {"max_epochs": 2, "max_steps": 6, "devices": 1},
+        "model": {"optimizer": {"lr": 0.1}},
+    }
+    OmegaConf.save(OmegaConf.create(cfg), run / ".hydra" / "config.yaml")
+    (run / "checkpoints").mkdir()
+    for name in checkpoints:
+        (run / "checkpoints" / name).write_bytes(b"x")
+    return run
+
+
+def _invocation(**keys) -> OmegaConf:
+    return OmegaConf.create(
+        {"task": "fit", "resume": None, "run_dir": None, "paths": {"output_dir": "/now"}, **keys}
+    )
+
+
+# ------------------------------------------------------------------------------------------ config rules
+def test_the_command_lines_overrides_apply_to_the_stored_config(tmp_path):
+    run = _stored_run(tmp_path)
+    overrides = [f"resume={run}", "trainer.max_epochs=5", "~trainer.max_steps", "+trainer.new_key=3"]
+    overrides += ["model.optimizer.lr=0.01", "hydra.run.dir=/elsewhere"]
+    cfg = resolve_run_reference(_invocation(resume=str(run)), overrides)
+    assert cfg.trainer == {"max_epochs": 5, "devices": 1, "new_key": 3}
+    assert cfg.model.optimizer.lr == 0.01 and cfg.task == "fit"
+    assert cfg.ckpt_path == str(run / "checkpoints" / "last.ckpt") and cfg.resume == str(run)
+    assert cfg.paths.output_dir == "/now"  # this invocation's: Hydra's run dir is the run itself
+    # the stored file is read, never rewritten
+    assert OmegaConf.load(run / ".hydra" / "config.yaml").trainer.max_steps == 6
+
+
+def test_validate_of_a_run_takes_its_best_checkpoint_and_an_explicit_one_wins(tmp_path):
+    run = _stored_run(tmp_path, checkpoints=("last.ckpt", "best.ckpt"))
+    cfg = resolve_run_reference(
+        _invocation(task="validate", run_dir=str(run)), ["task=validate", f"run_dir={run}"]
+    )
+    assert cfg.task == "validate" and cfg.ckpt_path == str(run / "checkpoints" / "best.ckpt")
+    (run / "checkpoints" / "best.ckpt").unlink()  # a run without an evaluation yet: last.ckpt
+    cfg = resolve_run_reference(_invocation(task="validate", run_dir=str(run)), ["task=validate"])
+    assert cfg.ckpt_path == str(run / "checkpoints" / "last.ckpt")
+    cfg = resolve_run_reference(_invocation(run_dir=str(run)), ["task=validate", "ckpt_path=/my.ckpt"])
+    assert cfg.ckpt_path == "/my.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("invocation", "overrides", "message"),
+    [
+        ({"resume": "RUN"}, ["trainer=ddp"], "config group choice 'trainer=ddp'"),
+        ({"resume": "RUN"}, ["experiment=demo"], "set the keys it would change instead"),
+        ({"resume": "RUN"}, ["model.optimizer.lr=0.1,0.2"], "is a sweep"),
+        ({"resume": "RUN", "run_dir": "RUN"}, [], "both given"),
+        ({"resume": "RUN", "task": "validate"}, [], "to evaluate a run use run_dir="),
+        ({"resume": "NOWHERE"}, [], "not found; resume takes a run directory written by train.py"),
+        ({"run_dir": "EMPTY"}, [], "no best.ckpt or last.ckpt in"),
+    ],
+)
+def test_bad_references_are_one_clear_error(tmp_path, invocation, overrides, message):
+    run = _stored_run(tmp_path / "a")
+    empty = _stored_run(tmp_path / "b", checkpoints=())
+    paths = {"RUN": str(run), "NOWHERE": str(tmp_path / "nowhere"), "EMPTY": str(empty)}
+    keys = {k: paths.get(v, v) for k, v in invocation.items()}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        resolve_run_reference(_invocation(**keys), overrides)
+
+
+def test_run_directories_follow_the_reference():
+    assert output_dir_for("/r/run", None, "fit", "/outputs/demo/now") == "/r/run"
+    assert output_dir_for(None, None, "fit", "/outputs/demo/now") == "/outputs/demo/now"
+    assert output_dir_for(None, "/r/run", "validate", "/x").startswith("/r/run/validate/20")
+    assert hydra_subdir_for(None) == ".hydra"
+    assert hydra_subdir_for("/r/run").startswith(".hydra/resume_20")
+
+
+def test_overrides_without_a_reference_change_nothing():
+    cfg = _invocation()
+    assert resolve_run_reference(cfg, ["trainer=ddp"]) is cfg
+    assert apply_overrides(OmegaConf.create({"a": 1}), ["resume=/x", "hydra.job.chdir=true"], "resume") == {
+        "a": 1
+    }
+
+
+# ------------------------------------------------------------------------------------------ CSV log
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_log_continues_and_drops_what_was_logged_after_the_checkpoint(tmp_path):
+    first = ContinuingCSVLogger(tmp_path, name="csv", version="")
+    for step in range(10):  # the killed run logged steps 0..9; its last checkpoint is at step 6
+        first.log_metrics({"train/loss_step": float(step)}, step=step)
+    first.log_metrics({"val/mAP": 0.5, "epoch": 0}, step=5)
+    first.save()
+
+    resumed = ContinuingCSVLogger(tmp_path, name="csv", version="")
+    for step in range(6, 8):
+        resumed.log_metrics({"train/loss_step": 100.0 + step, "lr": 0.1}, step=step)  # a new column
+    resumed.save()
+    rows = _rows(tmp_path / "csv" / "metrics.csv")
+    losses = [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]]
+    assert losses == [(s, float(s)) for s in range(6)] + [(6, 106.0), (7, 107.0)]  # steps 6..9 once, new
+    assert [r["val/mAP"] for r in rows if r["val/mAP"]] == ["0.5"]  # older rows keep every column
+    assert set(rows[0]) == {"epoch", "step", "train/loss_step", "val/mAP", "lr"}
+
+    resumed.log_metrics({"train/loss_step": 8.0}, step=8)  # later saves append, drop nothing
+    resumed.save()
+    assert len(_rows(tmp_path / "csv" / "metrics.csv")) == len(rows) + 1
+
+
+def test_a_fresh_csv_log_is_lightnings(tmp_path):
+    logger = ContinuingCSVLogger(tmp_path, name="csv", version="")
+    logger.log_metrics({"a": 1.0}, step=0)
+    logger.save()
+    assert _rows(tmp_path / "csv" / "metrics.csv") == [{"a": "1.0", "step": "0"}]
+
+
+# ------------------------------------------------------------------------------------------ best.ckpt
+class _Scored(pl.LightningModule):
+    """Logs a fixed score per epoch as ``val/score``."""
+
+    def __init__(self, scores: list[float] | None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.scores = scores
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        if self.scores is not None:
+            self.log("val/score", self.scores[self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+def _fit(tmp_path: Path, scores: list[float] | None, epochs: int) -> BestCheckpoint:
+    best = BestCheckpoint(dirpath=tmp_path / "checkpoints", monitor="val/score")
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        callbacks=[best],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(_Scored(scores))
+    return best
+
+
+def test_best_checkpoint_holds_the_best_evaluation(tmp_path):
+    best = _fit(tmp_path, [0.2, 0.7, 0.4, 0.6], epochs=4)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.ckpt"]
+    saved = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)
+    assert saved["epoch"] == 1 and float(best.best_model_score) == pytest.approx(0.7)
+
+
+def test_without_the_metric_no_best_checkpoint_and_one_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        _fit(tmp_path, None, epochs=2)
+    assert not (tmp_path / "checkpoints" / "best.ckpt").exists()
+    assert sum("validation logged no val/score" in r.getMessage() for r in caplog.records) == 1
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _train_py(*args: str, returncode: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.dali
+@pytest.mark.timeout(600)
+def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
+    run, log_dir = tmp_path / "run", tmp_path / "outputs"
+    common = [
+        "experiment=demo",
+        f"data.root={shapes_coco}",
+        "data.batch_size=4",
+        "data.eval_batch_size=5",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "eval_epochs=[0]",
+        "model.scheduler.warmup_steps=2",
+        f"paths.log_dir={log_dir}",
+    ]
+    annotations = json.loads((shapes_coco / "annotations" / "instances_train2017.json").read_text())
+    steps = len({a["image_id"] for a in annotations["annotations"]}) // 4  # per epoch: images with boxes
+    # the preempted run: SIGTERM two steps into epoch 1 of 2
+    fault = [
+        "+callbacks.fault._target_=tests.fault_injection.SignalAtStep",
+        f"+callbacks.fault.step={steps + 2}",
+    ]
+    _train_py(*common, *fault, f"hydra.run.dir={run}", returncode=143)
+    stored = (run / ".hydra" / "config.yaml").read_bytes()
+
+    # its own config, minus the fault (a key the defaults lack is overridden with +, as when it was added)
+    _train_py(f"resume={run}", "+callbacks.fault=null", f"paths.log_dir={log_dir}")
+    assert not log_dir.exists()  # nothing new besides the run itself
+    assert (run / ".hydra" / "config.yaml").read_bytes() == stored
+    [resumed_cfg] = run.glob(".hydra/resume_*/config.yaml")
+    resumed = OmegaConf.load(resumed_cfg)  # the config that ran
+    assert resumed.callbacks.fault is None and resumed.data.batch_size == 4 and resumed.resume == str(run)
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["epoch"] == 1 and last["global_step"] == 2 * steps
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "best.ckpt",
+        "epoch_1.ckpt",
+        "last.ckpt",
+    ]
+    rows = _rows(run / "csv" / "metrics.csv")
+    assert sorted(int(r["step"]) for r in rows if r.get("train/loss_step")) == list(range(2 * steps))  # once
+    maps = {int(r["epoch"]): float(r["val/mAP"]) for r in rows if r.get("val/mAP")}
+    assert sorted(maps) == [0, 1]  # evaluated after epoch 0 (first run) and the last epoch (resumed run)
+    assert not (run / "train.log").exists()
+    log_text = (run / "demo.log").read_text()  # the run's log (task_name=demo), appended
+    assert "SIGTERM: stopped at epoch 1" in log_text and "fit finished in" in log_text
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) >= 2  # same log dir
+    best = torch.load(run / "checkpoints" / "best.ckpt", weights_only=True)
+    assert best["epoch"] == max(maps, key=maps.get)
+
+    proc = _train_py("task=validate", f"run_dir={run}", "+trainer.enable_progress_bar=false")
+    assert "checkpoint " + str(run / "checkpoints" / "best.ckpt") in proc.stdout + proc.stderr
+    [validate_dir] = (run / "validate").iterdir()
+    validated = [float(r["val/mAP"]) for r in _rows(validate_dir / "csv" / "metrics.csv") if r.get("val/mAP")]
+    assert validated == [pytest.approx(max(maps.values()), abs=1e-6)]  # the best evaluation, recomputed

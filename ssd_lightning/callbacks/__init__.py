@@ -1,4 +1,4 @@
-"""Callbacks: COCO mAP, evaluation-epoch schedule, throughput benchmark, pictures, interrupts, NaN guard."""
+"""Callbacks: COCO mAP, eval schedule, benchmark, training speed, pictures, interrupt, NaN guard."""
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
@@ -7,6 +7,7 @@ from ssd_lightning.callbacks.nonfinite import NonFiniteGuard
 from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.callbacks.progress import StepMetricsProgressBar
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark
+from ssd_lightning.callbacks.training_speed import TrainingSpeed
 
 __all__ = [
     "CocoMAPCallback",
@@ -16,4 +17,5 @@ __all__ = [
     "PredictionPictures",
     "StepMetricsProgressBar",
     "ThroughputBenchmark",
+    "TrainingSpeed",
 ]

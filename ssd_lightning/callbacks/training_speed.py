@@ -1,0 +1,249 @@
+"""Training speed of a real run, logged at the logging interval: ``train/images_per_second`` and
+``train/data_wait_fraction``.
+
+What is measured
+----------------
+* Wall time on the host (``time.perf_counter``) while training batches run: from the start of a training
+  epoch to its last batch, with validation (run inside an epoch or at its end) and everything between two
+  epochs (epoch-end hooks, checkpoint saving) left out. The first ``warmup_steps`` batches after every start
+  of ``fit`` (fresh or resumed) are left out too: they pay for allocation, cuDNN autotuning, compilation.
+* Data wait: the time spent in the training loader's ``__next__``, as Lightning's own profiler sees it (the
+  ``train_dataloader_next`` action, which wraps exactly the fetch): the part of data loading that does not
+  overlap the step (DALI prefetches). The host-to-device copy after it is not counted.
+* Images: the leading dimension of each batch (``batch["images"]``).
+
+Every ``trainer.log_every_n_steps`` batches (when Lightning writes step metrics to the loggers) the interval
+since the previous logging step is closed and, through ``LightningModule.log`` (so every logger gets it, with
+Lightning's step), logged: ``train/images_per_second`` = images / elapsed and ``train/data_wait_fraction`` =
+wait / elapsed, in [0, 1]. Consecutive intervals tile the measured time, so ``images_per_second * elapsed``
+of each interval adds up to the images trained on. A logging step that falls inside the warm-up logs nothing.
+
+No device synchronisation
+-------------------------
+Nothing here waits for the device on an ordinary step: the hooks only read the host clock and a tensor's
+shape. With asynchronous execution (CUDA) a step's host time is when its kernels were queued, not when they
+ran; but the host can run ahead of the device by a bounded queue only (CUDA's launch queue, Lightning's
+reading of the logged loss at each logging step), so over an interval of N steps the host wall time equals
+the device's to within about one step: the rate is right on average over the interval, not per step. The
+only device work is at the logging steps, where Lightning itself reads the logged metrics back anyway: the
+two Python floats become tensors in ``LightningModule.log`` and, under DDP, one all-gather of three numbers.
+
+DDP
+---
+Each rank measures its own interval. At the logging step the ranks all-gather ``(images, elapsed, wait)``
+once (never on other steps; every rank reaches the same logging steps) and log the same global numbers:
+``images_per_second`` = images summed over the ranks / the longest elapsed time, and
+``data_wait_fraction`` = the largest fraction over the ranks (the most data-starved rank sets the pace: the
+others wait for it inside the gradient all-reduce, which counts as step time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from ssd_lightning.callbacks.throughput import _batch_size
+
+__all__ = ["FETCH_ACTION", "IntervalSpeed", "TrainingSpeed", "interval_speed"]
+
+FETCH_ACTION = "train_dataloader_next"  # Lightning's profiler action around the training loader's __next__
+IMAGES_PER_SECOND = "train/images_per_second"
+DATA_WAIT_FRACTION = "train/data_wait_fraction"
+
+
+@dataclass(frozen=True)
+class IntervalSpeed:
+    """One closed logging interval, over all ranks: ``images_per_second * elapsed == images``."""
+
+    step: int  # Lightning's logging step (the ``step`` column of metrics.csv)
+    batches: int  # training batches in the interval, per rank
+    images: float  # images in the interval, all ranks
+    elapsed: float  # seconds, the longest over the ranks
+    wait: float  # seconds in the loader's __next__, this rank
+    images_per_second: float
+    data_wait_fraction: float
+
+
+def interval_speed(per_rank: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(images/s, data wait fraction)`` of one interval from each rank's ``(images, elapsed s, wait s)``."""
+    if not per_rank or any(elapsed <= 0 for _, elapsed, _ in per_rank):
+        raise ValueError(f"every rank needs a positive elapsed time, got {per_rank}")
+    images = sum(n for n, _, _ in per_rank)
+    elapsed = max(e for _, e, _ in per_rank)
+    wait_fraction = max(min(w / e, 1.0) for _, e, w in per_rank)
+    return images / elapsed, wait_fraction
+
+
+class TrainingSpeed(pl.Callback):
+    """Log ``train/images_per_second`` and ``train/data_wait_fraction`` every logging interval (module doc).
+
+    Args:
+        warmup_steps: training batches left out after every start of ``fit`` (fresh or resumed).
+        clock: monotonic clock in seconds; injectable for tests.
+
+    ``last_interval`` holds the latest logged :class:`IntervalSpeed` (on every rank).
+    """
+
+    def __init__(self, warmup_steps: int = 10, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__()
+        if int(warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = int(warmup_steps)
+        self.clock = clock
+        self.last_interval: IntervalSpeed | None = None
+        self._profiler_patch: tuple[Any, dict[str, Any]] | None = None
+        self._reset_run()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def _reset_run(self) -> None:
+        self._batches_seen = 0  # since this fit started: the warm-up counts these
+        self._in_epoch = False
+        self._last_logged_step = -1
+        self._running_since: float | None = None  # start of the open time segment; None while paused
+        self._fetch_started: float | None = None
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self._elapsed = 0.0  # closed segments of this interval
+        self._batches = 0
+        self._images = 0
+        self._wait = 0.0
+
+    @property
+    def _measuring(self) -> bool:
+        return self._batches_seen >= self.warmup_steps
+
+    def _pause(self, now: float) -> None:
+        if self._running_since is not None:
+            self._elapsed += now - self._running_since
+            self._running_since = None
+
+    def _resume(self, now: float) -> None:
+        if self._running_since is None:
+            self._running_since = now
+
+    # -- the loader's __next__, seen through Lightning's profiler ------------------------------------------
+    def _fetch_start(self) -> None:
+        self._fetch_started = self.clock() if self._measuring and self._running_since is not None else None
+
+    def _fetch_stop(self) -> None:
+        if self._fetch_started is not None:
+            self._wait += self.clock() - self._fetch_started
+            self._fetch_started = None
+
+    def _patch_profiler(self, trainer: pl.Trainer) -> None:
+        """Wrap ``trainer.profiler.start/stop`` (instance attributes) to time the ``train_dataloader_next``
+        action; everything is passed on to the profiler unchanged."""
+        if self._profiler_patch is not None:
+            return
+        profiler = trainer.profiler
+        saved = {name: vars(profiler)[name] for name in ("start", "stop") if name in vars(profiler)}
+        start, stop = profiler.start, profiler.stop
+
+        def timed_start(action_name: str) -> None:
+            start(action_name)
+            if action_name.endswith(FETCH_ACTION):
+                self._fetch_start()
+
+        def timed_stop(action_name: str) -> None:
+            if action_name.endswith(FETCH_ACTION):
+                self._fetch_stop()
+            stop(action_name)
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+        self._profiler_patch = (profiler, saved)
+
+    def _unpatch_profiler(self) -> None:
+        if self._profiler_patch is None:
+            return
+        profiler, saved = self._profiler_patch
+        for name in ("start", "stop"):
+            if name in saved:
+                setattr(profiler, name, saved[name])
+            else:
+                vars(profiler).pop(name, None)
+        self._profiler_patch = None
+
+    # -- Lightning hooks -----------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._patch_profiler(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unpatch_profiler()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unpatch_profiler()  # also after an exception
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_run()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_epoch = True
+        self._resume(self.clock())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pause(self.clock())
+        self._in_epoch = False
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._in_epoch:
+            self._pause(self.clock())
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._in_epoch:
+            self._resume(self.clock())
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self.clock()
+        self._batches_seen += 1
+        if self._batches_seen <= self.warmup_steps:
+            if self._batches_seen == self.warmup_steps:  # the measured time starts after the warm-up
+                self._reset_interval()
+                self._running_since = now
+            return
+        self._batches += 1
+        self._images += _batch_size(batch)
+        step = _logging_step(trainer)
+        n = trainer.log_every_n_steps
+        if n > 0 and step % n == 0 and step != self._last_logged_step:
+            self._last_logged_step = step
+            self._pause(now)
+            self._log(trainer, pl_module, step - 1)
+            self._reset_interval()
+            self._resume(now)  # intervals tile the measured time
+
+    # -- closing an interval -------------------------------------------------------------------------------
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        mine = (float(self._images), self._elapsed, self._wait)
+        if trainer.world_size > 1:  # one collective per logging interval, on every rank at the same step
+            local = torch.tensor(mine, dtype=torch.float64, device=pl_module.device)
+            per_rank = [tuple(row) for row in trainer.strategy.all_gather(local).reshape(-1, 3).tolist()]
+        else:
+            per_rank = [mine]
+        if any(elapsed <= 0 for _, elapsed, _ in per_rank):
+            return  # a clock that did not move (cannot happen with perf_counter): nothing to report
+        rate, wait_fraction = interval_speed(per_rank)
+        self.last_interval = IntervalSpeed(
+            step=step,
+            batches=self._batches,
+            images=sum(n for n, _, _ in per_rank),
+            elapsed=max(e for _, e, _ in per_rank),
+            wait=self._wait,
+            images_per_second=rate,
+            data_wait_fraction=wait_fraction,
+        )
+        for name, value in ((IMAGES_PER_SECOND, rate), (DATA_WAIT_FRACTION, wait_fraction)):
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+
+def _logging_step(trainer: pl.Trainer) -> int:
+    """The 1-based count Lightning tests against ``log_every_n_steps`` when it writes step metrics."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step - 1)) + 1

@@ -14,9 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ssd_lightning.errors import ConfigError, UserError
+from ssd_lightning.sweep import multirun_launch_problem
 
 __all__ = ["TASKS", "check_writable_dir", "validate_config"]
 
@@ -128,10 +130,23 @@ def _check_devices(p: _Problems, cuda_device_count: int) -> None:
             p.add("trainer.devices", devices, f"this machine has {cuda_device_count} CUDA devices")
 
 
-def validate_config(cfg: DictConfig, *, cuda_device_count: int | None = None) -> list[str]:
+def _check_multirun_launch(p: _Problems, cuda_device_count: int, hydra_cfg: DictConfig | None) -> None:
+    """A multirun job must not start its ranks with Lightning's launcher (see ssd_lightning.sweep)."""
+    if hydra_cfg is None and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+    if hydra_cfg is not None:
+        problem = multirun_launch_problem(p.cfg, hydra_cfg, cuda_device_count=cuda_device_count)
+        if problem:
+            p.add(*problem)
+
+
+def validate_config(
+    cfg: DictConfig, *, cuda_device_count: int | None = None, hydra_cfg: DictConfig | None = None
+) -> list[str]:
     """Raise :class:`ConfigError` listing every problem; return warnings (strings) for odd but valid settings.
 
-    ``cuda_device_count`` defaults to ``torch.cuda.device_count()``.
+    ``cuda_device_count`` defaults to ``torch.cuda.device_count()``; ``hydra_cfg`` (the job's ``hydra`` node,
+    for the multirun checks) to ``HydraConfig.get()`` when Hydra runs the job.
     """
     if cuda_device_count is None:
         cuda_device_count = torch.cuda.device_count()
@@ -139,6 +154,7 @@ def validate_config(cfg: DictConfig, *, cuda_device_count: int | None = None) ->
     _check_values(problems)
     _check_weight_files(problems)
     _check_devices(problems, cuda_device_count)
+    _check_multirun_launch(problems, cuda_device_count, hydra_cfg)
     if problems.lines:
         count = len(problems.lines)
         raise ConfigError(

@@ -172,7 +172,10 @@ def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
     """The jobs of a multirun: every combination of the comma/range sweeps among ``overrides``."""
     choices = []
     for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides), strict=True):
-        if parsed.is_sweep_override():
+        if parsed.is_interval_sweep():  # an Optuna search space (sweep=demo_optuna): compose both ends
+            key, interval = text.split("=", 1)[0], parsed.value()
+            choices.append([f"{key}={interval.start}", f"{key}={interval.end}"])
+        elif parsed.is_sweep_override():
             key = text.split("=", 1)[0]
             choices.append([f"{key}={value}" for value in parsed.sweep_string_iterator()])
         else:

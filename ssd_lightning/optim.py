@@ -15,6 +15,7 @@ from torch import nn
 from ssd_lightning.errors import ConfigError
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
+EMA_DECAY_SCALINGS = ("torchvision", "none")
 SCHEDULES = ("multistep", "step", "cosine", "constant")
 
 
@@ -45,6 +46,37 @@ def scale_lr(
     if rule == "sqrt":
         return base_lr * math.sqrt(ratio)
     return base_lr
+
+
+def scale_ema_decay(
+    decay: float,
+    *,
+    scaling: str = "torchvision",
+    world_size: int = 1,
+    batch_size: int,
+    every_n_steps: int = 1,
+    epochs: int,
+) -> float:
+    """The EMA decay actually applied per EMA update, from the configured one.
+
+    ``torchvision`` is its classification reference's rule (``--model-ema-decay``): the averaging weight
+    ``1 - decay`` is multiplied by ``world_size * batch_size * every_n_steps / epochs`` (capped at 1), so the
+    averaging horizon follows the global batch, the update interval and the schedule's length; e.g. 0.99998
+    on 8 x 32 images, every 32 steps, 300 epochs gives 1 - 2e-5 * 27.3 = 0.999454. ``none`` applies
+    ``decay`` as given.
+    """
+    if scaling not in EMA_DECAY_SCALINGS:
+        raise ConfigError(f"ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {scaling!r}")
+    if scaling == "none":
+        return decay
+    if min(world_size, batch_size, every_n_steps, epochs) <= 0:
+        raise ValueError(
+            "EMA decay scaling needs positive sizes, got "
+            f"world_size={world_size}, batch_size={batch_size}, every_n_steps={every_n_steps}, "
+            f"epochs={epochs}"
+        )
+    alpha = min(1.0, (1.0 - decay) * world_size * batch_size * every_n_steps / epochs)
+    return 1.0 - alpha
 
 
 def _is_depthwise(module: nn.Module) -> bool:

@@ -216,7 +216,9 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
     torch.manual_seed(0)
     setting = [[1, 16, 1, 1], [6, 24, 1, 2]]
     net = mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=setting)
-    module = ClassifierLitModule(net, optimizer=_sgd(lr=0.1), ema_decay=0.5, ema_every_n_steps=2)
+    module = ClassifierLitModule(
+        net, optimizer=_sgd(lr=0.1), ema_decay=0.5, ema_every_n_steps=2, ema_decay_scaling="none"
+    )
     data = TensorDataModule(_random_images(32, 4, seed=1), _random_images(8, 4, seed=2), batch_size=8)
     trainer = _trainer(max_epochs=1, enable_checkpointing=False)
     trainer.fit(module, datamodule=data)
@@ -241,6 +243,7 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
         optimizer=_sgd(lr=0.1),
         ema_decay=0.5,
         ema_every_n_steps=2,
+        ema_decay_scaling="none",
     )
     _trainer(max_epochs=1).fit(resumed, datamodule=data, ckpt_path=path)  # nothing to run
     assert resumed.acc1_best.item() == pytest.approx(state["acc1_best"].item())
@@ -350,3 +353,33 @@ def test_learns_coloured_shapes_well_above_chance():
     assert metrics["val/acc1_ema"].item() >= 0.5
     assert metrics["val/acc1_best"].item() == pytest.approx(max(history))
     assert module.acc1_best_epoch.item() == history.index(max(history))
+
+
+def test_ema_decay_follows_torchvisions_scaling_rule():
+    from ssd_lightning.optim import scale_ema_decay
+
+    # torchvision's recipes: --model-ema-decay 0.99998, --model-ema-steps 32; 8 x 32 images, 300 epochs
+    adjust = 8 * 32 * 32 / 300
+    assert scale_ema_decay(
+        0.99998, world_size=8, batch_size=32, every_n_steps=32, epochs=300
+    ) == pytest.approx(1 - 2e-5 * adjust, abs=1e-12)
+    assert scale_ema_decay(0.9, world_size=8, batch_size=32, every_n_steps=32, epochs=300) == 0.0  # capped
+    assert scale_ema_decay(0.99, scaling="none", batch_size=1, epochs=1) == 0.99
+    with pytest.raises(ValueError, match="ema_decay_scaling"):
+        scale_ema_decay(0.99, scaling="torchvison", batch_size=1, epochs=1)
+
+
+@pytest.mark.parametrize(("scaling", "expected"), [("torchvision", 1 - 1e-3 * 8 * 2 / 3), ("none", 0.999)])
+def test_the_module_applies_the_scaled_decay_from_the_run(scaling, expected, caplog):
+    """Batch 8 per device, 1 process, an update every 2 steps, 3 epochs: the run decides the decay."""
+    setting = [[1, 16, 1, 1]]
+    net = mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=setting)
+    module = ClassifierLitModule(
+        net, optimizer=_sgd(lr=0.1), ema_decay=0.999, ema_every_n_steps=2, ema_decay_scaling=scaling
+    )
+    data = TensorDataModule(_random_images(16, 4, seed=1), _random_images(8, 4, seed=2), batch_size=8)
+    trainer = _trainer(max_epochs=3, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+    assert module.ema.decay == pytest.approx(expected, abs=1e-12)
+    with pytest.raises(ValueError, match="ema_decay_scaling"):
+        ClassifierLitModule(net, optimizer=_sgd(lr=0.1), ema_decay=0.9, ema_decay_scaling="tv")

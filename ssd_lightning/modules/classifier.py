@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
@@ -19,10 +19,13 @@ from ssd_lightning.modules.common import (
     check_num_classes,
     configure_recipe_optimizers,
     init_net_from_file,
+    per_device_batch_size,
     restore_train_loader_state,
     steps_per_epoch,
+    total_epochs,
 )
 from ssd_lightning.modules.ema import ExponentialMovingAverage
+from ssd_lightning.optim import EMA_DECAY_SCALINGS, scale_ema_decay
 
 __all__ = ["ClassifierLitModule", "infer_num_classes"]
 
@@ -69,11 +72,14 @@ class ClassifierLitModule(pl.LightningModule):
         norm_weight_decay, bias_weight_decay: weight decay of normalisation parameters and biases
             (``None``: the optimizer's ``weight_decay``).
         depthwise_weight_decay: of depthwise convolution weights (``None``: the optimizer's).
-        ema_decay: keep an exponential moving average of the weights with this decay per EMA update
-            (not per step: with ``ema_every_n_steps=k`` the per-step decay is ``ema_decay ** (1/k)``);
-            ``None``: off. During LR warm-up the average restarts from the current weights after every
-            update, as torchvision's reference does.
+        ema_decay: keep an exponential moving average of the weights; ``None``: off. With
+            ``ema_decay_scaling="torchvision"`` this is torchvision's ``--model-ema-decay``, scaled when the
+            optimizer is built by world size x per-device batch x ``ema_every_n_steps`` / epochs
+            (:func:`ssd_lightning.optim.scale_ema_decay`; the decay applied is logged once); with ``"none"``
+            it is the decay per EMA update as given. During LR warm-up the average restarts from the
+            current weights after every update, as torchvision's reference does.
         ema_every_n_steps: optimizer steps between EMA updates.
+        ema_decay_scaling: ``"torchvision"`` (default) or ``"none"``, see ``ema_decay``.
         sync_batchnorm: convert BatchNorm to SyncBatchNorm in :meth:`configure_model` when training on
             more than one process on GPUs (off by default: reported worse for MobileNetV2; ignored with a
             warning on CPU, where torch has no SyncBatchNorm). This is the one
@@ -101,6 +107,7 @@ class ClassifierLitModule(pl.LightningModule):
         depthwise_weight_decay: float | None = None,
         ema_decay: float | None = None,
         ema_every_n_steps: int = 1,
+        ema_decay_scaling: str = "torchvision",
         sync_batchnorm: bool = False,
         channels_last: bool = False,
         num_classes: int | None = None,
@@ -116,6 +123,10 @@ class ClassifierLitModule(pl.LightningModule):
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if ema_every_n_steps < 1:
             raise ValueError(f"ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+        if ema_decay_scaling not in EMA_DECAY_SCALINGS:
+            raise ValueError(
+                f"ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {ema_decay_scaling!r}"
+            )
         self.net = net
         if channels_last:
             self.net.to(memory_format=torch.channels_last)
@@ -259,6 +270,19 @@ class ClassifierLitModule(pl.LightningModule):
             bias_weight_decay=hp.bias_weight_decay,
             depthwise_weight_decay=hp.depthwise_weight_decay,
         )
+        if self.ema is not None:
+            self.ema.decay = scale_ema_decay(
+                hp.ema_decay,
+                scaling=hp.ema_decay_scaling,
+                world_size=self.trainer.world_size,
+                batch_size=per_device_batch_size(self.trainer) if hp.ema_decay_scaling != "none" else 1,
+                every_n_steps=hp.ema_every_n_steps,
+                epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
+            )
+            rank_zero_info(
+                f"EMA: decay {self.ema.decay:.6g} per update "
+                f"(model.ema_decay={hp.ema_decay}, ema_decay_scaling={hp.ema_decay_scaling})"
+            )
         if self.ema is not None and hp.scheduler:
             warm_epochs = float(hp.scheduler.get("warmup_epochs", 0.0) or 0.0)
             warm_steps = int(hp.scheduler.get("warmup_steps", 0) or 0)

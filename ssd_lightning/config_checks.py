@@ -78,7 +78,14 @@ def _check_values(p: _Problems) -> None:
     p.check("model.scheduler.warmup_steps", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     p.check("model.scheduler.gamma", lambda v: _is_number(v) and 0 < v <= 1, "must be in (0, 1]")
     p.check("model.scheduler.milestones", _increasing_ints, "must be strictly increasing non-negative epochs")
-    p.check("model.net.num_classes", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2")
+    # null: read from the data (train._num_classes_from_data); synthetic data has nothing to read it from
+    p.check("model.net.num_classes", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2, or null")
+    if _select(p.cfg, "model.net.num_classes") is None and "num_classes" in (_select(p.cfg, "data") or {}):
+        p.add(
+            "model.net.num_classes",
+            None,
+            "null reads it from annotations or image folders; set it for this data",
+        )
     p.check("eval_epochs", _increasing_ints, "must be strictly increasing non-negative 0-based epochs")
     if str(_select(p.cfg, "model.net._target_") or "").endswith("ssd300"):
         from ssd_lightning.models.ssd300 import BACKBONES

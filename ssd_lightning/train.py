@@ -17,7 +17,7 @@ import hydra
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -98,6 +98,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         torch.backends.cudnn.allow_tf32 = cfg.matmul_precision != "highest"
 
     datamodule = hydra.utils.instantiate(cfg.data)
+    _num_classes_from_data(cfg, datamodule)
     model = hydra.utils.instantiate(cfg.model)
     if cfg.get("compile"):
         # The network only, in place: the SSD decoder and losses have data-dependent shapes (graph breaks,
@@ -148,6 +149,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         _print_summary(cfg, trainer, metrics, elapsed)
     return metrics
+
+
+def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> None:
+    """``model.net.num_classes=null``: the data's class count (annotation categories + background, or the
+    image folders), read before the network is built."""
+    if (
+        "num_classes" not in (OmegaConf.select(cfg, "model.net") or {})
+        or cfg.model.net.num_classes is not None
+    ):
+        return
+    with open_dict(cfg):
+        cfg.model.net.num_classes = int(datamodule.num_classes)
+    log.info("model.net.num_classes=null: %d, from the data", cfg.model.net.num_classes)
 
 
 def _command_line_overrides() -> list[str]:

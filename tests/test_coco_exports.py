@@ -394,7 +394,7 @@ def test_train_fits_and_evaluates_a_labelling_tool_export(make_cfg, tmp_path):
             f"data.val_annotations={ann_file}",
             "data.batch_size=2",
             "data.eval_batch_size=3",
-            "model.net.num_classes=4",
+            "model.net.num_classes=null",  # read from the export: 3 categories + background
             "model.net.background_prior=0.5",  # untrained heads then score above the 0.05 threshold
             "model.scheduler.warmup_steps=1",
             "trainer.max_epochs=1",
@@ -406,6 +406,7 @@ def test_train_fits_and_evaluates_a_labelling_tool_export(make_cfg, tmp_path):
         warnings.simplefilter("ignore")
         metrics = train(cfg)
     assert 0.0 <= metrics["val/mAP"] <= 1.0 and metrics["train/loss_epoch"] > 0
+    assert cfg.model.net.num_classes == 4
 
     info, _ = _check(image_dir, ann_file, None)  # the (cached) check the run used
     detections = json.loads((tmp_path / "detections_epoch_0.json").read_text())

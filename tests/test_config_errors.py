@@ -25,6 +25,7 @@ from tests.conftest import REPO_ROOT
         (["model.scheduler.gamma=2"], "model.scheduler.gamma=2: must be in (0, 1]"),
         (["model.net.backbone=resnet51"], "model.net.backbone='resnet51': must be one of resnet18, "),
         (["model.net.num_classes=1"], "model.net.num_classes=1"),
+        (["data=synthetic", "model.net.num_classes=null"], "model.net.num_classes=None: null reads it from"),
         (["model.net.background_prior=1"], "model.net.background_prior=1: must be in (0, 1) or null"),
         (
             ["model.net.zero_init_residual=maybe"],
@@ -55,6 +56,9 @@ def test_the_shipped_configs_are_valid(make_cfg):
     assert validate_config(make_cfg([]), cuda_device_count=1) == []
     assert validate_config(make_cfg(["experiment=demo"]), cuda_device_count=0) == []
     assert validate_config(make_cfg(["experiment=mobilenetv2_demo"]), cuda_device_count=0) == []
+    assert (
+        validate_config(make_cfg(["model.net.num_classes=null"]), cuda_device_count=1) == []
+    )  # from the data
 
 
 @pytest.mark.parametrize(

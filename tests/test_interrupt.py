@@ -22,6 +22,10 @@ from tests.test_resume import COMMON as RESUME_COMMON
 from tests.test_resume import _ckpt, _per_step
 from tests.test_resume import _run as run_with_resume_settings
 
+# synthetic batches only: nothing here depends on the DALI line
+pytestmark = pytest.mark.no_dali
+
+
 STEPS_PER_EPOCH = 3
 TOTAL = 2 * STEPS_PER_EPOCH
 COMMON = [o for o in RESUME_COMMON if not o.startswith("data.steps_per_epoch=")]

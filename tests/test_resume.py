@@ -19,6 +19,10 @@ from omegaconf import open_dict
 from ssd_lightning.train import train
 from tests.conftest import compose_config
 
+# synthetic batches only: nothing here depends on the DALI line
+pytestmark = pytest.mark.no_dali
+
+
 STEPS_PER_EPOCH = 2
 BASE_LR = 0.02
 WARMUP = 3

@@ -142,6 +142,7 @@ def _rows(sweep_dir: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.no_dali  # the Hydra plugins' path; the demo's data path runs per DALI line in test_train
 @pytest.mark.multiprocess
 @pytest.mark.timeout(480)
 def test_submitit_local_runs_each_job_in_its_own_process_and_the_parent_writes_the_summary(
@@ -177,6 +178,7 @@ def test_submitit_local_runs_each_job_in_its_own_process_and_the_parent_writes_t
 
 
 @pytest.mark.slow
+@pytest.mark.no_dali  # the sweeper's path; the demo's data path runs per DALI line in test_train
 @pytest.mark.timeout(480)
 def test_optuna_sweep_runs_trials_from_the_search_space_and_reports_the_best(shapes_coco, tmp_path):
     pytest.importorskip("nvidia.dali")

@@ -260,6 +260,23 @@ def test_exif_rotated_images_listed_upright(tmp_path, monkeypatch, applies):
     ) as err:
         check_coco_split(image_dir, ann_file, cache_dir=tmp_path / "cache")
     assert "batch1/img0.jpg" in str(err.value) and "exiftran -ai" in str(err.value)
+    assert "data.exif_check=warn trains anyway" in str(err.value)
+
+
+def test_exif_check_can_warn_or_be_off(tmp_path, monkeypatch, caplog):
+    """data.exif_check=warn: the same message as a warning and the split is usable; off: silent."""
+    image_dir, ann_file = write_export(tmp_path / "export", exif_listing="upright", minimal=False)
+    monkeypatch.setattr(coco_validation, "decoder_applies_exif_orientation", lambda: False)
+    with caplog.at_level("WARNING"):
+        info = check_coco_split(image_dir, ann_file, cache_dir=tmp_path / "cache", exif_check="warn")
+    assert info.exif_listed_upright == ("batch1/img0.jpg",)
+    assert sum("EXIF orientation tag" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        check_coco_split(image_dir, ann_file, cache_dir=tmp_path / "cache", exif_check="off")
+    assert not any("EXIF" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="exif_check must be one of"):
+        check_coco_split(image_dir, ann_file, cache_dir=tmp_path / "cache", exif_check="ignore")
 
 
 def test_exif_rotated_image_listed_with_its_stored_size_is_named(tmp_path, monkeypatch):

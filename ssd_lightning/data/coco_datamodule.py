@@ -56,6 +56,8 @@ class CocoDALIDataModule(DALIDataModule):
             :mod:`ssd_lightning.data.split_cache`).
         train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
             that a resumed run sees the same images).
+        exif_check: ``"error"``, ``"warn"`` or ``"off"``: EXIF-rotated images whose boxes cannot line up
+            with what this DALI line decodes (:func:`~ssd_lightning.data.coco_validation.check_coco_split`).
         val_skip_empty: validate only the images that have annotations, as NVIDIA's reference does (4,952
             of COCO val 2017's 5,000). The default, False, is the official protocol: all images, so
             detections on the 48 empty ones count as false positives and the same checkpoint scores slightly
@@ -97,6 +99,7 @@ class CocoDALIDataModule(DALIDataModule):
         train_image_ids: bool = False,
         cache_dir: str | os.PathLike | None = None,
         val_skip_empty: bool = False,
+        exif_check: str = "error",
     ) -> None:
         super().__init__()
         check_loader_args(batch_size, eval_batch_size, num_threads, device)
@@ -127,6 +130,7 @@ class CocoDALIDataModule(DALIDataModule):
         self.train_image_ids = train_image_ids
         self.cache_dir = cache_dir
         self.val_skip_empty = val_skip_empty
+        self.exif_check = exif_check
         self._splits: dict[str, CocoSplitInfo] = {}
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
@@ -180,7 +184,13 @@ class CocoDALIDataModule(DALIDataModule):
                 if split == "train"
                 else (self.val_images, self.val_annotations)
             )
-            info = check_coco_split(images, ann, check_files=self.check_files, cache_dir=self.cache_dir)
+            info = check_coco_split(
+                images,
+                ann,
+                check_files=self.check_files,
+                cache_dir=self.cache_dir,
+                exif_check=self.exif_check,
+            )
             other = self._splits.get("val" if split == "train" else "train")
             if other is not None and other.category_map.category_ids != info.category_map.category_ids:
                 raise DataError(

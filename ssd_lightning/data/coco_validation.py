@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -56,6 +57,8 @@ from typing import Any
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.split_cache import SplitCache, writable_cache_dir
 from ssd_lightning.errors import DataError, MissingDataError, UserError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CocoSplitInfo",
@@ -292,6 +295,7 @@ def check_coco_split(
     *,
     check_files: bool = True,
     cache_dir: str | os.PathLike | None = None,
+    exif_check: str = "error",
 ) -> CocoSplitInfo:
     """Validate one COCO split and return what the pipelines need. See the module docstring for the policy.
 
@@ -306,6 +310,8 @@ def check_coco_split(
             EXIF orientations).
         cache_dir: where the check results and the normalised and clipped copies go (default
             :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
+        exif_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what EXIF-rotated images whose boxes
+            cannot line up with what this DALI line decodes are (the same message as an error or a warning).
 
     Raises:
         FileNotFoundError: ``image_dir``, ``annotation_file`` or a listed image is missing.
@@ -342,7 +348,13 @@ def check_coco_split(
                     cache.store_error(exc)  # the processes waiting for this one raise it too
                     raise
                 cache.store(_to_json(info), files_checked=check_files)
-    _raise_if_orientation_mismatch(info)  # depends on the DALI line, not only on the files: not cached
+    if exif_check not in EXIF_CHECKS:
+        raise ValueError(f"exif_check must be one of {EXIF_CHECKS}, got {exif_check!r}")
+    problem = _orientation_mismatch(info)  # depends on the DALI line, not only on the files: not cached
+    if problem and exif_check == "error":
+        raise DataError(f"{problem}; data.exif_check=warn trains anyway")
+    if problem and exif_check == "warn":
+        log.warning(problem)
     _warn_about_changes(info)
     return info
 
@@ -379,29 +391,33 @@ _FILLED = {  # what the normalised copy changed -> how the warning says it
 }
 
 
-def _raise_if_orientation_mismatch(info: CocoSplitInfo) -> None:
-    """Raise where EXIF-rotated images and their boxes cannot line up under this DALI (module docstring)."""
+EXIF_CHECKS = ("error", "warn", "off")
+
+
+def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
+    """What cannot line up between EXIF-rotated images and their boxes under this DALI (module docstring)."""
     oriented = info.exif_listed_upright + info.exif_listed_unrotated
     if not oriented:
-        return
+        return None
     where = f"{info.annotation_file} (images in {info.image_dir})"
     if not decoder_applies_exif_orientation():
         import nvidia.dali
 
-        raise DataError(
+        return (
             f"{where}: {len(oriented)} image(s) carry an EXIF orientation tag, which the decoders of DALI "
             f"{nvidia.dali.__version__} ignore, while labelling tools draw the boxes on the upright image: "
             f"{_listing(oriented)}. Turn their pixels upright (e.g. `exiftran -ai FILE`, or PIL's "
             "ImageOps.exif_transpose and save) or use DALI 2.x, whose decoders apply the tag"
         )
     if info.exif_listed_unrotated:
-        raise DataError(
+        return (
             f"{where}: {len(info.exif_listed_unrotated)} image(s) carry an EXIF rotation and are listed with "
             "their stored width and height, but DALI decodes them upright (width and height swapped): "
             f"{_listing(info.exif_listed_unrotated)}. If their boxes were drawn on the upright image (what "
             "labelling tools show), swap 'width' and 'height' in these image entries; if on the stored "
             "pixels, remove the tag (`exiftool -Orientation= FILE`)"
         )
+    return None
 
 
 def _to_json(info: CocoSplitInfo) -> dict[str, Any]:

@@ -3,10 +3,11 @@
 A run directory is what ``train.py`` writes: ``.hydra/config.yaml`` (the composed config),
 ``checkpoints/last.ckpt`` and ``checkpoints/best.ckpt``, ``csv/``, ``tensorboard/``, ``<task_name>.log``.
 
-* ``resume=<dir>`` continues that run in place: its own config, with this command line's ``key=value``
-  overrides on top, from its ``last.ckpt``, writing into the same directory (Hydra's run dir is set to it
-  by ``configs/hydra/default.yaml``; this invocation's own composed config goes to
-  ``.hydra/resume_<time>/``, the run's ``.hydra/config.yaml`` stays as it was).
+* ``resume=<dir>`` continues that run in place: the config it last ran with, this command line's
+  ``key=value`` overrides on top (group choices it already had, as in "the same command plus resume=",
+  are accepted), from its ``last.ckpt``, writing into the same directory (Hydra's run dir is set to it by
+  ``configs/hydra/default.yaml``). The config that runs is kept in ``.hydra/resume_<time>/run_config.yaml``
+  for the next resume; the run's ``.hydra/config.yaml`` stays as it was.
 * ``run_dir=<dir>`` (with ``task=validate``) evaluates that run with its own config and its best
   checkpoint (``best.ckpt``, else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 CONFIG_GROUPS_DIR = Path(__file__).resolve().parents[1] / "configs"
 # keys of this invocation that are not applied to the stored config
 _INVOCATION_KEYS = ("resume", "run_dir")
+# what a resumed invocation saved: the config it ran with (.hydra/resume_<time>/run_config.yaml)
+RUN_CONFIG = "run_config.yaml"
 
 
 @functools.cache
@@ -42,9 +46,9 @@ def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: 
     """Hydra's run directory: the resumed run's, ``<run_dir>/<task>/<time>`` for an evaluation of a run,
     else ``default`` (``outputs/<task_name>/<time>``). Used by ``configs/hydra/default.yaml``."""
     if resume:
-        return str(resume)
+        return str(Path(str(resume)).expanduser())
     if run_dir:
-        return f"{run_dir}/{task}/{_invocation_time()}"
+        return f"{Path(str(run_dir)).expanduser()}/{task}/{_invocation_time()}"
     return default
 
 
@@ -56,15 +60,22 @@ def hydra_subdir_for(resume: str | None) -> str:
 
 def log_name_for(resume: str | None, task_name: str) -> str:
     """The run's log file name (``<task_name>.log``): a resumed run keeps appending to its own."""
-    stored = Path(str(resume)) / ".hydra" / "config.yaml" if resume else None
+    stored = Path(str(resume)).expanduser() / ".hydra" / "config.yaml" if resume else None
     if stored is not None and stored.is_file():
         task_name = OmegaConf.load(stored).get("task_name") or task_name
     return f"{task_name}.log"
 
 
+def latest_config_file(run: Path) -> Path:
+    """The config the run last ran with: the newest ``.hydra/resume_<time>/run_config.yaml`` (written by
+    :func:`save_run_config` when it was resumed), else ``.hydra/config.yaml`` (its first start)."""
+    resumed = sorted((run / ".hydra").glob(f"resume_*/{RUN_CONFIG}"))
+    return resumed[-1] if resumed else run / ".hydra" / "config.yaml"
+
+
 def stored_config(run: Path, key: str) -> DictConfig:
-    """The composed config a run was started with (``<run>/.hydra/config.yaml``)."""
-    file = run / ".hydra" / "config.yaml"
+    """The composed config the run last ran with (:func:`latest_config_file`)."""
+    file = latest_config_file(run)
     if not file.is_file():
         raise ConfigError(
             f"{key}={run}: {file} not found; {key} takes a run directory written by train.py "
@@ -73,20 +84,35 @@ def stored_config(run: Path, key: str) -> DictConfig:
     return OmegaConf.load(file)
 
 
-def apply_overrides(cfg: DictConfig, overrides: list[str], key: str) -> DictConfig:
+def _group_choices(run: Path) -> dict[str, str]:
+    """The config group choices the run was composed with (``experiment: demo``, ``trainer: cpu``)."""
+    file = run / ".hydra" / "hydra.yaml"
+    if not file.is_file():
+        return {}
+    return dict(OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {})
+
+
+def apply_overrides(
+    cfg: DictConfig, overrides: list[str], key: str, choices: dict[str, str] | None = None
+) -> DictConfig:
     """Apply this command line's ``key=value`` / ``+key=value`` / ``~key`` overrides to a stored config.
 
-    Config group choices (``trainer=ddp``, ``experiment=...``) cannot be re-applied to a composed config:
-    they are refused with a message naming the keys to set instead.
+    Config group choices cannot be re-applied to a composed config: one the run already had (the same
+    command plus ``resume=``: ``experiment=demo``) is skipped, another one (``trainer=ddp``) is refused
+    with a message naming the keys to set instead.
     """
+    choices = choices or {}
     own = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _INVOCATION_KEYS]
     own = [o for o in own if not o.lstrip("+~").startswith("hydra.")]
     for override in OverridesParser.create().parse_overrides(own):
         name = override.key_or_group
-        if "." not in name and (CONFIG_GROUPS_DIR / name).is_dir():
+        if "." not in name and (CONFIG_GROUPS_DIR / name).is_dir() or "/" in name:
+            if name in choices and str(override.value()) == str(choices[name]):
+                continue
+            had = f" (the run has {name}={choices[name]})" if name in choices else ""
             raise ConfigError(
                 f"{key}= takes the run's own config, so the config group choice {override.input_line!r} "
-                f"cannot be applied to it; set the keys it would change instead (e.g. {name}.<key>=<value>)"
+                f"cannot be applied to it{had}; set the keys it would change instead ({name}.<key>=<value>)"
             )
         if override.is_sweep_override():
             raise ConfigError(f"{key}= runs one job: {override.input_line!r} is a sweep")
@@ -126,7 +152,14 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     run = Path(str(resume or run_dir)).expanduser()
     if resume and cfg.get("task") not in (None, "fit"):
         raise ConfigError(f"resume= continues training (task=fit); to evaluate a run use run_dir={run}")
-    merged = apply_overrides(stored_config(run, key), overrides, key)
+    if resume and Path(str(cfg.paths.output_dir)).expanduser().resolve() != run.resolve():
+        raise ConfigError(
+            f"resume={run} continues the run in its own directory, but this run writes to "
+            f"{cfg.paths.output_dir}; drop hydra.run.dir / paths.output_dir (or set them to {run})"
+        )
+    merged = apply_overrides(stored_config(run, key), overrides, key, _group_choices(run))
+    if run_dir and merged.get("task") == "fit":
+        raise ConfigError(f"run_dir={run} evaluates a run: add task=validate (resume={run} continues it)")
     explicit_ckpt = any(o.lstrip("+").startswith("ckpt_path=") for o in overrides)
     with open_dict(merged):
         merged.resume = str(run) if resume else None
@@ -135,5 +168,19 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         if not explicit_ckpt:
             names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
             merged.ckpt_path = str(_checkpoint(run, names, key))
+        csv = OmegaConf.select(merged, "logger.csv")
+        if resume and csv is not None and csv.get("_target_") == "pytorch_lightning.loggers.CSVLogger":
+            csv._target_ = "ssd_lightning.loggers.ContinuingCSVLogger"  # Lightning's would delete metrics.csv
     log.info("%s=%s: the run's own config and checkpoint %s", key, run, merged.ckpt_path)
     return merged
+
+
+def save_run_config(cfg: DictConfig, folder: Path) -> None:
+    """Keep the config a resumed run runs with as ``<folder>/run_config.yaml`` (``folder``: this
+    invocation's ``.hydra/resume_<time>/``), where the next ``resume=`` of the run finds it. Rank 0 only."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RUN_CONFIG}.{os.getpid()}.tmp"
+    OmegaConf.save(cfg, tmp)
+    os.replace(tmp, folder / RUN_CONFIG)

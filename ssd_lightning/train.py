@@ -7,7 +7,6 @@ composed by Hydra's compose API.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 import warnings
@@ -26,7 +25,13 @@ from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.config_checks import check_writable_dir, validate_config
 from ssd_lightning.errors import user_errors_as_messages
-from ssd_lightning.run_dir import hydra_subdir_for, log_name_for, output_dir_for, resolve_run_reference
+from ssd_lightning.run_dir import (
+    hydra_subdir_for,
+    log_name_for,
+    output_dir_for,
+    resolve_run_reference,
+    save_run_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,15 +177,10 @@ def _command_line_overrides() -> list[str]:
 
 
 def _save_resumed_config(cfg: DictConfig) -> None:
-    """Replace the config Hydra saved for a resume (the defaults + ``resume=``) by the one that runs: the
-    run's own with this command line's overrides. Lightning's DDP children (no output_subdir) skip it."""
-    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
-        return
-    folder = Path(cfg.paths.output_dir) / HydraConfig.get().output_subdir
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".config.yaml.{os.getpid()}.tmp"
-    OmegaConf.save(cfg, tmp)
-    os.replace(tmp, folder / "config.yaml")
+    """A resumed run keeps the config it runs with in this invocation's ``.hydra/resume_<time>/``; Lightning's
+    DDP children (no output_subdir) skip it."""
+    if HydraConfig.initialized() and HydraConfig.get().output_subdir:
+        save_run_config(cfg, Path(cfg.paths.output_dir) / HydraConfig.get().output_subdir)
 
 
 def _stop_other_ranks(trainer: pl.Trainer) -> None:

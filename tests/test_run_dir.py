@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,10 @@ def _stored_run(tmp_path: Path, checkpoints=("last.ckpt",)) -> Path:
         "model": {"optimizer": {"lr": 0.1}},
     }
     OmegaConf.save(OmegaConf.create(cfg), run / ".hydra" / "config.yaml")
+    choices = {"experiment": "demo", "trainer": "cpu", "model/optimizer": "adamw"}
+    OmegaConf.save(
+        OmegaConf.create({"hydra": {"runtime": {"choices": choices}}}), run / ".hydra" / "hydra.yaml"
+    )
     (run / "checkpoints").mkdir()
     for name in checkpoints:
         (run / "checkpoints" / name).write_bytes(b"x")
@@ -46,17 +51,48 @@ def _invocation(**keys) -> OmegaConf:
 
 
 # ------------------------------------------------------------------------------------------ config rules
+def _resuming(run: Path) -> OmegaConf:
+    return _invocation(resume=str(run), paths={"output_dir": str(run)})  # Hydra's run dir is the run
+
+
 def test_the_command_lines_overrides_apply_to_the_stored_config(tmp_path):
     run = _stored_run(tmp_path)
     overrides = [f"resume={run}", "trainer.max_epochs=5", "~trainer.max_steps", "+trainer.new_key=3"]
-    overrides += ["model.optimizer.lr=0.01", "hydra.run.dir=/elsewhere"]
-    cfg = resolve_run_reference(_invocation(resume=str(run)), overrides)
+    overrides += ["model.optimizer.lr=0.01", f"hydra.run.dir={run}"]
+    overrides += ["experiment=demo", "trainer=cpu", "model/optimizer=adamw"]  # "the same command": skipped
+    cfg = resolve_run_reference(_resuming(run), overrides)
     assert cfg.trainer == {"max_epochs": 5, "devices": 1, "new_key": 3}
     assert cfg.model.optimizer.lr == 0.01 and cfg.task == "fit"
     assert cfg.ckpt_path == str(run / "checkpoints" / "last.ckpt") and cfg.resume == str(run)
-    assert cfg.paths.output_dir == "/now"  # this invocation's: Hydra's run dir is the run itself
+    assert cfg.paths.output_dir == str(run)
     # the stored file is read, never rewritten
     assert OmegaConf.load(run / ".hydra" / "config.yaml").trainer.max_steps == 6
+
+
+def test_a_second_resume_continues_from_the_config_the_first_one_ran_with(tmp_path, monkeypatch):
+    from ssd_lightning.run_dir import save_run_config
+
+    run = _stored_run(tmp_path)
+    first = resolve_run_reference(_resuming(run), ["trainer.max_epochs=80"])
+    save_run_config(first, run / ".hydra" / "resume_2026-01-01_00-00-00")
+    monkeypatch.setenv("RANK", "1")  # only rank 0 writes it
+    save_run_config(first, run / ".hydra" / "resume_2026-01-02_00-00-00")
+    assert not (run / ".hydra" / "resume_2026-01-02_00-00-00").exists()
+    second = resolve_run_reference(_resuming(run), [])
+    assert second.trainer.max_epochs == 80  # not the first start's 2
+    (run / ".hydra" / "resume_2026-01-03_00-00-00").mkdir()  # a resume that failed before saving: ignored
+    assert resolve_run_reference(_resuming(run), []).trainer.max_epochs == 80
+
+
+def test_a_resumed_run_from_before_keeps_its_csv(tmp_path):
+    run = _stored_run(tmp_path)
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg.logger = {"csv": {"_target_": "pytorch_lightning.loggers.CSVLogger", "save_dir": str(run)}}
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    assert (
+        resolve_run_reference(_resuming(run), []).logger.csv._target_
+        == "ssd_lightning.loggers.ContinuingCSVLogger"
+    )
 
 
 def test_validate_of_a_run_takes_its_best_checkpoint_and_an_explicit_one_wins(tmp_path):
@@ -75,26 +111,39 @@ def test_validate_of_a_run_takes_its_best_checkpoint_and_an_explicit_one_wins(tm
 @pytest.mark.parametrize(
     ("invocation", "overrides", "message"),
     [
-        ({"resume": "RUN"}, ["trainer=ddp"], "config group choice 'trainer=ddp'"),
-        ({"resume": "RUN"}, ["experiment=demo"], "set the keys it would change instead"),
+        (
+            {"resume": "RUN"},
+            ["trainer=ddp"],
+            "config group choice 'trainer=ddp' cannot be applied to it (the run has trainer=cpu)",
+        ),
+        ({"resume": "RUN"}, ["experiment=ssd300_fp16_8gpu"], "set the keys it would change instead"),
+        (
+            {"resume": "RUN", "paths": {"output_dir": "ELSEWHERE"}},
+            [],
+            "continues the run in its own directory",
+        ),
+        ({"run_dir": "RUN"}, [], "evaluates a run: add task=validate"),
         ({"resume": "RUN"}, ["model.optimizer.lr=0.1,0.2"], "is a sweep"),
         ({"resume": "RUN", "run_dir": "RUN"}, [], "both given"),
         ({"resume": "RUN", "task": "validate"}, [], "to evaluate a run use run_dir="),
         ({"resume": "NOWHERE"}, [], "not found; resume takes a run directory written by train.py"),
-        ({"run_dir": "EMPTY"}, [], "no best.ckpt or last.ckpt in"),
+        ({"run_dir": "EMPTY"}, ["task=validate"], "no best.ckpt or last.ckpt in"),
     ],
 )
 def test_bad_references_are_one_clear_error(tmp_path, invocation, overrides, message):
     run = _stored_run(tmp_path / "a")
     empty = _stored_run(tmp_path / "b", checkpoints=())
-    paths = {"RUN": str(run), "NOWHERE": str(tmp_path / "nowhere"), "EMPTY": str(empty)}
-    keys = {k: paths.get(v, v) for k, v in invocation.items()}
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):
+    paths = {"RUN": str(run), "NOWHERE": str(tmp_path / "nowhere"), "EMPTY": str(empty), "ELSEWHERE": "/x"}
+    keys = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in invocation.items()}
+    keys.setdefault("paths", {"output_dir": keys.get("resume") or "/now"})
+    keys["paths"] = {"output_dir": paths.get(keys["paths"]["output_dir"], keys["paths"]["output_dir"])}
+    with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_run_reference(_invocation(**keys), overrides)
 
 
 def test_run_directories_follow_the_reference():
     assert output_dir_for("/r/run", None, "fit", "/outputs/demo/now") == "/r/run"
+    assert output_dir_for("~/run", None, "fit", "/x") == str(Path("~/run").expanduser())
     assert output_dir_for(None, None, "fit", "/outputs/demo/now") == "/outputs/demo/now"
     assert output_dir_for(None, "/r/run", "validate", "/x").startswith("/r/run/validate/20")
     assert hydra_subdir_for(None) == ".hydra"
@@ -237,7 +286,7 @@ def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
     _train_py(f"resume={run}", "+callbacks.fault=null", f"paths.log_dir={log_dir}")
     assert not log_dir.exists()  # nothing new besides the run itself
     assert (run / ".hydra" / "config.yaml").read_bytes() == stored
-    [resumed_cfg] = run.glob(".hydra/resume_*/config.yaml")
+    [resumed_cfg] = run.glob(".hydra/resume_*/run_config.yaml")
     resumed = OmegaConf.load(resumed_cfg)  # the config that ran
     assert resumed.callbacks.fault is None and resumed.data.batch_size == 4 and resumed.resume == str(run)
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)

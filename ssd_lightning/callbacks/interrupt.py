@@ -254,10 +254,8 @@ class InterruptCheckpoint(pl.Callback):
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         epoch, step = trainer.current_epoch, trainer.global_step
         run = Path(path).parent.parent  # <run>/checkpoints/last.ckpt
-        is_run_dir = (run / ".hydra" / "config.yaml").is_file()
-        in_place = f" (or: python train.py resume={run})" if is_run_dir else ""
+        how = f"resume={run} (or ckpt_path={path})" if (run / ".hydra").is_dir() else f"ckpt_path={path}"
         log.warning(
             f"{prefix}{self.stopped_by}: stopped at epoch {epoch}, step {step}; "
-            f"saved {path} in {time.monotonic() - started:.1f} s. Resume with the same command plus "
-            f"ckpt_path={path}{in_place}"
+            f"saved {path} in {time.monotonic() - started:.1f} s. Resume with the same command plus {how}"
         )

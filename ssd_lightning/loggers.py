@@ -43,7 +43,8 @@ class _ContinuingWriter(ExperimentWriter):
 
 class ContinuingCSVLogger(CSVLogger):
     """:class:`~pytorch_lightning.loggers.CSVLogger` that appends to the ``metrics.csv`` of a resumed run
-    (``resume=<run dir>``) rather than deleting it; a fresh run gets a fresh file, as with Lightning's."""
+    (``resume=<run dir>``) rather than deleting it, dropping the rows logged after the checkpoint it resumed
+    from; in a fresh directory it writes a fresh file, as Lightning's does."""
 
     @property
     @rank_zero_experiment

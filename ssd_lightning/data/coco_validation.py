@@ -384,7 +384,7 @@ def _warn_about_changes(info: CocoSplitInfo) -> None:
 
 
 _FILLED = {  # what the normalised copy changed -> how the warning says it
-    "image id": "ids 1..{n} for the {n} images, as not all ids were integers (old ids in 'original_id')",
+    "image id": "ids 1..{n} for the {n} images, as not all were 32-bit integers (old ids in 'original_id')",
     "annotation id": "ids 1..{n} for the {n} annotations, as ids were missing, duplicated or not integers",
     "iscrowd": "iscrowd=0 for {n} annotation(s)",
     "area": "area=w*h of the box for {n} annotation(s)",

@@ -275,7 +275,11 @@ class ClassifierLitModule(pl.LightningModule):
                 hp.ema_decay,
                 scaling=hp.ema_decay_scaling,
                 world_size=self.trainer.world_size,
-                batch_size=per_device_batch_size(self.trainer) if hp.ema_decay_scaling != "none" else 1,
+                batch_size=(
+                    per_device_batch_size(self.trainer, "EMA decay scaling (model.ema_decay_scaling=none)")
+                    if hp.ema_decay_scaling != "none"
+                    else 1
+                ),
                 every_n_steps=hp.ema_every_n_steps,
                 epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
             )

@@ -43,14 +43,17 @@ class BatchMean(Metric):
         return self.total / self.count
 
 
-def per_device_batch_size(trainer: pl.Trainer) -> int:
-    """The per-device training batch size (the reference's ``--bs``), read from the datamodule."""
+def per_device_batch_size(
+    trainer: pl.Trainer, needed_for: str = "LR scaling (model.lr_scaling.rule=none)"
+) -> int:
+    """The per-device training batch size (the reference's ``--bs``), read from the datamodule.
+    ``needed_for``: the rule that needs it and the setting that turns it off, for the error."""
     datamodule = getattr(trainer, "datamodule", None)
     batch_size = getattr(datamodule, "batch_size", None)
     if batch_size is None:
+        rule, _, off = needed_for.partition(" (")
         raise ConfigError(
-            "LR scaling needs the per-device batch size: the datamodule must expose `batch_size` "
-            "(or set model.lr_scaling.rule=none)"
+            f"{rule} needs the per-device batch size: the datamodule must expose `batch_size` (or set {off}"
         )
     return int(batch_size)
 

@@ -11,6 +11,9 @@ Two kinds, both written as JPEG (quality 90, RGB) and fully deterministic from `
 
   Images have varied size and aspect ratio, 0-6 shapes each (rectangles, ellipses, triangles, stars) of
   varied scale, colour and rotation on textured backgrounds (gradient + blotches + clutter lines + noise).
+  ``categories`` draws another class set from :data:`SHAPE_CATALOGUE` instead (e.g. crosses, hexagons and
+  arrows: a dataset to fine-tune a detector of the default shapes on); the default set is
+  :data:`SHAPE_CATEGORIES` and its datasets are the same bytes as before the option existed.
   Later shapes are drawn over earlier ones; an object less than 25 % visible is left out of the
   annotations (its pixels stay in the image). Every 20th image (index 3, 23, 43, ... of each split) has
   no objects at all and is still listed in ``images``.
@@ -38,7 +41,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +51,7 @@ from PIL import Image, ImageDraw
 from ssd_lightning.errors import DatasetConflictError
 
 __all__ = [
+    "SHAPE_CATALOGUE",
     "SHAPE_CATEGORIES",
     "ShapeObject",
     "make_classification_dataset",
@@ -56,6 +60,8 @@ __all__ = [
     "ensure_detection_dataset",
     "render_classification_image",
     "render_detection_image",
+    "dataset_folder_name",
+    "resolve_categories",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,7 +72,15 @@ SHAPE_CATEGORIES: list[dict] = [
     {"id": 11, "name": "triangle", "supercategory": "shape"},
     {"id": 20, "name": "star", "supercategory": "shape"},
 ]
-"""COCO-style categories; ids are non-contiguous on purpose."""
+"""COCO-style categories of the default datasets (the demo's); ids are non-contiguous on purpose."""
+
+SHAPE_CATALOGUE: list[dict] = [
+    *SHAPE_CATEGORIES,
+    {"id": 24, "name": "cross", "supercategory": "shape"},
+    {"id": 31, "name": "hexagon", "supercategory": "shape"},
+    {"id": 42, "name": "arrow", "supercategory": "shape"},
+]
+"""Every shape the detection generator can draw, in id order; ``categories=`` picks a subset by name."""
 
 JPEG_QUALITY = 90
 MAX_OBJECTS = 6
@@ -79,12 +93,12 @@ DEFAULT_MAX_SCALE = 0.75
 SPLITS = {"train": ("train2017", 0), "val": ("val2017", 1)}
 CLS_SPLITS = {"train": 2, "val": 3}
 METADATA_FILE = "shapes_dataset.json"
+_KINDS = [c["name"] for c in SHAPE_CATEGORIES]  # the default class set, in id order
+_CATALOGUE_IDS = {c["name"]: c["id"] for c in SHAPE_CATALOGUE}
 # Settings a dataset's metadata file records only when they differ from these defaults.
-_UNRECORDED_DEFAULTS = {"min_scale": DEFAULT_MIN_SCALE, "max_scale": DEFAULT_MAX_SCALE}
+_UNRECORDED_DEFAULTS = {"min_scale": DEFAULT_MIN_SCALE, "max_scale": DEFAULT_MAX_SCALE, "categories": _KINDS}
 # Upper bound of objects per image, used to build unique annotation ids: image_id * 10 + k.
 _ANN_ID_STRIDE = 10
-
-_KINDS = [c["name"] for c in SHAPE_CATEGORIES]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +218,28 @@ def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np
         pts = np.empty((10, 2))
         pts[0::2], pts[1::2] = outer, inner
         return pts, None
-    raise ValueError(f"unknown shape kind {kind!r}; expected one of {_KINDS}")
+    if kind == "cross":  # a plus sign: two bars of width 28-42 % of its length
+        half, bar = size / 2, size * rng.uniform(0.14, 0.21)
+        pts = np.array(
+            [
+                [-bar, -half], [bar, -half], [bar, -bar], [half, -bar], [half, bar], [bar, bar],
+                [bar, half], [-bar, half], [-bar, bar], [-half, bar], [-half, -bar], [-bar, -bar],
+            ]
+        )  # fmt: skip
+        return _rotate(pts, angle), None
+    if kind == "hexagon":
+        pts = _regular_polygon(6, size / 2, 0.0) * [1.0, rng.uniform(0.75, 1.0)]  # slightly squashed
+        return _rotate(pts, angle), None
+    if kind == "arrow":  # shaft and head along +x, the box of its outline centred at the origin
+        half, head = size / 2, size * rng.uniform(0.3, 0.45)
+        head_w, shaft_w = size * rng.uniform(0.22, 0.32), size * rng.uniform(0.07, 0.13)
+        neck = half - head
+        pts = np.array(
+            [[-half, -shaft_w], [neck, -shaft_w], [neck, -head_w], [half, 0.0],
+             [neck, head_w], [neck, shaft_w], [-half, shaft_w]]
+        )  # fmt: skip
+        return _rotate(pts, angle), None
+    raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
 
 
 def _rasterise(
@@ -279,7 +314,7 @@ def _draw_shapes(
         colour = _pick_colour(rng, under)
         region[mask] = colour
         owner[y0:y1, x0:x1][mask] = k
-        cat = SHAPE_CATEGORIES[_KINDS.index(kind)]["id"]
+        cat = _CATALOGUE_IDS[kind]
         obj = ShapeObject(cat, colour, polygon, int(mask.sum()), np.zeros(0, dtype=bool))
         drawn.append((obj, (x0, y0, x1, y1)))
     for k, (obj, _) in enumerate(drawn):
@@ -307,12 +342,15 @@ def render_detection_image(
     max_size: int = 480,
     min_scale: float = DEFAULT_MIN_SCALE,
     max_scale: float = DEFAULT_MAX_SCALE,
+    categories: Sequence[str] | None = None,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
 
     Shape extents are log-uniform in ``[min_scale, max_scale]`` times the short side, at least 10 px.
     Another scale range keeps the image size, background, number and kinds of shapes of the same
     ``(seed, split, index)`` (they are drawn first); positions, colours and noise follow from the sizes.
+    ``categories`` (names from :data:`SHAPE_CATALOGUE`; ``None``: the four of :data:`SHAPE_CATEGORIES`)
+    is the set each shape's kind is drawn from, uniformly; the set counts, not the order it is given in.
 
     Returns:
         image: ``(H, W, 3)`` uint8 RGB, before JPEG compression; ``min_size <= H, W <= max_size``.
@@ -322,12 +360,13 @@ def render_detection_image(
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     _check_sizes(min_size, max_size)
     _check_scales(min_scale, max_scale)
+    names = resolve_categories(categories)
     rng = _rng(seed, SPLITS[split][1], index)
     width, height = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
     img = _background(rng, height, width)
     n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, MAX_OBJECTS + 1))
     short = min(width, height)
-    kinds = [_KINDS[int(i)] for i in rng.integers(0, len(_KINDS), n)]
+    kinds = [names[int(i)] for i in rng.integers(0, len(names), n)]
     # Log-uniform scale from min_scale (7 %) to max_scale (75 %) of the short side (at least 10 px).
     log_lo, log_hi = math.log(min_scale), math.log(max_scale)
     sizes = [max(10.0, short * math.exp(rng.uniform(log_lo, log_hi))) for _ in range(n)]
@@ -357,6 +396,32 @@ def render_classification_image(
 # --------------------------------------------------------------------------------------------------
 # Writing datasets (atomic)
 # --------------------------------------------------------------------------------------------------
+def resolve_categories(categories: Sequence[str] | None) -> list[str]:
+    """The class set ``categories`` names, in :data:`SHAPE_CATALOGUE` (id) order; ``None``: the default four.
+
+    Raises:
+        ValueError: an empty set, a repeated name, or a name that is not in the catalogue.
+    """
+    if categories is None:
+        return list(_KINDS)
+    if isinstance(categories, str):
+        raise ValueError(f"categories must be a list of shape names, got the string {categories!r}")
+    names = [str(c) for c in categories]
+    unknown = [c for c in names if c not in _CATALOGUE_IDS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"categories must be distinct names from {list(_CATALOGUE_IDS)} (at least one), got {names}"
+        )
+    return [c for c in _CATALOGUE_IDS if c in names]
+
+
+def dataset_folder_name(categories: Sequence[str] | None) -> str:
+    """The folder name a class set's dataset goes to by convention: ``shapes`` for the default four (the
+    demo's ``data/shapes``), else ``shapes_<names in id order>``, e.g. ``shapes_cross_hexagon_arrow``."""
+    names = resolve_categories(categories)
+    return "shapes" if names == _KINDS else "_".join(["shapes", *names])
+
+
 def _check_sizes(min_size: int, max_size: int) -> None:
     if not 32 <= min_size <= max_size:
         raise ValueError(f"need 32 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
@@ -386,6 +451,7 @@ def _polygon_list(polygon: np.ndarray, width: int, height: int) -> list[float]:
 def _write_detection_split(
     root: Path, split: str, count: int, id_offset: int, seed: int, render_kwargs: dict
 ) -> None:
+    names = render_kwargs["categories"]
     folder, _ = SPLITS[split]
     (root / folder).mkdir(parents=True)
     images, annotations = [], []
@@ -421,7 +487,7 @@ def _write_detection_split(
         "licenses": [],
         "images": images,
         "annotations": annotations,
-        "categories": [dict(c) for c in SHAPE_CATEGORIES],
+        "categories": [dict(c) for c in SHAPE_CATALOGUE if c["name"] in names],
     }
     path = _annotation_path(root, split)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -472,14 +538,19 @@ def make_detection_dataset(
     max_size: int = 480,
     min_scale: float = DEFAULT_MIN_SCALE,
     max_scale: float = DEFAULT_MAX_SCALE,
+    categories: Sequence[str] | None = None,
 ) -> Path:
     """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
 
     Train image ids are ``1..num_train``, val ids ``num_train + 1 .. num_train + num_val``; annotation ids
     are ``image_id * 10 + k`` for the k-th shape drawn in the image. Image ``i`` of a split depends only
-    on ``(seed, split, i, min_size, max_size, min_scale, max_scale)``; shape extents are log-uniform in
-    ``[min_scale, max_scale]`` times the image's short side (at least 10 px). The defaults are the
-    dataset ``make train`` has always generated; a larger ``min_scale`` leaves out the smallest shapes.
+    on ``(seed, split, i, min_size, max_size, min_scale, max_scale, categories)``; shape extents are
+    log-uniform in ``[min_scale, max_scale]`` times the image's short side (at least 10 px). The defaults
+    are the dataset ``make train`` has always generated; a larger ``min_scale`` leaves out the smallest
+    shapes. ``categories`` picks another class set from :data:`SHAPE_CATALOGUE` (see
+    :func:`render_detection_image`); the annotation files list exactly those categories, with their
+    catalogue ids, and the metadata file records them (:func:`ensure_detection_dataset` refuses to reuse a
+    folder of another class set).
 
     Returns:
         ``root`` as a :class:`~pathlib.Path`.
@@ -488,6 +559,7 @@ def make_detection_dataset(
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
     _check_sizes(min_size, max_size)
     _check_scales(min_scale, max_scale)
+    names = resolve_categories(categories)
     params = {
         "num_train": num_train,
         "num_val": num_val,
@@ -496,11 +568,12 @@ def make_detection_dataset(
         "max_size": max_size,
     }
     render = {"min_size": min_size, "max_size": max_size}
-    # Scales are recorded only when they differ from the defaults: default datasets stay byte-identical,
-    # metadata file included, to those generated before the scale range was configurable.
+    # Scales and categories are recorded only when they differ from the defaults: default datasets stay
+    # byte-identical, metadata file included, to those generated before either was configurable.
     for key, value, default in (
         ("min_scale", min_scale, DEFAULT_MIN_SCALE),
         ("max_scale", max_scale, DEFAULT_MAX_SCALE),
+        ("categories", names, _KINDS),
     ):
         render[key] = value
         if value != default:
@@ -592,12 +665,34 @@ def _classification_problem(root: Path) -> str | None:
     return None
 
 
+def _category_conflict(root: Path, kwargs: dict) -> str | None:
+    """Why the complete detection dataset at ``root`` cannot serve ``kwargs["categories"]``, or ``None``.
+
+    The annotation file's own ``categories`` are compared (by name, in id order): a folder never serves
+    two class sets, whatever its metadata file says (or whether it has one).
+    """
+    if "categories" not in kwargs:
+        return None
+    wanted = resolve_categories(kwargs["categories"])
+    cats = json.loads(_annotation_path(root, "val").read_text()).get("categories", [])
+    present = [c["name"] for c in sorted(cats, key=lambda c: c["id"])]
+    if present == wanted:
+        return None
+    suggestion = root.parent / dataset_folder_name(wanted)
+    return (
+        f"{root} holds a shapes detection dataset of the categories {present}, but {wanted} were asked for; "
+        f"datasets of different class sets never share a folder: pass another root (e.g. {suggestion}; "
+        f"data.root=... in configs) or delete {root} to regenerate it"
+    )
+
+
 def _ensure(
     root: str | os.PathLike,
     kind: str,
     make: Callable[..., Path],
     problem: Callable[[Path], str | None],
     kwargs: dict,
+    conflict: Callable[[Path, dict], str | None] | None = None,
 ) -> Path:
     root = Path(root)
     if root.exists() and not (root.is_dir() and not any(root.iterdir())):  # an empty folder counts as missing
@@ -608,12 +703,19 @@ def _ensure(
                 f"If it is left over from an interrupted or older run, delete {root} and run again; "
                 f"otherwise pass a different path."
             )
+        issue = conflict(root, kwargs) if conflict is not None else None
+        if issue is not None:
+            raise DatasetConflictError(issue)
         meta_path = root / METADATA_FILE
         if meta_path.is_file() and kwargs:
             meta = json.loads(meta_path.read_text())
             # Keys a dataset records only when they differ from the default (see make_detection_dataset).
             recorded = {**_UNRECORDED_DEFAULTS, **meta}
-            differ = {k: (recorded.get(k), v) for k, v in kwargs.items() if recorded.get(k) != v}
+            differ = {
+                k: (recorded.get(k), v)
+                for k, v in kwargs.items()
+                if k != "categories" and recorded.get(k) != v  # categories: checked by `conflict`
+            }
             if differ:
                 log.warning(
                     "Reusing shapes %s dataset at %s generated with different settings "
@@ -632,10 +734,16 @@ def _ensure(
 def ensure_detection_dataset(root: str | os.PathLike, **kwargs) -> Path:
     """Return ``root``, generating it with :func:`make_detection_dataset` (``**kwargs``) if it does not exist.
 
+    An existing dataset generated with other sizes, scales or counts is reused with a warning; one of
+    another class set is an error (with ``categories`` in ``kwargs``; ``None`` asks for the default four).
+
     Raises:
-        FileExistsError: ``root`` exists but is not a complete COCO-layout dataset.
+        FileExistsError: ``root`` exists but is not a complete COCO-layout dataset, or (with
+            ``categories``) its annotation files list other categories.
     """
-    return _ensure(root, "detection", make_detection_dataset, _detection_problem, kwargs)
+    if "categories" in kwargs:
+        resolve_categories(kwargs["categories"])  # a bad name is a ValueError before anything is read
+    return _ensure(root, "detection", make_detection_dataset, _detection_problem, kwargs, _category_conflict)
 
 
 def ensure_classification_dataset(root: str | os.PathLike, **kwargs) -> Path:

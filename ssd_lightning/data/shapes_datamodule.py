@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
@@ -11,6 +12,7 @@ from ssd_lightning.data.shapes import (
     DEFAULT_MIN_SCALE,
     ensure_classification_dataset,
     ensure_detection_dataset,
+    resolve_categories,
 )
 
 
@@ -21,7 +23,10 @@ class ShapesDataModule(CocoDALIDataModule):
     evaluation) is the code path real COCO takes. Generation is atomic and happens once, on the process
     Lightning picks for ``prepare_data`` (local rank 0). ``min_scale``/``max_scale`` bound the shapes'
     extent as fractions of the image's short side (see
-    :func:`~ssd_lightning.data.shapes.make_detection_dataset`).
+    :func:`~ssd_lightning.data.shapes.make_detection_dataset`). ``categories`` is the class set (names
+    from :data:`~ssd_lightning.data.shapes.SHAPE_CATALOGUE`; ``None``: the demo's four): another set
+    needs another ``root`` (by convention ``<data dir>/shapes_<names>``, e.g. ``shapes_cross_hexagon_arrow``)
+    and ``num_classes`` = its size + 1; a ``root`` holding another class set is an error, never reused.
     """
 
     def __init__(
@@ -33,8 +38,10 @@ class ShapesDataModule(CocoDALIDataModule):
         dataset_seed: int = 0,
         min_scale: float = DEFAULT_MIN_SCALE,
         max_scale: float = DEFAULT_MAX_SCALE,
+        categories: Sequence[str] | None = None,
         **kwargs,
     ) -> None:
+        categories = None if categories is None else resolve_categories(categories)  # fail at config time
         super().__init__(root, **kwargs)
         self.dataset_root = Path(root)
         self.dataset_kwargs = {
@@ -43,6 +50,7 @@ class ShapesDataModule(CocoDALIDataModule):
             "seed": dataset_seed,
             "min_scale": min_scale,
             "max_scale": max_scale,
+            "categories": categories,
         }
 
     def prepare_data(self) -> None:

@@ -9,6 +9,8 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
+from ssd_lightning.atomic import atomic_write
+
 
 class _ContinuingWriter(ExperimentWriter):
     """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued instead of deleted.
@@ -33,12 +35,13 @@ class _ContinuingWriter(ExperimentWriter):
     def _drop_rows_from(self, step: int) -> None:
         with open(self.metrics_file_path, newline="") as f:
             rows = [row for row in csv.DictReader(f) if not row["step"] or int(row["step"]) < step]
-        tmp = f"{self.metrics_file_path}.tmp"
-        with open(tmp, "w", newline="") as f:
+
+        def write(f) -> None:
             writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, self.metrics_file_path)
+
+        atomic_write(self.metrics_file_path, write)
 
 
 class ContinuingCSVLogger(CSVLogger):

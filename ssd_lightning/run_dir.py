@@ -25,6 +25,7 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ssd_lightning.atomic import atomic_write_text
 from ssd_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,4 @@ def save_run_config(cfg: DictConfig, folder: Path) -> None:
     invocation's ``.hydra/resume_<time>/``), where the next ``resume=`` of the run finds it. Rank 0 only."""
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{RUN_CONFIG}.{os.getpid()}.tmp"
-    OmegaConf.save(cfg, tmp)
-    os.replace(tmp, folder / RUN_CONFIG)
+    atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))

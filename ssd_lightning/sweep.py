@@ -28,7 +28,6 @@ import fnmatch
 import io
 import json
 import os
-import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from ssd_lightning.atomic import atomic_write_text
 
 __all__ = [
     "SweepSummary",
@@ -121,13 +122,6 @@ def _varying_overrides(jobs: Sequence[dict]) -> tuple[list[list[str]], list[str]
     ]
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    # host and pid: jobs on different nodes (same pid possible) refresh it on a shared file system at once
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
@@ -184,7 +178,7 @@ def write_summary(
     writer.writerow(header)
     writer.writerows([["" if v is None else v for v in row] for row in rows])
     csv_path = sweep_dir / "summary.csv"
-    _atomic_write(csv_path, buffer.getvalue())
+    atomic_write_text(csv_path, buffer.getvalue())
 
     lines = [f"# Sweep summary: {sweep_dir}", ""]
     if common:
@@ -202,7 +196,7 @@ def write_summary(
     for job in failed:
         lines += ["", f"Job {job.get('num')} {job.get('status')}: {job.get('error') or ''}".rstrip()]
     md_path = sweep_dir / "summary.md"
-    _atomic_write(md_path, "\n".join(lines) + "\n")
+    atomic_write_text(md_path, "\n".join(lines) + "\n")
     return csv_path, md_path
 
 
@@ -329,7 +323,7 @@ class SweepSummary(Callback):
         subdir = hydra_cfg.get("output_subdir")
         record_dir = output_dir / subdir if subdir else output_dir
         record_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(record_dir / RECORD_NAME, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(record_dir / RECORD_NAME, json.dumps(record, indent=2) + "\n")
         write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

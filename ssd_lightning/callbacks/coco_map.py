@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -18,6 +16,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
+from ssd_lightning.atomic import atomic_write, atomic_write_json
 from ssd_lightning.evaluation import (
     BACKENDS,
     COCO_STAT_NAMES,
@@ -52,22 +51,9 @@ def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
     return gathered
 
 
-def _atomic_write(path: Path, write: Callable[[IO[str]], None]) -> None:
-    """Create ``path`` with what ``write`` writes to an open text file, atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _atomic_write_json(path: Path, array: np.ndarray) -> None:
     """Write the ``(M, 7)`` results ``array`` to ``path`` as a COCO results JSON, atomically."""
-    _atomic_write(path, lambda f: write_coco_results_json(f, array))
+    atomic_write(path, lambda f: write_coco_results_json(f, array))
 
 
 def _per_class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
@@ -343,10 +329,7 @@ class CocoMAPCallback(Callback):
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""
         if out_dir is not None:
             records = _per_class_records(classes)
-            _atomic_write(
-                out_dir / f"per_class_epoch_{epoch}.json",
-                lambda f: json.dump(records, f, indent=1, allow_nan=False),
-            )
+            atomic_write_json(out_dir / f"per_class_epoch_{epoch}.json", records, indent=1, allow_nan=False)
         if self.verbose:
             print(f"Per-class AP (area all, maxDets 100), epoch {epoch}, worst first:")
             print(format_per_class_table(classes))

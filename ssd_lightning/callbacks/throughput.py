@@ -32,7 +32,6 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +41,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
+
+from ssd_lightning.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +167,8 @@ def dali_version() -> str | None:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``data`` as indented JSON to ``path``, atomically (:mod:`ssd_lightning.atomic`)."""
+    return atomic_write(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
 
 
 def format_table(results: Mapping[str, Any]) -> str:

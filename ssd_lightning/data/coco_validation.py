@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ssd_lightning.atomic import atomic_write_json
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.split_cache import SplitCache, writable_cache_dir
 from ssd_lightning.errors import DataError, MissingDataError, UserError
@@ -282,10 +283,7 @@ def _derived_copy(path: Path, data: dict[str, Any], out_dir: Path, kind: str) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"{path.stem}.{kind}.{key}.json"
     if not out.exists():
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, out)  # atomic: ranks writing the same content concurrently is fine
+        atomic_write_json(out, data)  # ranks writing the same content concurrently is fine
     return out
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_lightning import errors
+from ssd_lightning.atomic import atomic_write_json
 
 try:
     import fcntl
@@ -180,13 +181,8 @@ class SplitCache:
 
     def _write(self, entry: dict[str, Any]) -> bool:
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem, suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(entry, f)
-            os.replace(tmp, self.path)
+            atomic_write_json(self.path, entry)
         except OSError as exc:
             log.warning("could not write the split cache %s (%s)", self.path, exc)
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
             return False
         return True

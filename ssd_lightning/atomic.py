@@ -1,0 +1,43 @@
+"""Files that appear whole or not at all: written to a temporary file in the same folder, then renamed.
+
+A reader (another rank, a later run, a user's tool) sees the previous version or the new one, never a
+half-written file, and a crash leaves at most a ``.<name>.<random>.tmp`` beside it. Temporary names are
+unique per call, so ranks or jobs on other hosts writing the same file on a shared file system do not
+collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.checkpoint_io`, which also
+fsyncs.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_write", "atomic_write_json", "atomic_write_text"]
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[str]], None]) -> Path:
+    """Create or replace ``path`` with what ``write`` writes to an open text file (UTF-8, no newline
+    translation, so :mod:`csv` writers work too)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text))
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, **dump_kwargs: Any) -> Path:
+    return atomic_write(path, lambda f: json.dump(data, f, **dump_kwargs))

@@ -2,6 +2,7 @@
 
 python predict.py ckpt_path=outputs/demo/<run>/checkpoints/last.ckpt input=photos/ output=predictions
 python predict.py nvidia_checkpoint=nvidia_ssdpyt_amp.pt input='photos/*.jpg' output=predictions
+python predict.py onnx=model_e2e.onnx input=photos/    # scripts/export_onnx.py ... end_to_end=true
 
 Writes <output>/<image stem>.jpg (boxes with score >= draw_score_thresh) and <output>/predictions.json
 (COCO results format plus file_name). Unreadable files are skipped with a message; the exit status is
@@ -15,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ssd_lightning.predict import collect_inputs, load_detector, predict_images
+from ssd_lightning.predict import collect_inputs, load_detector, load_onnx_detector, predict_images
 
 log = logging.getLogger("predict")
 
@@ -23,18 +24,25 @@ log = logging.getLogger("predict")
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
     device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    detector = load_detector(
-        cfg.ckpt_path,
-        nvidia_checkpoint=cfg.nvidia_checkpoint,
-        run_config=cfg.run_config,
-        backbone=cfg.backbone,
-        num_classes=cfg.num_classes,
-        decoder=OmegaConf.to_container(cfg.decoder) if cfg.decoder else None,
-        device=device,
-        trust_checkpoint=cfg.trust_checkpoint,
-    )
+    decoder = OmegaConf.to_container(cfg.decoder) if cfg.decoder else None
+    if cfg.onnx is not None:
+        if cfg.ckpt_path is not None or cfg.nvidia_checkpoint is not None:
+            raise ValueError("give exactly one of ckpt_path=, nvidia_checkpoint= or onnx=")
+        detector = load_onnx_detector(cfg.onnx, decoder=decoder, device=device)
+        device = "onnxruntime " + detector.session.get_providers()[0]
+    else:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        detector = load_detector(
+            cfg.ckpt_path,
+            nvidia_checkpoint=cfg.nvidia_checkpoint,
+            run_config=cfg.run_config,
+            backbone=cfg.backbone,
+            num_classes=cfg.num_classes,
+            decoder=decoder,
+            device=device,
+            trust_checkpoint=cfg.trust_checkpoint,
+        )
     inputs = collect_inputs(cfg.input)
     log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, device)
     results, failures = predict_images(

@@ -1,7 +1,8 @@
 """Run a trained SSD300 on arbitrary images: load a checkpoint, preprocess, detect, write pictures + JSON.
 
 Used by the root ``predict.py`` (``python predict.py ckpt_path=... input=... output=...``) and by
-``scripts/export_onnx.py`` (:func:`load_detector`).
+``scripts/export_onnx.py`` (:func:`load_detector`). An end-to-end ONNX export (``scripts/export_onnx.py
+end_to_end=true``) runs through the same preprocessing and output code with :func:`load_onnx_detector`.
 
 Preprocessing (:func:`preprocess`) is the validation transform of the datamodules, done with PIL and
 torch instead of DALI: RGB, resize to 300×300 without keeping the aspect ratio (no letterbox), bilinear
@@ -36,8 +37,10 @@ __all__ = [
     "COCO_CLASS_NAMES",
     "IMAGE_EXTENSIONS",
     "Detector",
+    "OnnxDetector",
     "collect_inputs",
     "load_detector",
+    "load_onnx_detector",
     "predict_images",
     "preprocess",
 ]
@@ -113,6 +116,40 @@ class Detector:
         for det, (height, width) in zip(detections, sizes, strict=True):
             scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
             out.append({"boxes": det["boxes"] * scale, "scores": det["scores"], "labels": det["labels"]})
+        return out
+
+
+@dataclass
+class OnnxDetector:
+    """An end-to-end ONNX export (decoding and NMS in the graph) run with onnxruntime.
+
+    Same interface as :class:`Detector` (``detect``, ``class_names``, ``category_ids``, ``decoder``,
+    ``source``, ``image_size``), so :func:`predict_images` runs either. Built by :func:`load_onnx_detector`.
+    """
+
+    session: Any  # onnxruntime.InferenceSession
+    class_names: tuple[str, ...]
+    category_ids: tuple[int, ...]
+    decoder: dict[str, Any]
+    source: str = ""
+    image_size: int = 300
+
+    def detect(self, images: Tensor, sizes: Sequence[tuple[int, int]]) -> list[dict[str, Tensor]]:
+        """As :meth:`Detector.detect`, except that boxes are clipped to the image (the graph clips them)."""
+        boxes, scores, labels, counts = self.session.run(
+            ["boxes", "scores", "labels", "num_detections"], {"images": images.float().cpu().numpy()}
+        )
+        out = []
+        for i, (height, width) in enumerate(sizes):
+            n = int(counts[i])
+            scale = torch.tensor([width, height, width, height], dtype=torch.float32)
+            out.append(
+                {
+                    "boxes": torch.from_numpy(boxes[i, :n]) * scale,
+                    "scores": torch.from_numpy(scores[i, :n]),
+                    "labels": torch.from_numpy(labels[i, :n]),
+                }
+            )
         return out
 
 
@@ -276,6 +313,78 @@ def load_detector(
     )
 
 
+def _onnx_providers(device: str | torch.device) -> list[str]:
+    """onnxruntime execution providers for ``device`` (``auto``: CUDA when this onnxruntime has it)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    device = str(device)
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device.startswith("cuda") and "CUDAExecutionProvider" not in available:
+        raise ValueError(
+            f"device={device}: this onnxruntime has no CUDAExecutionProvider (it has "
+            f"{', '.join(available)}); install onnxruntime-gpu or use device=cpu"
+        )
+    if device == "auto" and "CUDAExecutionProvider" not in available:
+        return ["CPUExecutionProvider"]
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def load_onnx_detector(
+    path: str | os.PathLike, *, decoder: Mapping[str, Any] | None = None, device: str | torch.device = "cpu"
+) -> OnnxDetector:
+    """Open an end-to-end ONNX export of ``scripts/export_onnx.py end_to_end=true`` with onnxruntime.
+
+    Class names, category ids and decoder settings come from the file's metadata. The decoder settings are
+    part of the graph: ``decoder`` may only repeat them (a different value raises, naming the re-export).
+    ``device``: ``cpu``, ``cuda`` (needs onnxruntime-gpu) or ``auto``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not an end-to-end export of this project (a network-only export, another model), or a
+            ``decoder`` value that differs from the exported one.
+    """
+    import onnxruntime as ort
+
+    from ssd_lightning.export import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"onnx={path} does not exist")
+    session = ort.InferenceSession(str(path), providers=_onnx_providers(device))
+    outputs = tuple(o.name for o in session.get_outputs())
+    if outputs != END_TO_END_OUTPUTS:
+        raise ValueError(
+            f"onnx={path} has outputs {', '.join(outputs)}, not {', '.join(END_TO_END_OUTPUTS)}: predict.py "
+            "runs end-to-end exports; write one with `python scripts/export_onnx.py ckpt_path=... "
+            "end_to_end=true`"
+        )
+    meta = read_metadata(session.get_modelmeta().custom_metadata_map)
+    missing = set(METADATA_KEYS) - set(meta)
+    if missing:
+        raise ValueError(
+            f"onnx={path} lacks the metadata {sorted(missing)} that scripts/export_onnx.py end_to_end=true "
+            "writes (class names, decoder settings); re-export it with that script"
+        )
+    settings = dict(meta["decoder"])
+    for key, value in dict(decoder or {}).items():
+        if settings.get(key) != value:
+            raise ValueError(
+                f"decoder.{key}={value}: the decoder of {path} is part of its graph ({key}="
+                f"{settings.get(key)}); re-export with `scripts/export_onnx.py ... end_to_end=true "
+                f"decoder.{key}={value}`"
+            )
+    return OnnxDetector(
+        session=session,
+        class_names=tuple(meta["class_names"]),
+        category_ids=tuple(meta["category_ids"]),
+        decoder=settings,
+        source=str(path),
+        image_size=int(meta["image_size"]),
+    )
+
+
 # ------------------------------------------------------------------------------------------ inputs
 def collect_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """Image files named by ``spec``: a file, a folder (its files with an image extension, sorted, not
@@ -344,7 +453,7 @@ def _unique_name(path: Path, used: set[str]) -> str:
 
 
 def predict_images(
-    detector: Detector,
+    detector: Detector | OnnxDetector,
     inputs: Sequence[Path],
     output_dir: str | os.PathLike,
     *,

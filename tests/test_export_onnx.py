@@ -87,3 +87,32 @@ def test_cli_exports_a_run_checkpoint(tmp_path):
         [sys.executable, "scripts/export_onnx.py", "ckpt=x"], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "ckpt_path" in bad.stderr
+
+
+def test_cli_end_to_end_export_checks_itself_against_the_decoder(tmp_path):
+    """end_to_end=true with a decoder override: the script's own check (onnxruntime vs BoxCoder.decode)."""
+    torch.manual_seed(1)
+    net = ssd300(backbone="resnet18", num_classes=5)
+    checkpoint = tmp_path / "nvidia.pt"  # the NVIDIA layout needs no run directory
+    torch.save({"model": net.state_dict()}, checkpoint)
+    output = tmp_path / "e2e.onnx"
+    result = subprocess.run(
+        [sys.executable, "scripts/export_onnx.py", f"nvidia_checkpoint={checkpoint}", "backbone=resnet18",
+         "num_classes=5", "end_to_end=true", "decoder.max_detections=40", f"output={output}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'max_detections': 40" in result.stdout
+    diff = float(result.stdout.split("same detections, max |diff| = ")[1].split()[0])
+    assert diff <= 1e-4
+    session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].shape[1:] == [40, 4]
+    for args, message in (
+        (["decoder.max_detections=40"], "end_to_end=true exports only"),
+        (["end_to_end=true", "decoder.iou=0.4"], "unknown decoder key(s) ['iou']"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, "scripts/export_onnx.py", f"nvidia_checkpoint={checkpoint}", *args],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]

@@ -173,3 +173,104 @@ def test_cli_reports_corrupt_files_and_fails_only_when_nothing_worked(fake_run, 
     result = _cli(ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
     assert result.returncode != 0
     assert "broken.jpg" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------------ end-to-end ONNX export
+def _export_script():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
+    script = module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.fixture(scope="module")
+def onnx_export(fake_run, tmp_path_factory) -> Path:
+    """The fake run's checkpoint through ``scripts/export_onnx.py end_to_end=true`` (in-process)."""
+    pytest.importorskip("onnxruntime")
+    run, _ = fake_run
+    output = tmp_path_factory.mktemp("onnx") / "e2e.onnx"
+    argv = [
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "end_to_end=true",
+        f"output={output}",
+        "check=false",
+    ]
+    assert _export_script().main(argv) == 0
+    return output
+
+
+def _json_difference(got: list[dict], expected: list[dict], image_id: int) -> float:
+    """detection_difference of one image's predictions.json entries; scores x 1000, so that one tolerance
+    reads as 0.02 px for boxes and 2e-5 for scores."""
+    from ssd_lightning.export import detection_difference
+
+    def arrays(results):
+        entries = [e for e in results if e["image_id"] == image_id]
+        boxes = np.array([e["bbox"] for e in entries]).reshape(-1, 4)
+        return boxes, 1000 * np.array([e["score"] for e in entries]), [e["category_id"] for e in entries]
+
+    return detection_difference(*arrays(got), *arrays(expected))
+
+
+def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onnx_export, tmp_path):
+    from ssd_lightning.export import detection_difference
+    from ssd_lightning.predict import OnnxDetector, load_onnx_detector
+
+    run, _ = fake_run
+    from_ckpt = load_detector(run / "checkpoints" / "last.ckpt")
+    from_onnx = load_onnx_detector(onnx_export)
+    assert isinstance(from_onnx, OnnxDetector)
+    assert from_onnx.class_names == from_ckpt.class_names and from_onnx.category_ids == from_ckpt.category_ids
+    assert from_onnx.decoder == DECODER  # the checkpoint's decoder, stored in the file
+    inputs = collect_inputs(images)
+    expected, _ = predict_images(from_ckpt, inputs, tmp_path / "ckpt", batch_size=2)
+    got, failures = predict_images(from_onnx, inputs, tmp_path / "onnx", batch_size=2)
+    assert [p.name for p, _ in failures] == ["broken.jpg"]
+    assert len(got) == len(expected) == 2 * DECODER["max_detections"]
+    key = ("image_id", "file_name", "category_id", "category_name")
+    assert sorted(tuple(e[k] for k in key) for e in got) == sorted(tuple(e[k] for k in key) for e in expected)
+    for image_id in (1, 2):  # 0 is broken.jpg
+        assert _json_difference(got, expected, image_id) <= 0.02  # bbox rounded to 0.01 px, score to 1e-5
+    assert sorted(p.name for p in (tmp_path / "onnx").glob("*.jpg")) == ["tall.jpg", "wide.jpg"]
+
+    # detect(): the checkpoint's boxes clipped to the image, same scores and labels
+    image = open_image(images / "wide.png")
+    x = preprocess(image)[None]
+    want, have = from_ckpt.detect(x, [(360, 640)])[0], from_onnx.detect(x, [(360, 640)])[0]
+    clipped = want["boxes"].clone()
+    clipped[:, 0::2] = clipped[:, 0::2].clamp(0, 640)
+    clipped[:, 1::2] = clipped[:, 1::2].clamp(0, 360)
+    assert len(have["scores"]) == DECODER["max_detections"]
+    difference = detection_difference(
+        have["boxes"] / 640, have["scores"], have["labels"], clipped / 640, want["scores"], want["labels"]
+    )
+    assert difference <= 1e-4
+
+
+def test_onnx_loading_errors_say_what_to_do(onnx_export, tmp_path):
+    from ssd_lightning.predict import load_onnx_detector
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_onnx_detector(tmp_path / "missing.onnx")
+    with pytest.raises(ValueError, match=r"part of its graph.*decoder.max_detections=10"):
+        load_onnx_detector(onnx_export, decoder={"max_detections": 10})
+    assert load_onnx_detector(onnx_export, decoder={"max_detections": 30}).decoder == DECODER  # same: fine
+    network_only = _export_script().export_onnx(
+        ssd300(backbone="resnet18", num_classes=5), tmp_path / "net.onnx"
+    )
+    with pytest.raises(ValueError, match="outputs locs, logits.*end_to_end=true"):
+        load_onnx_detector(network_only)
+
+
+def test_cli_runs_an_onnx_export(onnx_export, images, tmp_path):
+    result = _cli(
+        f"onnx={onnx_export}", f"input={images / 'wide.png'}", f"output={tmp_path / 'out'}", "device=cpu"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((tmp_path / "out" / "predictions.json").read_text())
+    assert len(saved) == DECODER["max_detections"] and {e["image_id"] for e in saved} == {0}
+    assert f"weights from {onnx_export}" in result.stdout + result.stderr
+    both = _cli(f"onnx={onnx_export}", "ckpt_path=x.ckpt", f"input={images}", f"output={tmp_path / 'bad'}")
+    assert both.returncode != 0 and "exactly one of" in both.stdout + both.stderr

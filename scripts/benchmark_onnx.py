@@ -1,0 +1,177 @@
+"""Images/s of the end-to-end ONNX export in onnxruntime vs the same model in PyTorch, CPU, side by side.
+
+    python scripts/benchmark_onnx.py --backbone resnet50 --batch-sizes 1 8 --threads 2
+
+Three ways to get detections from the same weights and the same input batch:
+
+* ``PyTorch``: ``net(images)`` + ``BoxCoder.decode`` (fp32, ``torch.inference_mode``);
+* ``onnxruntime, network only``: the ``scripts/export_onnx.py`` graph + ``BoxCoder.decode`` in PyTorch;
+* ``onnxruntime, end-to-end``: the ``end_to_end=true`` graph (decoding and NMS inside).
+
+Weights are random (``ssd300(backbone=..., num_classes=...)``, seed 0, BatchNorm statistics measured on
+8 random images) unless ``--ckpt-path`` or ``--nvidia-checkpoint`` names a checkpoint; inputs are N(0, 1)
+images (the detections per image are printed:
+the decoder's work depends on them). Every repeat runs each way once, in rotated order; the table gives
+the median time per batch as images/s, the ratio to PyTorch, and in how many images the detections equal
+PyTorch's (same labels, boxes and scores within 1e-4). onnxruntime's convolutions round differently from
+PyTorch's (logits differ by ~1e-5), which can swap detections whose scores are that close at a cut
+(score threshold, top-k, ``max_detections``); the network-only row shows how often that happens without
+the graph's decoding. Both runtimes use ``--threads`` threads; onnxruntime's threads do not spin-wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ssd_lightning.export import EndToEndSSD, detection_difference, export_end_to_end
+from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
+
+
+def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    if args.ckpt_path or args.nvidia_checkpoint:
+        from ssd_lightning.predict import load_detector
+
+        detector = load_detector(
+            args.ckpt_path,
+            nvidia_checkpoint=args.nvidia_checkpoint,
+            backbone=args.backbone,
+            num_classes=args.num_classes,
+        )
+        return detector.net, detector.decoder
+    torch.manual_seed(0)
+    net = ssd300(backbone=args.backbone, num_classes=args.num_classes, weights_backbone=None)
+    _set_batchnorm_statistics(net, torch.randn(8, 3, 300, 300))
+    return net.eval(), {}
+
+
+@torch.no_grad()
+def _set_batchnorm_statistics(net: torch.nn.Module, images: torch.Tensor) -> None:
+    """BatchNorm running statistics = those of ``images``: an untrained net keeps mean 0 / var 1, its
+    activations grow layer after layer and every softmax score rounds to exactly 1.0 (thousands of ties,
+    nothing like a trained net). With measured statistics the logits stay in a trained net's range."""
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.reset_running_stats()
+            module.momentum = None  # cumulative average over the batches seen
+    net.train()
+    net(images)
+    net.eval()
+
+
+def _export_network(net: torch.nn.Module, path: Path) -> Path:
+    spec_path = Path(__file__).with_name("export_onnx.py")
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("export_onnx", spec_path)
+    script = module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.export_onnx(net, path)
+
+
+def _session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # no busy-waiting after a run: the spinning threads would steal the 2 cores from the next way timed
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _as_arrays(detections: list[dict]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return [(d["boxes"].clamp(0, 1).numpy(), d["scores"].numpy(), d["labels"].numpy()) for d in detections]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backbone", default="resnet50")
+    parser.add_argument("--num-classes", type=int, default=81, help="including background")
+    parser.add_argument("--ckpt-path", default=None, help="a Lightning checkpoint inside its run directory")
+    parser.add_argument("--nvidia-checkpoint", default=None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each way (median kept)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--verbose", action="store_true", help="print every timing (ms)")
+    args = parser.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--batch-sizes, --repeats and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+
+    net, decoder = _load_net(args)
+    coder = BoxCoder(dboxes300_coco())
+    model = EndToEndSSD(net, coder, **decoder)
+    settings = model.decoder_settings
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        network_only = _session(_export_network(net, Path(tmp) / "net.onnx"), args.threads)
+        end_to_end = _session(export_end_to_end(model, Path(tmp) / "e2e.onnx"), args.threads)
+
+    def pytorch(images: torch.Tensor):
+        with torch.inference_mode():
+            return _as_arrays(coder.decode(*net(images), **settings))
+
+    def ort_network_only(images: torch.Tensor):
+        locs, logits = network_only.run(["locs", "logits"], {"images": images.numpy()})
+        return _as_arrays(coder.decode(torch.from_numpy(locs), torch.from_numpy(logits), **settings))
+
+    def ort_end_to_end(images: torch.Tensor):
+        boxes, scores, labels, counts = end_to_end.run(None, {"images": images.numpy()})
+        return [(boxes[i, :n], scores[i, :n], labels[i, :n]) for i, n in enumerate(counts)]
+
+    ways: dict[str, Callable] = {
+        "PyTorch (net + BoxCoder.decode)": pytorch,
+        "onnxruntime, network only + BoxCoder.decode": ort_network_only,
+        "onnxruntime, end-to-end graph": ort_end_to_end,
+    }
+    print(
+        f"SSD300-{args.backbone}, {args.num_classes} classes, CPU fp32, {args.threads} threads, "
+        f"decoder {settings}, {'checkpoint' if decoder else 'random'} weights, N(0, 1) images; "
+        f"median of {args.repeats} runs"
+    )
+    print("| batch | way | detections / image | ms / batch | images/s | vs PyTorch | images as PyTorch |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+    for batch_size in args.batch_sizes:
+        images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(batch_size))
+        reference = pytorch(images)
+        names = list(ways)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        outputs = {}
+        for repeat in range(args.warmup + args.repeats):
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:  # rotated order: no way always runs first
+                start = time.perf_counter()
+                outputs[name] = ways[name](images)
+                if repeat >= args.warmup:
+                    times[name].append(time.perf_counter() - start)
+        if args.verbose:
+            print({name: [round(t * 1e3) for t in ts] for name, ts in times.items()})
+        base = statistics.median(times[names[0]])
+        for name in names:
+            median = statistics.median(times[name])
+            same = sum(
+                detection_difference(*a, *b) <= 1e-4 for a, b in zip(outputs[name], reference, strict=True)
+            )
+            dets = sum(len(d[1]) for d in outputs[name]) / batch_size
+            print(
+                f"| {batch_size} | {name} | {dets:.0f} | {median * 1e3:.0f} | {batch_size / median:.2f} "
+                f"| {base / median:.2f}x | {same}/{batch_size} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

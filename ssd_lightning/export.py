@@ -1,0 +1,345 @@
+"""SSD300 with decoding and NMS inside the module, exportable to ONNX as one graph.
+
+:class:`EndToEndSSD` maps images to fixed-size detection tensors and computes what
+:meth:`BoxCoder.decode <ssd_lightning.models.boxes.BoxCoder.decode>` computes (score > threshold, top-k
+candidates per class, greedy class-wise NMS with IoU >= ``nms_iou`` suppressing, best ``max_detections``
+per image), with only ops that export to ONNX: ``TopK``, ``Gather``, ``NonMaxSuppression`` (opset 10+),
+``ScatterND`` (opset 11+). :func:`export_end_to_end` writes it with a dynamic batch size and stores the
+class names and decoder settings in the file's metadata (:func:`read_metadata`).
+
+How the ONNX ``NonMaxSuppression`` operator is made to follow the decoder's rules:
+
+* every (image, class) pair is one NMS "batch" row holding that class's top-k candidates, so boxes are
+  gathered per class first and the operator's own per-class loop is not used (it would see all 8732
+  boxes, not the top-k);
+* the operator suppresses when IoU ``>`` its threshold; the decoder when IoU ``>=`` ``nms_iou``. Passing the
+  float32 just below ``nms_iou`` makes the two rules identical for every float32 IoU;
+* ties: ``TopK`` in onnxruntime puts the smaller index first among equal values, the decoder the larger.
+  Rows are reversed before each ``TopK`` so the graph resolves ties as the decoder does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ssd_lightning.models.boxes import BoxCoder, _batched_greedy_nms, _topk_rows
+
+__all__ = [
+    "END_TO_END_OUTPUTS",
+    "METADATA_KEYS",
+    "EndToEndSSD",
+    "compare_with_decoder",
+    "detection_difference",
+    "export_end_to_end",
+    "read_metadata",
+    "select_detections",
+]
+
+#: Output names of the end-to-end graph, in order.
+END_TO_END_OUTPUTS: tuple[str, ...] = ("boxes", "scores", "labels", "num_detections")
+#: Metadata entries (JSON strings) written by :func:`export_end_to_end`.
+METADATA_KEYS: tuple[str, ...] = ("class_names", "category_ids", "decoder", "image_size")
+_METADATA_PREFIX = "ssd_lightning."
+
+
+class _ClasswiseNMS(torch.autograd.Function):
+    """Greedy NMS inside every row; exported as one ONNX ``NonMaxSuppression`` node.
+
+    Inputs: boxes (G, K, 4) ltrb, each row sorted by descending score; scores (G, 1, K).
+    Output: selected (M, 3) int64 ``[row, 0, candidate index]``, as ``NonMaxSuppression`` returns them.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, boxes: Tensor, scores: Tensor, score_thresh: float, nms_iou: float, max_per_row: int
+    ) -> Tensor:
+        if torch.jit.is_tracing():  # exporting: only ``symbolic`` matters, the traced value is unused
+            return torch.zeros(0, 3, dtype=torch.int64, device=boxes.device)
+        valid = scores[:, 0] > score_thresh
+        keep = _batched_greedy_nms(boxes, valid, nms_iou)  # the decoder's own NMS
+        rows, cols = keep.nonzero().unbind(1)
+        return torch.stack([rows, torch.zeros_like(rows), cols], dim=1)
+
+    @staticmethod
+    def symbolic(g, boxes, scores, score_thresh: float, nms_iou: float, max_per_row: int):
+        # ONNX suppresses when IoU > threshold; the float32 just below nms_iou gives IoU >= nms_iou.
+        iou_below = np.nextafter(np.float32(nms_iou), np.float32(-np.inf))
+        max_per_row = g.op("Constant", value_t=torch.tensor([max_per_row]))
+        iou = g.op("Constant", value_t=torch.tensor([float(iou_below)], dtype=torch.float32))
+        score = g.op("Constant", value_t=torch.tensor([score_thresh], dtype=torch.float32))
+        # center_point_box=0: corner boxes; (l, t, r, b) is read as (y1, x1, y2, x2), which swaps the
+        # axes and leaves every IoU unchanged.
+        return g.op("NonMaxSuppression", boxes, scores, max_per_row, iou, score, center_point_box_i=0)
+
+
+def _topk_later_first(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``topk`` along the last dim, best first; among equal values the larger index first (the decoder's
+    rule).
+
+    Eager: the decoder's own ``_topk_rows``. Exporting: ONNX ``TopK`` as onnxruntime implements it puts the
+    smaller index first among equal values, so the row is read backwards (``torch.topk`` on the CPU has no
+    defined tie order, hence the two paths).
+    """
+    length = values.shape[-1]
+    if not torch.jit.is_tracing():
+        top, idx = _topk_rows(values.reshape(-1, length), k)
+        return top.view(*values.shape[:-1], -1), idx.view(*values.shape[:-1], -1)
+    top, idx = values.flip(-1).topk(k, dim=-1)
+    return top, (length - 1) - idx
+
+
+def select_detections(
+    boxes: Tensor,
+    class_scores: Tensor,
+    *,
+    score_thresh: float,
+    nms_iou: float,
+    topk_per_class: int,
+    max_detections: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Decoded boxes and foreground class scores -> fixed-size detections (the decoder's selection).
+
+    Args:
+        boxes: (N, B, 4) float32 ltrb relative to the image (:meth:`BoxCoder.decode_boxes`).
+        class_scores: (N, C - 1, B) float32 softmax scores of the foreground classes 1..C-1.
+        score_thresh, nms_iou, topk_per_class, max_detections: as in :meth:`BoxCoder.decode`.
+
+    Returns:
+        ``boxes`` (N, K, 4) float32 ltrb clipped to [0, 1], ``scores`` (N, K) float32, ``labels`` (N, K)
+        int64 in 1..C-1, ``num_detections`` (N,) int64, with K = ``max_detections``; rows are sorted by
+        descending score and rows ``>= num_detections`` are zeros (label 0 = padding).
+    """
+    # static sizes (only the batch is dynamic in the exported graph)
+    n_fg, n_box = int(class_scores.shape[1]), int(class_scores.shape[2])
+    k = min(topk_per_class, n_box)
+    m = min(max_detections, n_fg * k)
+
+    # 1. Per (image, class) the k best candidates (the NMS drops those <= score_thresh).
+    cand_scores, cand_idx = _topk_later_first(class_scores, k)  # (N, C-1, k)
+    image_offset = torch.arange(boxes.shape[0], device=boxes.device).view(-1, 1, 1) * n_box
+    cand_boxes = boxes.reshape(-1, 4)[(cand_idx + image_offset).reshape(-1)]  # (N * (C-1) * k, 4)
+
+    # 2. Greedy NMS inside each (image, class) row -> kept mask (N, (C-1) * k).
+    selected = _ClasswiseNMS.apply(
+        cand_boxes.view(-1, k, 4), cand_scores.reshape(-1, 1, k), float(score_thresh), float(nms_iou), k
+    )
+    kept = torch.zeros(cand_scores.numel(), dtype=cand_scores.dtype, device=boxes.device)
+    kept = kept.index_put(
+        (selected[:, 0] * k + selected[:, 2],), torch.ones_like(selected[:, 0], dtype=kept.dtype)
+    )
+    kept_scores = torch.where(kept.view_as(cand_scores) > 0, cand_scores, float("-inf"))
+
+    # 3. Per image the best m over (class, rank); ties go to the later entry, as in the decoder.
+    det_scores, pos = _topk_later_first(kept_scores.flatten(1), m)  # (N, m)
+    present = det_scores > float("-inf")
+    det_boxes = cand_boxes.view(-1, n_fg * k, 4).gather(1, pos.unsqueeze(-1).expand(-1, -1, 4))
+    det_boxes = torch.where(present.unsqueeze(-1), det_boxes.clamp(0, 1), 0.0)
+    det_scores = torch.where(present, det_scores, 0.0)
+    det_labels = torch.where(present, pos // k + 1, 0)
+    if m < max_detections:  # fewer candidates than max_detections: pad to the promised K
+        pad = max_detections - m
+        det_boxes = nn.functional.pad(det_boxes, (0, 0, 0, pad))
+        det_scores = nn.functional.pad(det_scores, (0, pad))
+        det_labels = nn.functional.pad(det_labels, (0, pad))
+    return det_boxes, det_scores, det_labels, present.sum(dim=1)
+
+
+class EndToEndSSD(nn.Module):
+    """Images -> detections, decoding and NMS included; exportable to ONNX (:func:`export_end_to_end`).
+
+    Args:
+        net: maps (N, 3, H, W) normalised images to ``(locs (N, 4, B), logits (N, C, B))``.
+        box_coder: the :class:`BoxCoder` of ``net``'s default boxes.
+        score_thresh, nms_iou, topk_per_class, max_detections: as in :meth:`BoxCoder.decode`.
+
+    ``forward(images)`` returns ``boxes`` (N, K, 4) float32 ltrb in [0, 1] (relative to the image, clipped),
+    ``scores`` (N, K) float32, ``labels`` (N, K) int64 in 1..C-1, ``num_detections`` (N,) int64, with
+    K = ``max_detections``, sorted by descending score; rows past ``num_detections`` are zeros (label 0).
+    The first ``num_detections`` rows are ``BoxCoder.decode``'s detections (boxes clipped to [0, 1]).
+
+    Raises:
+        ValueError: ``topk_per_class`` or ``max_detections`` < 1, ``nms_iou`` not in (0, 1],
+            ``score_thresh`` not in [0, 1).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        box_coder: BoxCoder,
+        *,
+        score_thresh: float = 0.05,
+        nms_iou: float = 0.5,
+        topk_per_class: int = 200,
+        max_detections: int = 200,
+    ) -> None:
+        super().__init__()
+        if topk_per_class < 1 or max_detections < 1:
+            raise ValueError(
+                f"topk_per_class and max_detections must be >= 1, got {topk_per_class} and {max_detections}"
+            )
+        if not 0 < nms_iou <= 1:
+            # at nms_iou <= 0 the decoder suppresses boxes that do not even touch; ONNX NMS never does
+            raise ValueError(f"nms_iou must be in (0, 1] for the in-graph NMS, got {nms_iou}")
+        if not 0 <= score_thresh < 1:
+            raise ValueError(f"score_thresh must be in [0, 1), got {score_thresh}")
+        self.net = net
+        self.box_coder = box_coder
+        self.score_thresh = float(score_thresh)
+        self.nms_iou = float(nms_iou)
+        self.topk_per_class = int(topk_per_class)
+        self.max_detections = int(max_detections)
+
+    @property
+    def decoder_settings(self) -> dict[str, Any]:
+        """The keyword arguments of :meth:`BoxCoder.decode` this module reproduces."""
+        return {
+            "score_thresh": self.score_thresh,
+            "nms_iou": self.nms_iou,
+            "topk_per_class": self.topk_per_class,
+            "max_detections": self.max_detections,
+        }
+
+    def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        locs, logits = self.net(images)
+        return self.decode(locs, logits)
+
+    def decode(self, locs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Network outputs ``locs`` (N, 4, B), ``logits`` (N, C, B) -> the four outputs of ``forward``."""
+        boxes = self.box_coder.decode_boxes(locs)  # (N, B, 4)
+        # softmax over the last dim, as the decoder computes it (same rounding)
+        probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C)
+        class_scores = probs[:, :, 1:].permute(0, 2, 1)  # (N, C-1, B)
+        return select_detections(boxes, class_scores, **self.decoder_settings)
+
+
+def export_end_to_end(
+    model: EndToEndSSD,
+    output: str | os.PathLike,
+    *,
+    image_size: int = 300,
+    metadata: Mapping[str, Any] | None = None,
+    opset: int = 17,
+) -> Path:
+    """Write ``model`` to ``output`` as ONNX: input ``images`` (N, 3, S, S) float32, outputs
+    :data:`END_TO_END_OUTPUTS`, N dynamic. ``metadata`` (JSON-able values, e.g. ``class_names``,
+    ``category_ids``) is stored with the decoder settings and ``image_size``; see :func:`read_metadata`.
+
+    Uses the TorchScript-based exporter (``dynamo=False``): the NMS node is emitted by a ``symbolic``
+    function, and the dynamo exporter would need ``onnxscript``.
+    """
+    if opset < 11:
+        raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
+    import onnx
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    model = model.eval().float().cpu()
+    example = torch.zeros(2, 3, image_size, image_size)
+    dynamic = {name: {0: "batch"} for name in ("images", *END_TO_END_OUTPUTS)}
+    with torch.no_grad(), warnings.catch_warnings():
+        # the legacy exporter's deprecation notice and tracer warnings about data-dependent shapes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            (example,),
+            str(output),
+            input_names=["images"],
+            output_names=list(END_TO_END_OUTPUTS),
+            dynamic_axes=dynamic,
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    proto = onnx.load(str(output))
+    entries = {**dict(metadata or {}), "decoder": model.decoder_settings, "image_size": image_size}
+    for key, value in entries.items():
+        prop = proto.metadata_props.add()
+        prop.key, prop.value = _METADATA_PREFIX + key, json.dumps(value)
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(output))
+    return output
+
+
+def detection_difference(
+    boxes_a: np.ndarray,
+    scores_a: np.ndarray,
+    labels_a: np.ndarray,
+    boxes_b: np.ndarray,
+    scores_b: np.ndarray,
+    labels_b: np.ndarray,
+) -> float:
+    """How far apart two sets of detections of one image are, whatever their order.
+
+    Each detection of ``a`` is matched to an unused one of ``b`` with the same label and the closest
+    box and score (the closest pairs first, so near-equal scores in a different order still pair up).
+
+    Args:
+        boxes_a, boxes_b: (k, 4) boxes; scores_a, scores_b: (k,); labels_a, labels_b: (k,).
+
+    Returns:
+        the largest |difference| of box coordinates or scores over the matched pairs; ``inf`` when the
+        counts or the labels differ.
+    """
+    boxes_a, boxes_b = np.asarray(boxes_a, np.float64), np.asarray(boxes_b, np.float64)
+    scores_a, scores_b = np.asarray(scores_a, np.float64), np.asarray(scores_b, np.float64)
+    labels_a, labels_b = np.asarray(labels_a), np.asarray(labels_b)
+    if len(labels_a) != len(labels_b) or not np.array_equal(np.sort(labels_a), np.sort(labels_b)):
+        return float("inf")
+    cost = np.maximum(
+        np.abs(boxes_a[:, None] - boxes_b[None]).max(axis=-1, initial=0),
+        np.abs(scores_a[:, None] - scores_b[None]),
+    )
+    cost[labels_a[:, None] != labels_b[None]] = np.inf
+    used = np.zeros(len(labels_b), dtype=bool)
+    worst = 0.0
+    for i in np.argsort(cost.min(axis=1, initial=np.inf), kind="stable"):
+        j = int(np.argmin(np.where(used, np.inf, cost[i])))
+        used[j] = True
+        worst = max(worst, float(cost[i, j]))
+    return worst
+
+
+def compare_with_decoder(
+    model: EndToEndSSD, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0
+) -> float:
+    """Run ``onnx_file`` with onnxruntime (CPU) and ``model.net`` + :meth:`BoxCoder.decode` in PyTorch on
+    the same random batch: the largest :func:`detection_difference` over the images (decode's boxes
+    clipped to [0, 1] as the graph's are); ``inf`` when they find different detections."""
+    import onnxruntime as ort
+
+    images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(seed))
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    boxes, scores, labels, counts = session.run(list(END_TO_END_OUTPUTS), {"images": images.numpy()})
+    with torch.no_grad():
+        locs, logits = model.net.eval()(images)
+    reference = model.box_coder.decode(locs, logits, **model.decoder_settings)
+    return max(
+        detection_difference(
+            boxes[i, : counts[i]],
+            scores[i, : counts[i]],
+            labels[i, : counts[i]],
+            ref["boxes"].clamp(0, 1).numpy(),
+            ref["scores"].numpy(),
+            ref["labels"].numpy(),
+        )  # fmt: skip
+        for i, ref in enumerate(reference)
+    )
+
+
+def read_metadata(custom_metadata: Mapping[str, str]) -> dict[str, Any]:
+    """Decode the entries written by :func:`export_end_to_end` from an ``onnxruntime`` session's
+    ``get_modelmeta().custom_metadata_map`` (or the file's ``metadata_props`` as a dict)."""
+    return {
+        key[len(_METADATA_PREFIX) :]: json.loads(value)
+        for key, value in custom_metadata.items()
+        if key.startswith(_METADATA_PREFIX)
+    }

@@ -116,7 +116,8 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
     assert per_shard == len(dm.make_loader("train", shard_id=1, num_shards=2))
     assert per_shard < len(dm.make_loader("train", shard_id=0, num_shards=1))
     # written once (by rank 0), not once per node; no temporary file left
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["epoch_0.ckpt", "last.ckpt"]
+    written = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert written == ["best.ckpt", "epoch_0.ckpt", "last.ckpt"]  # best: the epoch's evaluation
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == per_shard
 

@@ -41,7 +41,6 @@ ranks of a node) wait for the first one's result: see :mod:`ssd_lightning.data.s
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -210,19 +209,12 @@ def exif_orientation(path: Path) -> tuple[int, tuple[int, int]] | None:
     return (orientation if orientation in range(1, 9) else 1), size
 
 
-@functools.cache
 def decoder_applies_exif_orientation() -> bool:
-    """Whether this DALI's image decoders turn images upright by their EXIF orientation.
+    """Whether this DALI's image decoders turn images upright by their EXIF orientation (2.x: yes, 1.34: no;
+    :func:`ssd_lightning.data.dali_compat.decoders_apply_exif_orientation`)."""
+    from ssd_lightning.data.dali_compat import decoders_apply_exif_orientation
 
-    True on the 2.x line (``adjust_orientation``, on by default, in the decoders' schema); False on 1.34,
-    whose decoders return the stored pixels. Detected from the schema, not the version number.
-    """
-    from nvidia.dali import backend
-
-    schema = backend.GetSchema("decoders__Image")
-    return schema.HasArgument("adjust_orientation") and (
-        schema.GetArgumentDefaultValueString("adjust_orientation") == "True"
-    )
+    return decoders_apply_exif_orientation()
 
 
 def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
@@ -399,11 +391,11 @@ def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
         return None
     where = f"{info.annotation_file} (images in {info.image_dir})"
     if not decoder_applies_exif_orientation():
-        import nvidia.dali
+        from ssd_lightning.data.dali_compat import DALI_VERSION
 
         return (
             f"{where}: {len(oriented)} image(s) carry an EXIF orientation tag, which the decoders of DALI "
-            f"{nvidia.dali.__version__} ignore, while labelling tools draw the boxes on the upright image: "
+            f"{DALI_VERSION} ignore, while labelling tools draw the boxes on the upright image: "
             f"{_listing(oriented)}. Turn their pixels upright (e.g. `exiftran -ai FILE`, or PIL's "
             "ImageOps.exif_transpose and save) or use DALI 2.x, whose decoders apply the tag"
         )

@@ -23,7 +23,7 @@ Pipeline checkpointing (exact resume) exists in both lines. One difference no ar
 where 2.x raises, so only 2.x names a truncated file (through
 :func:`~ssd_lightning.data.coco_validation.find_undecodable_images`); the header check before training
 catches missing and non-image files on both. And 1.34's decoders ignore a JPEG's EXIF orientation, where 2.x
-apply it: :func:`~ssd_lightning.data.coco_validation.decoder_applies_exif_orientation` tells which, and the
+apply it: :func:`decoders_apply_exif_orientation` tells which, and the
 split check names EXIF-rotated images on 1.34 (their boxes would not line up).
 """
 
@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_SHUFFLE_SEED",
     "HAS_EXEC_DYNAMIC",
     "HAS_SHUFFLE_SEED",
+    "decoders_apply_exif_orientation",
     "feed_ndarray",
     "reader_shuffle_kwargs",
     "run_pipeline",
@@ -52,6 +53,21 @@ __all__ = [
 ]
 
 DALI_VERSION: str = nvidia.dali.__version__
+
+
+@functools.cache
+def decoders_apply_exif_orientation() -> bool:
+    """Whether this DALI's image decoders turn images upright by their EXIF orientation.
+
+    True on the 2.x line (``adjust_orientation``, on by default, in the decoders' schema); False on 1.34,
+    whose decoders return the stored pixels. Detected from the schema, not the version number.
+    """
+    schema = backend.GetSchema("decoders__Image")
+    return schema.HasArgument("adjust_orientation") and (
+        schema.GetArgumentDefaultValueString("adjust_orientation") == "True"
+    )
+
+
 DEFAULT_SHUFFLE_SEED = 42  # the datamodules' default ``seed``: no warning for it on DALI 1.34
 
 HAS_SHUFFLE_SEED: bool = backend.GetSchema("readers__COCO").HasArgument("shuffle_after_epoch_seed")

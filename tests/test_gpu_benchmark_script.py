@@ -18,6 +18,9 @@ import pytest
 
 from tests.conftest import compose_config
 
+# the benchmark experiments run on synthetic data: nothing here depends on the DALI line
+pytestmark = pytest.mark.no_dali
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "gpu_benchmark.sh"
 

@@ -41,6 +41,9 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO_ROOT, compose_config
 
+# composes configs and reads --help: no DALI pipeline runs, nothing here depends on the DALI line
+pytestmark = pytest.mark.no_dali
+
 README = REPO_ROOT / "README.md"
 DOCUMENTS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}

@@ -56,6 +56,20 @@ def _write(path: Path, images, annotations, categories=CATEGORIES) -> Path:
     return path
 
 
+def _random_coco_box(
+    rng: np.random.Generator, width: int = 640, height: int = 480
+) -> tuple[list, float, float]:
+    """A ``[x, y, w, h]`` box (2 decimals) inside the image, small, medium or large with equal odds; and its
+    unrounded w, h."""
+    side = float(rng.choice([rng.uniform(6, 30), rng.uniform(35, 90), rng.uniform(100, 300)]))
+    w, h = side * rng.uniform(0.6, 1.4), side * rng.uniform(0.6, 1.4)
+    return (
+        [round(rng.uniform(0, width - w), 2), round(rng.uniform(0, height - h), 2), round(w, 2), round(h, 2)],
+        w,
+        h,
+    )
+
+
 def _images(n, w=400, h=300, start=1):
     return [{"id": i, "width": w, "height": h, "file_name": f"{i}.jpg"} for i in range(start, start + n)]
 
@@ -300,14 +314,7 @@ def _coco_like(tmp_path: Path, seed: int, num_images: int = 40) -> tuple[Path, n
     images, anns, rows = _images(num_images, w=640, h=480, start=1), [], []
     for im in images:
         for _ in range(rng.poisson(7)):
-            side = float(rng.choice([rng.uniform(6, 30), rng.uniform(35, 90), rng.uniform(100, 300)]))
-            w, h = side * rng.uniform(0.6, 1.4), side * rng.uniform(0.6, 1.4)
-            box = [
-                round(rng.uniform(0, 640 - w), 2),
-                round(rng.uniform(0, 480 - h), 2),
-                round(w, 2),
-                round(h, 2),
-            ]
+            box, w, h = _random_coco_box(rng)
             cat = int(rng.choice(COCO_CATEGORY_IDS))
             anns.append(_ann(len(anns) + 1, im["id"], cat, box, int(rng.random() < 0.01)))
             for _ in range(rng.integers(2, 13)):

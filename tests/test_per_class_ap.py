@@ -22,29 +22,9 @@ from ssd_lightning.evaluation import (
     format_per_class_table,
     per_class_metrics,
 )
+from tests.test_evaluation import _ann, _det, _random_coco_box, _write
 
 HIT_HALF = 51 / 101  # precision 1 up to recall 0.5, nothing beyond: 51 of the 101 recall points
-
-
-def _ann(ann_id, image_id, cat, bbox, iscrowd=0):
-    return {
-        "id": ann_id,
-        "image_id": image_id,
-        "category_id": cat,
-        "bbox": list(bbox),
-        "area": float(bbox[2] * bbox[3]),
-        "iscrowd": iscrowd,
-        "segmentation": [],
-    }
-
-
-def _det(image_id, cat, bbox, score):
-    return {"image_id": image_id, "category_id": cat, "bbox": list(bbox), "score": score}
-
-
-def _write(path: Path, images, annotations, categories) -> Path:
-    path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": categories}))
-    return path
 
 
 def _images(ids, w=640, h=480):
@@ -214,14 +194,7 @@ def _generated(tmp_path: Path, seed: int, num_images: int = 30) -> tuple[Path, l
     with_gt, with_dets = [2, 4, 6, 10], [2, 4, 6, 8]
     for im in images:
         for _ in range(rng.integers(1, 8)):
-            side = float(rng.choice([rng.uniform(6, 30), rng.uniform(35, 90), rng.uniform(100, 300)]))
-            w, h = side * rng.uniform(0.6, 1.4), side * rng.uniform(0.6, 1.4)
-            box = [
-                round(rng.uniform(0, 640 - w), 2),
-                round(rng.uniform(0, 480 - h), 2),
-                round(w, 2),
-                round(h, 2),
-            ]
+            box, w, h = _random_coco_box(rng)
             cat = int(rng.choice(with_gt))
             anns.append(_ann(len(anns) + 1, im["id"], cat, box, int(rng.random() < 0.03)))
             if cat == 10 or rng.random() < 0.15:

@@ -276,7 +276,7 @@ class ClassifierLitModule(pl.LightningModule):
                 scaling=hp.ema_decay_scaling,
                 world_size=self.trainer.world_size,
                 batch_size=(
-                    per_device_batch_size(self.trainer, "EMA decay scaling (model.ema_decay_scaling=none)")
+                    per_device_batch_size(self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none")
                     if hp.ema_decay_scaling != "none"
                     else 1
                 ),

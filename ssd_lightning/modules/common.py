@@ -44,16 +44,16 @@ class BatchMean(Metric):
 
 
 def per_device_batch_size(
-    trainer: pl.Trainer, needed_for: str = "LR scaling (model.lr_scaling.rule=none)"
+    trainer: pl.Trainer, rule: str = "LR scaling", switch_off: str = "model.lr_scaling.rule=none"
 ) -> int:
-    """The per-device training batch size (the reference's ``--bs``), read from the datamodule.
-    ``needed_for``: the rule that needs it and the setting that turns it off, for the error."""
+    """The per-device training batch size (the reference's ``--bs``), read from the datamodule. ``rule``
+    needs it and ``switch_off`` turns that rule off: both name the way out in the error."""
     datamodule = getattr(trainer, "datamodule", None)
     batch_size = getattr(datamodule, "batch_size", None)
     if batch_size is None:
-        rule, _, off = needed_for.partition(" (")
         raise ConfigError(
-            f"{rule} needs the per-device batch size: the datamodule must expose `batch_size` (or set {off}"
+            f"{rule} needs the per-device batch size: the datamodule must expose `batch_size` "
+            f"(or set {switch_off})"
         )
     return int(batch_size)
 

@@ -163,7 +163,7 @@ def _load_run_config(config_path: Path):
     """The run's composed config, with the ``${hydra:...}`` paths filled in from ``.hydra/hydra.yaml``."""
     from omegaconf import OmegaConf
 
-    from ssd_lightning.train import register_resolvers
+    from ssd_lightning.resolvers import register_resolvers
 
     register_resolvers()
     cfg = OmegaConf.load(config_path)

@@ -25,38 +25,13 @@ from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.config_checks import check_writable_dir, validate_config
 from ssd_lightning.errors import user_errors_as_messages
-from ssd_lightning.run_dir import (
-    hydra_subdir_for,
-    log_name_for,
-    output_dir_for,
-    resolve_run_reference,
-    save_run_config,
-)
+from ssd_lightning.resolvers import register_resolvers
+from ssd_lightning.run_dir import resolve_run_reference, save_run_config
 
 log = logging.getLogger(__name__)
 
 
-def eval_resize_for_weights(weights: str | None, default: int) -> int:
-    """The resize before the centre crop that torchvision evaluates ``weights`` with (256 for MobileNetV2's
-    IMAGENET1K_V1, 232 for IMAGENET1K_V2); ``default`` without weights."""
-    from ssd_lightning.models.mobilenetv2 import resolve_weights
-
-    resolved = resolve_weights(weights)
-    return default if resolved is None else int(resolved.transforms().resize_size[0])
-
-
-def register_resolvers() -> None:
-    """OmegaConf resolvers used by configs/: ``${if:cond,a,b}``, ``${eval_resize:weights,default}``, and
-    the run directories of ``resume=``/``run_dir=``: ``${run_output_dir:...}``, ``${hydra_subdir:...}``,
-    ``${log_name:...}``."""
-    OmegaConf.register_new_resolver("if", lambda cond, a, b: a if cond else b, replace=True)
-    OmegaConf.register_new_resolver("eval_resize", eval_resize_for_weights, replace=True)
-    OmegaConf.register_new_resolver("run_output_dir", output_dir_for, replace=True)
-    OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir_for, replace=True)
-    OmegaConf.register_new_resolver("log_name", log_name_for, replace=True)
-
-
-register_resolvers()
+register_resolvers()  # tests and scripts call train() without train.py
 
 
 def _no_litlogger_tip(record: logging.LogRecord) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -58,6 +60,9 @@ class CocoDALIDataModule(DALIDataModule):
             that a resumed run sees the same images).
         exif_check: ``"error"``, ``"warn"`` or ``"off"``: EXIF-rotated images whose boxes cannot line up
             with what this DALI line decodes (:func:`~ssd_lightning.data.coco_validation.check_coco_split`).
+        size_check: ``"error"``, ``"warn"`` or ``"off"``: images listed with a width and height other than
+            their file's (DALI reads boxes relative to the listed size; "warn" when the images were resized
+            proportionally after labelling).
         val_skip_empty: validate only the images that have annotations, as NVIDIA's reference does (4,952
             of COCO val 2017's 5,000). The default, False, is the official protocol: all images, so
             detections on the 48 empty ones count as false positives and the same checkpoint scores slightly
@@ -100,6 +105,7 @@ class CocoDALIDataModule(DALIDataModule):
         cache_dir: str | os.PathLike | None = None,
         val_skip_empty: bool = False,
         exif_check: str = "error",
+        size_check: str = "error",
     ) -> None:
         super().__init__()
         check_loader_args(batch_size, eval_batch_size, num_threads, device)
@@ -131,6 +137,7 @@ class CocoDALIDataModule(DALIDataModule):
         self.cache_dir = cache_dir
         self.val_skip_empty = val_skip_empty
         self.exif_check = exif_check
+        self.size_check = size_check
         self._splits: dict[str, CocoSplitInfo] = {}
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
@@ -190,6 +197,7 @@ class CocoDALIDataModule(DALIDataModule):
                 check_files=self.check_files,
                 cache_dir=self.cache_dir,
                 exif_check=self.exif_check,
+                size_check=self.size_check,
             )
             other = self._splits.get("val" if split == "train" else "train")
             if other is not None and other.category_map.category_ids != info.category_map.category_ids:
@@ -240,7 +248,9 @@ class CocoDALIDataModule(DALIDataModule):
             "dtype": self._dali_dtype,
             "image_size": self.image_size,
         }
-        on_error = decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
+        on_error = _annotation_error_reporter(
+            info, decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
+        )
         if split == "train":
             anchors = self._anchor_list()
 
@@ -302,6 +312,31 @@ class CocoDALIDataModule(DALIDataModule):
             "image_ids": batch["image_ids"].reshape(-1).long(),
             "image_sizes": batch["shapes"][:, :2].long(),
         }
+
+
+# what DALI's readers.coco says when it cannot parse the annotation file (JSON syntax, field types, bbox)
+_PARSE_ERROR = re.compile(r"Invalid COCO annotation|JSON")
+
+
+def _annotation_error_reporter(info: CocoSplitInfo, other: Callable[[Exception], Exception]):
+    """``on_error`` for the COCO loaders: a failure of DALI's annotation parser becomes a DataError naming the
+    annotation file; anything else goes to ``other`` (which names undecodable images)."""
+
+    def report(exc: Exception) -> Exception:
+        # DALI (ValueError or RuntimeError): "Critical error ...\nError in CPU operator `...readers.coco`,
+        # ... encountered:\n\nInvalid COCO annotation: ...": the parser's own line is the one to show
+        said = next((line for line in str(exc).splitlines() if _PARSE_ERROR.search(line)), None)
+        if said is not None:
+            first = said.strip().rstrip(".")
+            copy = info.reader_annotation_file
+            via = "" if copy == info.annotation_file else f" (read through its checked copy {copy})"
+            return DataError(
+                f"DALI could not parse the annotation file {info.annotation_file}{via}: {first}. Check its "
+                "entries (COCO: 'bbox' is 4 numbers [x, y, w, h]; ids, width and height are integers)"
+            )
+        return other(exc)
+
+    return report
 
 
 def _listed_files(info: CocoSplitInfo) -> list[Path]:

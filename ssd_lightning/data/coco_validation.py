@@ -14,7 +14,24 @@ Policy for boxes (documented, tested):
 * further outside than that: ``ValueError`` (the file is probably in another box format or the image
   sizes are wrong).
 
-The COCO evaluation keeps reading the unclipped file.
+The COCO evaluation keeps reading the unclipped file. A box value that is not a finite number (``NaN``,
+which Python's ``json`` writes, ``Infinity``, a string) is a ``ValueError`` naming the annotation id and the
+image (DALI's parser would fail with an unrelated message).
+
+Policy for image files (documented, tested; not done with ``check_files=False``): each file's first 4 KiB
+and last 4 KiB are read, no decode.
+
+* missing files and files that do not start like an image: ``FileNotFoundError``/``ValueError``;
+* files cut short (DALI decodes a truncated JPEG with a grey remainder and a log line without the file
+  name): a JPEG without its end marker ``FFD9`` in its last 4 KiB, a PNG without its ``IEND`` chunk there,
+  a BMP or WebP shorter than its header says. Files a camera appended more than 4 KiB to (motion photos)
+  look the same, so these few are decoded by PIL and only those it cannot decode are named, in one
+  ``ValueError``;
+* the real width and height, parsed from the first 4 KiB (JPEG SOF, PNG IHDR, BMP, WebP; PIL's lazy
+  ``Image.open`` where the header does not reach that far) and compared with the listed ones. DALI reads
+  boxes relative to the listed size, so images resized after labelling train on wrongly scaled boxes; the
+  check records them (cached) and :func:`check_coco_split` raises naming them, or warns, as
+  ``size_check`` says at every call. EXIF-rotated images are judged by the EXIF policy below instead.
 
 Policy for exports of labelling tools (documented, tested), which often leave out what COCO tools need:
 
@@ -44,11 +61,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +97,7 @@ _MAGIC = {
 }
 _MAX_LISTED = 5
 _HEADER_BYTES = 4096
+_TAIL_BYTES = 4096  # where a file's end marker must be (cameras append a few bytes after it)
 _EXIF_ORIENTATION = 0x0112  # EXIF tag "Orientation"
 _SWAPS_SIDES = frozenset({5, 6, 7, 8})  # orientations that turn the image by 90 degrees
 _INT32 = range(-(2**31), 2**31)  # DALI reads image ids as int32
@@ -105,6 +124,9 @@ class CocoSplitInfo:
             their upright size (what DALI 2.x decodes).
         exif_listed_unrotated: the same for images listed with their stored size, which differs from the
             upright one (a 90-degree tag on a non-square image).
+        size_mismatches: the first images (up to 5) whose listed width and height differ from their file's,
+            as ``"file_name (listed WxH, file wxh)"`` (EXIF-rotated images excepted: see above).
+        num_size_mismatches: how many images that is in all.
     """
 
     image_dir: Path
@@ -119,6 +141,8 @@ class CocoSplitInfo:
     filled: tuple[tuple[str, int], ...] = ()
     exif_listed_upright: tuple[str, ...] = ()
     exif_listed_unrotated: tuple[str, ...] = ()
+    size_mismatches: tuple[str, ...] = ()
+    num_size_mismatches: int = 0
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -127,33 +151,76 @@ def _listing(items: Sequence[str]) -> str:
     return shown + more
 
 
-def check_image_headers(paths: Iterable[Path]) -> list[Path]:
+def check_image_headers(paths: Iterable[Path], *, check_ends: bool = False) -> list[Path]:
     """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP).
 
     Reads the first 4 KiB of each file (one page: as cheap as its first bytes, so fine for COCO's 118k
-    images). Truncated files pass here; DALI's decoder names those when it meets them (see
+    images). With ``check_ends`` also the last 4 KiB, and files cut short are named (module docstring);
+    without it truncated files pass here, and DALI's decoder names those when it meets them (see
     :func:`find_undecodable_images`).
 
     Returns:
         the files that may carry an EXIF orientation (see :func:`exif_orientation`): JPEGs with an ``Exif``
-        segment before their image data (or whose header segments run past that first page), TIFFs, WebPs.
+        segment before their image data (or whose header segments run past that first page), TIFFs, WebPs
+        with an EXIF chunk.
     """
-    missing, bad, exif_candidates = [], [], []
+    scan = _scan_files(paths, check_ends=check_ends)
+    _raise_for_unusable(scan)
+    return scan.exif_candidates
+
+
+@dataclass
+class _FileScan:
+    """What :func:`_scan_files` found: problems, EXIF candidates, and sizes parsed from the headers."""
+
+    missing: list[str]
+    bad: list[str]
+    truncated: list[str]
+    exif_candidates: list[Path]
+    sizes: dict[Path, tuple[int, int] | None]
+
+
+def _scan_files(paths: Iterable[Path], *, check_ends: bool) -> _FileScan:
+    """Read each file's first page (and with ``check_ends`` its last page); see the module docstring."""
+    scan = _FileScan(missing=[], bad=[], truncated=[], exif_candidates=[], sizes={})
+    suspects: list[tuple[Path, str]] = []
     for path in paths:
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:
                 head = f.read(_HEADER_BYTES)
+                end, size = b"", 0
+                if check_ends:
+                    size = os.fstat(f.fileno()).st_size
+                    end = head
+                    if size > len(head):
+                        f.seek(max(size - _TAIL_BYTES, len(head)))
+                        end = (head + f.read(_TAIL_BYTES))[-_TAIL_BYTES:]
         except FileNotFoundError:
-            missing.append(str(path))
+            scan.missing.append(str(path))
             continue
         except IsADirectoryError:
-            bad.append(f"{path} (a directory)")
+            scan.bad.append(f"{path} (a directory)")
             continue
         kind = _image_kind(head)
         if kind is None:
-            bad.append(f"{path} (starts with {head[:4]!r})")
-        elif kind in ("TIFF", "WebP") or (kind == "JPEG" and _jpeg_may_have_exif(head)):
-            exif_candidates.append(path)
+            scan.bad.append(f"{path} (starts with {head[:4]!r})")
+            continue
+        may_have_exif, scan.sizes[path] = _header_facts(kind, head)
+        if may_have_exif:
+            scan.exif_candidates.append(path)
+        if check_ends and (why := _cut_short(kind, head, end, size)):
+            suspects.append((path, why))
+    if suspects:  # trailers longer than a page (motion photos) look the same: let PIL decide
+        log.info(
+            "decoding %d image(s) without their end marker to see whether they are complete", len(suspects)
+        )
+        undecodable = dict(_undecodable(path for path, _ in suspects))
+        scan.truncated = [f"{p} ({why}; PIL: {undecodable[p]})" for p, why in suspects if p in undecodable]
+    return scan
+
+
+def _raise_for_unusable(scan: _FileScan) -> None:
+    missing, bad, truncated = scan.missing, scan.bad, scan.truncated
     if missing:
         raise MissingDataError(
             f"{len(missing)} image file(s) listed in the annotations do not exist: {_listing(missing)}. "
@@ -164,7 +231,82 @@ def check_image_headers(paths: Iterable[Path]) -> list[Path]:
             f"{len(bad)} file(s) are not images DALI can decode (JPEG, PNG, BMP, TIFF, WebP): "
             f"{_listing(bad)}. Re-encode or remove them."
         )
-    return exif_candidates
+    if truncated:
+        raise DataError(
+            f"{len(truncated)} image file(s) are corrupt or truncated: {_listing(truncated)}. Re-copy or "
+            "re-download them, or remove their entries from the annotation file (DALI would decode the "
+            "missing part of a truncated JPEG as grey)."
+        )
+
+
+def _cut_short(kind: str, head: bytes, end: bytes, size: int) -> str | None:
+    """Why a file looks cut short, from its first and last pages (None: it does not)."""
+    if kind == "JPEG" and b"\xff\xd9" not in end:  # cannot occur in entropy-coded data (FF is stuffed)
+        return f"no JPEG end marker FFD9 in its last {_TAIL_BYTES} bytes"
+    if kind == "PNG" and b"IEND" not in end:
+        return f"no PNG IEND chunk in its last {_TAIL_BYTES} bytes"
+    if kind == "BMP" and len(head) >= 34:
+        declared = int.from_bytes(head[2:6], "little")
+        pixels_end = None
+        if int.from_bytes(head[14:18], "little") >= 40 and int.from_bytes(head[30:34], "little") in (0, 3):
+            width = int.from_bytes(head[18:22], "little", signed=True)
+            height = int.from_bytes(head[22:26], "little", signed=True)
+            row = (int.from_bytes(head[28:30], "little") * abs(width) + 31) // 32 * 4
+            pixels_end = int.from_bytes(head[10:14], "little") + row * abs(height)
+        if declared > size or (pixels_end is not None and pixels_end > size):
+            return f"{size} bytes, its BMP header says {max(declared, pixels_end or 0)}"
+    if kind == "WebP" and int.from_bytes(head[4:8], "little") + 8 > size:
+        return f"{size} bytes, its RIFF header says {int.from_bytes(head[4:8], 'little') + 8}"
+    return None
+
+
+def _undecodable(paths: Iterable[Path]) -> Iterator[tuple[Path, str]]:
+    """``(path, PIL's reason)`` for the files PIL cannot fully decode (at 1/8 scale)."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
+                img.load()
+        except Exception as exc:  # noqa: BLE001 - any failure means DALI will fail (or decode grey) too
+            yield path, f"{type(exc).__name__}: {exc}"
+
+
+def _header_facts(kind: str, head: bytes) -> tuple[bool, tuple[int, int] | None]:
+    """``(may carry an EXIF orientation, (width, height) as stored or None)`` from a file's first page."""
+    if kind == "JPEG":
+        return _jpeg_header(head)
+    if kind == "PNG" and head[12:16] == b"IHDR":
+        return False, _positive(int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big"))
+    if kind == "BMP" and len(head) >= 26:
+        if int.from_bytes(head[14:18], "little") == 12:  # OS/2 BITMAPCOREHEADER
+            return False, _positive(
+                int.from_bytes(head[18:20], "little"), int.from_bytes(head[20:22], "little")
+            )
+        width = int.from_bytes(head[18:22], "little", signed=True)
+        return False, _positive(width, abs(int.from_bytes(head[22:26], "little", signed=True)))
+    if kind == "WebP":
+        return _webp_header(head)
+    return True, None  # TIFF: PIL reads both
+
+
+def _positive(width: int, height: int) -> tuple[int, int] | None:
+    return (width, height) if width > 0 and height > 0 else None
+
+
+def _webp_header(head: bytes) -> tuple[bool, tuple[int, int] | None]:
+    chunk = head[12:16]
+    if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":  # lossy: no EXIF without a VP8X chunk
+        width, height = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+        return False, _positive(width & 0x3FFF, height & 0x3FFF)
+    if chunk == b"VP8L" and head[20:21] == b"\x2f":  # lossless: 14 bits each, minus one
+        bits = int.from_bytes(head[21:25], "little")
+        return False, ((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
+    if chunk == b"VP8X" and len(head) >= 30:  # extended: flags (EXIF: 0x08), canvas size minus one
+        size = (int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1)
+        return bool(head[20] & 0x08), size
+    return True, None
 
 
 def _image_kind(head: bytes) -> str | None:
@@ -173,23 +315,31 @@ def _image_kind(head: bytes) -> str | None:
     return next((kind for magic, kind in _MAGIC.items() if head.startswith(magic)), None)
 
 
-def _jpeg_may_have_exif(head: bytes) -> bool:
-    """Walk the JPEG's header segments in ``head``: True at an APP1 ``Exif`` segment or past ``head``'s end,
-    False at the image data (EXIF comes before it)."""
-    at = 2  # after SOI
+def _jpeg_header(head: bytes) -> tuple[bool, tuple[int, int] | None]:
+    """Walk the JPEG's header segments in ``head`` up to the start of frame (SOF: its width and height).
+
+    The first item is True after an APP1 ``Exif`` segment or past ``head``'s end (then the size is unknown
+    too: PIL reads both), False at the image data with no ``Exif`` before it (EXIF comes first).
+    """
+    at, exif = 2, False  # after SOI
     while at + 4 <= len(head):
         if head[at] != 0xFF:
-            return True  # not a marker where one should be: let PIL decide
+            return True, None  # not a marker where one should be: let PIL decide
         marker = head[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
-        if marker == 0xDA or (0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC)):
-            return False  # start of scan / of frame: no EXIF segment before the image data
+        if marker == 0xDA:  # start of scan before a frame header: let PIL decide the size
+            return exif, None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn: length, precision, h, w
+            if at + 9 > len(head):
+                return True, None
+            height = int.from_bytes(head[at + 5 : at + 7], "big")
+            return exif, _positive(int.from_bytes(head[at + 7 : at + 9], "big"), height)
         if marker == 0xE1 and head[at + 4 : at + 10] == b"Exif\x00\x00":
-            return True
+            exif = True
         at += 2 + int.from_bytes(head[at + 2 : at + 4], "big")
-    return True
+    return True, None
 
 
 def exif_orientation(path: Path) -> tuple[int, tuple[int, int]] | None:
@@ -222,17 +372,7 @@ def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
 
     Slow (decodes every file at 1/8 scale); used only to name the culprit after DALI failed.
     """
-    from PIL import Image
-
-    bad = []
-    for path in paths:
-        try:
-            with Image.open(path) as img:
-                img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
-                img.load()
-        except Exception as exc:  # noqa: BLE001 - any failure means DALI will fail too
-            bad.append(f"{path} ({type(exc).__name__}: {exc})")
-    return bad
+    return [f"{path} ({why})" for path, why in _undecodable(paths)]
 
 
 # A polygon list value of "segmentation" (numbers and brackets only). Polygons are ~2/3 of COCO's bytes and
@@ -286,6 +426,7 @@ def check_coco_split(
     check_files: bool = True,
     cache_dir: str | os.PathLike | None = None,
     exif_check: str = "error",
+    size_check: str = "error",
 ) -> CocoSplitInfo:
     """Validate one COCO split and return what the pipelines need. See the module docstring for the policy.
 
@@ -302,14 +443,20 @@ def check_coco_split(
             :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
         exif_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what EXIF-rotated images whose boxes
             cannot line up with what this DALI line decodes are (the same message as an error or a warning).
+        size_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what images listed with a width and
+            height other than their file's are ("warn" is right when the images were resized proportionally
+            after labelling: boxes are read relative to the listed size).
 
     Raises:
         FileNotFoundError: ``image_dir``, ``annotation_file`` or a listed image is missing.
         ValueError: unparsable JSON, missing COCO keys, no images, duplicate or unusable ids, annotations
-            that reference unknown images or categories, malformed boxes, boxes far outside their image,
-            files that are not images, EXIF-rotated images whose boxes cannot line up with what DALI
-            decodes.
+            that reference unknown images or categories, malformed or non-finite boxes, boxes far outside
+            their image, files that are not images or are cut short, EXIF-rotated images whose boxes cannot
+            line up with what DALI decodes, images listed with another size than their file's.
     """
+    for name, value in (("exif_check", exif_check), ("size_check", size_check)):
+        if value not in CHECK_MODES:
+            raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
     if not image_dir.is_dir():
         raise MissingDataError(
@@ -338,12 +485,15 @@ def check_coco_split(
                     cache.store_error(exc)  # the processes waiting for this one raise it too
                     raise
                 cache.store(_to_json(info), files_checked=check_files)
-    if exif_check not in EXIF_CHECKS:
-        raise ValueError(f"exif_check must be one of {EXIF_CHECKS}, got {exif_check!r}")
     problem = _orientation_mismatch(info)  # depends on the DALI line, not only on the files: not cached
     if problem and exif_check == "error":
         raise DataError(f"{problem}; data.exif_check=warn trains anyway")
     if problem and exif_check == "warn":
+        log.warning(problem)
+    problem = _size_mismatch(info)  # recorded in the cache entry, judged at every call
+    if problem and size_check == "error":
+        raise DataError(f"{problem}; data.size_check=warn trains anyway")
+    if problem and size_check == "warn":
         log.warning(problem)
     _warn_about_changes(info)
     return info
@@ -381,7 +531,8 @@ _FILLED = {  # what the normalised copy changed -> how the warning says it
 }
 
 
-EXIF_CHECKS = ("error", "warn", "off")
+CHECK_MODES = ("error", "warn", "off")  # exif_check, size_check
+EXIF_CHECKS = CHECK_MODES
 
 
 def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
@@ -410,6 +561,22 @@ def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
     return None
 
 
+def _size_mismatch(info: CocoSplitInfo) -> str | None:
+    """The images listed with another width and height than their file's (module docstring)."""
+    if not info.num_size_mismatches:
+        return None
+    more = info.num_size_mismatches - len(info.size_mismatches)
+    named = ", ".join(info.size_mismatches) + (f" (and {more} more)" if more else "")
+    return (
+        f"{info.annotation_file} (images in {info.image_dir}): {info.num_size_mismatches} image(s) are "
+        f"listed with a width and height other than their file's: {named}. DALI reads the boxes relative "
+        "to the listed size, so if they were drawn on the file's pixels they train wrongly scaled: fix "
+        "'width' and 'height' in these image entries. If the images were resized proportionally after "
+        "labelling, the boxes are still right relative to the listed size (the COCO evaluation's AP on "
+        "these images is off: it compares listed pixels with detections in the file's pixels)"
+    )
+
+
 def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
     return {
         "reader_annotation_file": str(info.reader_annotation_file.resolve()),
@@ -423,6 +590,8 @@ def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
         "filled": [list(pair) for pair in info.filled],
         "exif_listed_upright": list(info.exif_listed_upright),
         "exif_listed_unrotated": list(info.exif_listed_unrotated),
+        "size_mismatches": list(info.size_mismatches),
+        "num_size_mismatches": info.num_size_mismatches,
     }
 
 
@@ -439,12 +608,16 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
         reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] or filled else annotation_file
         evaluation = Path(entry["evaluation_annotation_file"]) if filled else annotation_file
         exif = {k: tuple(str(n) for n in entry[k]) for k in ("exif_listed_upright", "exif_listed_unrotated")}
+        sizes = {
+            "size_mismatches": tuple(str(n) for n in entry["size_mismatches"]),
+            "num_size_mismatches": int(entry["num_size_mismatches"]),
+        }
     except (KeyError, TypeError, ValueError):
         return None
     if not (reader.is_file() and evaluation.is_file()):  # a copy was deleted
         return None
     return CocoSplitInfo(
-        image_dir, annotation_file, reader, evaluation, cmap, **counts, filled=filled, **exif
+        image_dir, annotation_file, reader, evaluation, cmap, **counts, filled=filled, **exif, **sizes
     )
 
 
@@ -461,9 +634,14 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
     sizes = _image_sizes(data["images"], annotation_file)
     upright: list[str] = []
     unrotated: list[str] = []
+    mismatched: list[str] = []
     if check_files:
         by_path = {image_dir / name: (w, h, name) for w, h, name in sizes.values()}
-        upright, unrotated = _oriented_images(check_image_headers(by_path), by_path, annotation_file)
+        scan = _scan_files(by_path, check_ends=True)
+        _raise_for_unusable(scan)
+        oriented = {path: exif_orientation(path) for path in scan.exif_candidates}
+        upright, unrotated = _oriented_images(oriented, by_path, annotation_file)
+        mismatched = _size_mismatches(by_path, scan.sizes, oriented)
     category_ids = set(category_map.category_ids)
     boxes = _check_boxes(data["annotations"], sizes, category_ids, image_dir, annotation_file)
 
@@ -487,7 +665,41 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
         filled=tuple(filled),
         exif_listed_upright=tuple(upright),
         exif_listed_unrotated=tuple(unrotated),
+        size_mismatches=tuple(mismatched[:_MAX_LISTED]),
+        num_size_mismatches=len(mismatched),
     )
+
+
+def _size_mismatches(
+    listed: dict[Path, tuple[float, float, str]],
+    parsed: dict[Path, tuple[int, int] | None],
+    oriented: dict[Path, tuple[int, tuple[int, int]] | None],
+) -> list[str]:
+    """``"file_name (listed WxH, file wxh)"`` for each image whose listed size is not its file's.
+
+    The size comes from the EXIF look-up (stored size), the header, or PIL's lazy ``Image.open``; images
+    with an EXIF orientation other than 1 are left to :func:`_oriented_images`.
+    """
+    from PIL import Image
+
+    found = []
+    for path, (width, height, name) in listed.items():
+        real = None
+        if oriented.get(path) is not None:
+            orientation, real = oriented[path]
+            if orientation != 1:
+                continue
+        if real is None:
+            real = parsed.get(path)
+        if real is None:
+            try:
+                with Image.open(path) as img:  # reads the header only
+                    real = img.size
+            except Exception:  # noqa: BLE001 - unreadable: DALI's decoder names it (find_undecodable_images)
+                continue
+        if abs(width - real[0]) >= 1 or abs(height - real[1]) >= 1:
+            found.append(f"{name} (listed {width:g}x{height:g}, file {real[0]}x{real[1]})")
+    return found
 
 
 def _is_int_id(value: Any) -> bool:
@@ -495,10 +707,11 @@ def _is_int_id(value: Any) -> bool:
 
 
 def _is_box(bbox: Any) -> bool:
+    """Four finite numbers (Python's json reads ``NaN`` and ``Infinity`` as floats; DALI's parser fails)."""
     return (
         isinstance(bbox, list)
         and len(bbox) == 4
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in bbox)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in bbox)
     )
 
 
@@ -578,20 +791,24 @@ def _image_sizes(images: list[Any], annotation_file: Path) -> dict[int, tuple[fl
             ) from exc
         if iid in sizes:
             raise DataError(f"annotation file {annotation_file}: duplicate image id {iid}")
-        if w <= 0 or h <= 0:
+        if not (0 < w < math.inf and 0 < h < math.inf):  # also NaN
             raise DataError(f"annotation file {annotation_file}: image {name} (id {iid}) has size {w}x{h}")
         sizes[iid] = (w, h, name)
     return sizes
 
 
 def _oriented_images(
-    candidates: Iterable[Path], listed: dict[Path, tuple[float, float, str]], annotation_file: Path
+    oriented: dict[Path, tuple[int, tuple[int, int]] | None],
+    listed: dict[Path, tuple[float, float, str]],
+    annotation_file: Path,
 ) -> tuple[list[str], list[str]]:
     """``file_name`` of the EXIF-rotated images listed with their upright size, and of those listed with
-    their stored size (only where that differs); raises for those listed with neither."""
+    their stored size (only where that differs); raises for those listed with neither.
+
+    ``oriented``: :func:`exif_orientation` of each file that may carry a tag.
+    """
     upright, unrotated, neither = [], [], []
-    for path in candidates:
-        found = exif_orientation(path)
+    for path, found in oriented.items():
         if found is None or found[0] == 1:
             continue
         orientation, (stored_w, stored_h) = found
@@ -642,13 +859,13 @@ def _check_boxes(
                 f"annotation file {annotation_file}: annotation {ann.get('id')} has category id {cid!r}, "
                 f"which is not in 'categories' {sorted(valid_cats)}"
             )
+        iw, ih, name = sizes[iid]
         if not _is_box(bbox):
             raise DataError(
-                f"annotation file {annotation_file}: annotation {ann.get('id')} needs bbox [x, y, w, h], "
-                f"got {bbox!r}"
+                f"annotation file {annotation_file}: annotation {ann.get('id')} (image {image_dir / name}) "
+                f"needs bbox [x, y, w, h] of 4 finite numbers, got {bbox!r}"
             )
         x, y, bw, bh = (float(v) for v in bbox)
-        iw, ih, name = sizes[iid]
         if bw < MIN_BOX_SIZE or bh < MIN_BOX_SIZE:
             found.dropped += 1
             continue

@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from tests.test_resume import COMMON as RESUME_COMMON
-from tests.test_resume import _ckpt, _per_step
+from tests.test_resume import _ckpt, _per_epoch, _per_step
 from tests.test_resume import _run as run_with_resume_settings
 
 # synthetic batches only: nothing here depends on the DALI line
@@ -69,6 +69,13 @@ def test_sigterm_saves_the_step_and_resuming_gives_the_uninterrupted_run(kill_st
     assert sorted(got_loss) == list(range(TOTAL))
     for step in range(TOTAL):  # same batches, same LR, same optimizer state at every step
         assert got_loss[step] == pytest.approx(expected_loss[step], rel=1e-5, abs=1e-6), step
+    # the epoch's running mean went into last.ckpt: the resumed epoch averages all its batches, not only
+    # those after the resume
+    expected_mean = _per_epoch(straight, "train/loss_epoch")
+    got_mean = {**_per_epoch(killed, "train/loss_epoch"), **_per_epoch(resumed, "train/loss_epoch")}
+    assert sorted(got_mean) == sorted(expected_mean) == [0, 1]
+    for epoch, value in expected_mean.items():
+        assert got_mean[epoch] == pytest.approx(value, rel=1e-5), epoch
     a, b = _ckpt(straight), _ckpt(resumed)
     assert a["global_step"] == b["global_step"] == TOTAL
     for key, value in a["state_dict"].items():

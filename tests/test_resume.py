@@ -66,6 +66,12 @@ def _per_step(run_dir: Path, key: str) -> dict[int, float]:
         return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
 
 
+def _per_epoch(run_dir: Path, key: str) -> dict[int, float]:
+    """``{epoch: value}`` of an epoch-level metric (``train/loss_epoch``) in the run's ``csv/metrics.csv``."""
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["epoch"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
+
+
 def _ckpt(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 

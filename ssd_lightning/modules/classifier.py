@@ -11,7 +11,7 @@ from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssd_lightning.modules.common import (
@@ -19,8 +19,10 @@ from ssd_lightning.modules.common import (
     check_num_classes,
     configure_recipe_optimizers,
     init_net_from_file,
+    load_epoch_metric_states,
     per_device_batch_size,
     restore_train_loader_state,
+    save_epoch_metric_states,
     steps_per_epoch,
     total_epochs,
 )
@@ -172,6 +174,16 @@ class ClassifierLitModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, self.num_classes, "model.net.num_classes")
+
+    def _epoch_metrics(self) -> dict[str, Metric]:
+        """The training epoch metrics whose mid-epoch states checkpoints carry."""
+        return {"train_loss_epoch": self.train_loss_epoch, "train_acc1": self.train_acc1}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        save_epoch_metric_states(self, checkpoint, self._epoch_metrics())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        load_epoch_metric_states(self, checkpoint, self._epoch_metrics())
 
     def forward(self, images: Tensor) -> Tensor:
         """(N, 3, H, W) -> (N, num_classes) logits."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchmetrics import Metric
 
@@ -24,8 +25,9 @@ class BatchMean(Metric):
 
     For epoch metrics such as ``train/loss_epoch``: ``update`` only adds on the device (no host sync, no
     collective); ranks are reduced once, in ``compute`` at the end of the epoch, whereas
-    ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step. States are not saved in
-    checkpoints (a resumed epoch averages the batches it ran).
+    ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step. The states of an unfinished
+    epoch go into checkpoints through :func:`save_epoch_metric_states` (torchmetrics leaves them out), so
+    a resumed epoch averages all its batches.
     """
 
     full_state_update = False
@@ -82,6 +84,62 @@ def restore_train_loader_state(trainer: pl.Trainer) -> None:
     if pending and fit_loop._combined_loader is not None:
         fit_loop._combined_loader._load_state_dicts(pending)
         fit_loop._combined_loader_states_to_load = []
+
+
+EPOCH_METRIC_STATES = "epoch_metric_states"  # the checkpoint's key
+
+
+def save_epoch_metric_states(
+    module: pl.LightningModule, checkpoint: dict, metrics: Mapping[str, Metric]
+) -> None:
+    """Put the states of epoch metrics (``train/loss_epoch``) into ``checkpoint`` when it is written in the
+    middle of an epoch (call in ``on_save_checkpoint``; Lightning calls it on every rank).
+
+    torchmetrics states are not part of the ``state_dict``, so a run resumed mid-epoch would average only
+    the batches after the resume. Every state of ``metrics`` must be a sum (``dist_reduce_fx="sum"``:
+    :class:`BatchMean`, micro-averaged accuracy); they are summed over the DDP ranks here (one all-reduce,
+    only for a mid-epoch checkpoint) and :func:`load_epoch_metric_states` gives the sum to rank 0, zeros
+    to the others, so the epoch's end reduces them to the uninterrupted run's value at any world size.
+    Written at an epoch's end (``ModelCheckpoint``), the states are the finished epoch's: nothing is saved.
+    """
+    trainer = module.trainer
+    progress = trainer.fit_loop.epoch_progress.current
+    if trainer.state.fn != "fit" or progress.started == progress.processed:  # Lightning's "epoch unfinished"
+        return
+    names, values = [], []
+    for name, metric in metrics.items():
+        for key, value in metric.metric_state.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{name}.{key}: only tensor (sum) states can be checkpointed, got {type(value)}"
+                )
+            names.append((name, key, value.dtype, value.shape))
+            values.append(value.detach().reshape(-1).double())  # exact for counts below 2**53
+    if not values:
+        return
+    flat = torch.cat(values)
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for (name, key, dtype, shape), part in zip(
+        names, flat.cpu().split([v.numel() for v in values]), strict=True
+    ):
+        states.setdefault(name, {})[key] = part.reshape(shape).to(dtype)
+    checkpoint[EPOCH_METRIC_STATES] = states
+
+
+def load_epoch_metric_states(
+    module: pl.LightningModule, checkpoint: Mapping, metrics: Mapping[str, Metric]
+) -> None:
+    """Restore what :func:`save_epoch_metric_states` saved (call in ``on_load_checkpoint``): the sums on
+    rank 0, zeros on the other ranks. Checkpoints without them (end of an epoch, older files) change
+    nothing."""
+    saved = checkpoint.get(EPOCH_METRIC_STATES) or {}
+    for name, metric in metrics.items():
+        for key, value in (saved.get(name) or {}).items():
+            current = getattr(metric, key)
+            value = value.to(device=current.device, dtype=current.dtype).reshape(current.shape)
+            setattr(metric, key, value if module.global_rank == 0 else torch.zeros_like(current))
 
 
 def total_epochs(trainer: pl.Trainer, epoch_steps: int) -> int:

@@ -16,7 +16,9 @@ from ssd_lightning.modules.common import (
     check_num_classes,
     configure_recipe_optimizers,
     init_net_from_file,
+    load_epoch_metric_states,
     restore_train_loader_state,
+    save_epoch_metric_states,
 )
 
 DEFAULT_DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 200}
@@ -99,6 +101,12 @@ class SSDLitModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, getattr(self.net, "num_classes", None), "model.net.num_classes")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        save_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        load_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         locs, logits = self(batch["images"])

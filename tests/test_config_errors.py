@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -148,3 +149,25 @@ def test_cli_read_only_output_dir_fails_before_training(tmp_path):
     assert result.returncode == 1, result.stderr
     assert f"paths.output_dir={blocker}/run is not writable" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_cli_batch_larger_than_the_training_split_is_one_line(tmp_path):
+    """Fewer training images than one batch per rank: found when the DALI reader opens; one line."""
+    result = _train(
+        "experiment=demo",
+        "data.num_train=12",
+        "data.num_val=4",
+        "data.batch_size=32",
+        f"paths.data_dir={tmp_path / 'data'}",
+        f"paths.output_dir={tmp_path / 'o'}",
+    )
+    assert result.returncode == 2, result.stderr
+    assert re.search(
+        r"^Error: \d+ training samples cannot fill one batch of 32 on each of 1 rank\(s\); "
+        r"lower data.batch_size \(per device\)",
+        result.stderr,
+        re.M,
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 15, result.stderr

@@ -79,6 +79,7 @@ from nvidia.dali.tensors import TensorListGPU
 from torch import Tensor
 
 from ssd_lightning.data.dali_compat import feed_ndarray, run_pipeline, to_torch_type, uses_fresh_outputs
+from ssd_lightning.errors import ConfigError
 
 __all__ = ["DALILoader", "shard_size"]
 
@@ -184,15 +185,16 @@ class DALILoader:
         if mode == "train":
             self._len = (self.num_samples // num_shards) // self.batch_size
             if self._len == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.num_samples} training samples cannot fill one batch of {self.batch_size} on each "
-                    f"of {num_shards} rank(s); lower batch_size or use more data"
+                    f"of {num_shards} rank(s); lower data.batch_size (per device) or use more data"
                 )
         else:
             self._len = self._real_batches
             if self._len == 0:
-                raise ValueError(
-                    f"shard {shard_id} of {num_shards} is empty ({self.num_samples} samples); use fewer ranks"
+                raise ConfigError(
+                    f"shard {shard_id} of {num_shards} is empty ({self.num_samples} samples); use fewer "
+                    "ranks (trainer.devices, trainer.num_nodes)"
                 )
         self._pos = 0  # batches already taken from the current reader epoch
         self._taken = 0  # batches yielded in the current (training) epoch

@@ -12,6 +12,11 @@ A run directory is what ``train.py`` writes: ``.hydra/config.yaml`` (the compose
   checkpoint (``best.ckpt``, else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
 
 ``ckpt_path=<file>`` on the command line wins over the checkpoint either would pick.
+
+A job that a scheduler restarts (SLURM requeue after a time limit or a preemption, submitit's retries) runs
+with the same overrides in the same directory: :func:`requeued_run` finds the ``checkpoints/last.ckpt`` its
+interrupted start left there (``checkpoints/interrupted.json`` names the same scheduler job id) and the
+job continues as ``resume=<that dir>`` would.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ssd_lightning.atomic import atomic_write_text
+from ssd_lightning.callbacks.interrupt import read_interruption, scheduler_job_id
 from ssd_lightning.errors import ConfigError
+from ssd_lightning.sweep import launcher_rank
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +144,42 @@ def _checkpoint(run: Path, names: tuple[str, ...], key: str) -> Path:
         f"{key}={run}: no {' or '.join(names)} in {run / 'checkpoints'}; the run saved no checkpoint yet "
         "(it saves one every epoch and on SIGTERM/Ctrl-C)"
     )
+
+
+def requeued_run(cfg: DictConfig) -> Path | None:
+    """This job's run directory when the job is a restart of an interrupted one, else None.
+
+    A restart is recognised by ``<paths.output_dir>/checkpoints/interrupted.json`` (written by
+    :class:`~ssd_lightning.callbacks.InterruptCheckpoint` next to the ``last.ckpt`` it saved) naming this
+    process's scheduler job id (:func:`~ssd_lightning.callbacks.interrupt.scheduler_job_id`): SLURM and
+    submitit keep it across a requeue, a new submission gets another one, and a run outside a scheduler
+    has none, so a fresh run never continues from a checkpoint it did not make. Only for ``task=fit``
+    without ``resume=``/``run_dir=``/``ckpt_path=``.
+    """
+    if cfg.get("task") != "fit" or cfg.get("resume") or cfg.get("run_dir") or cfg.get("ckpt_path"):
+        return None
+    job_id = scheduler_job_id()
+    if job_id is None:
+        return None
+    run = Path(str(cfg.paths.output_dir)).expanduser()
+    record = read_interruption(run / "checkpoints")
+    if not record or record.get("job_id") != job_id:
+        return None
+    if not (run / "checkpoints" / "last.ckpt").is_file() or not latest_config_file(run).is_file():
+        log.warning("%s: the interrupted run left no last.ckpt or config; starting over", run)
+        return None
+    if launcher_rank() == 0:
+        log.warning(
+            "Requeued job %s: continuing %s from checkpoints/last.ckpt (stopped by %s at epoch %s, step %s), "
+            "as resume=%s",
+            job_id,
+            run,
+            record.get("signal"),
+            record.get("epoch"),
+            record.get("step"),
+            run,
+        )
+    return run
 
 
 def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:

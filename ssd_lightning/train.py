@@ -26,7 +26,7 @@ from ssd_lightning.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.config_checks import check_writable_dir, validate_config
 from ssd_lightning.errors import user_errors_as_messages
 from ssd_lightning.resolvers import register_resolvers
-from ssd_lightning.run_dir import resolve_run_reference, save_run_config
+from ssd_lightning.run_dir import requeued_run, resolve_run_reference, save_run_config
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ``resume=<run dir>`` / ``run_dir=<run dir>`` replace ``cfg`` by that run's config (see
     :mod:`ssd_lightning.run_dir`), with the command line's overrides on top."""
     _silence_known_harmless_warnings()
+    requeued = requeued_run(cfg)  # a scheduler restarted this job after a signal: continue in place
+    if requeued is not None:
+        with open_dict(cfg):
+            cfg.resume = str(requeued)
     cfg = resolve_run_reference(cfg, _command_line_overrides())
-    if cfg.get("resume"):
+    if cfg.get("resume") and requeued is None:  # a requeue runs the config Hydra saved in .hydra/ again
         _save_resumed_config(cfg)
     for message in validate_config(cfg):
         log.warning(message)
@@ -118,6 +122,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             )
     except SIGTERMException:
         _release_process_group()  # every rank stopped at the same step and saved: nobody waits for a peer
+        interrupt = next((c for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
+        if interrupt is not None:
+            interrupt.hand_over()  # SIGUSR1/SIGUSR2: the scheduler's requeue (submitit's handler exits here)
         raise SystemExit(_interrupted_exit_code(trainer)) from None
     except Exception:
         _stop_other_ranks(trainer)
@@ -182,9 +189,10 @@ def _release_process_group() -> None:
 
 
 def _interrupted_exit_code(trainer: pl.Trainer) -> int:
-    """130 after Ctrl-C, 143 after SIGTERM (128 + signal number, as shells report it)."""
+    """128 + signal number, as shells report it: 130 after Ctrl-C, 143 after SIGTERM, 138/140 after
+    SIGUSR1/SIGUSR2 when nothing requeued the job."""
     stopped_by = next((c.stopped_by for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
-    return 130 if stopped_by == "SIGINT" else 143
+    return 128 + int(getattr(signal.Signals, stopped_by or "SIGTERM", signal.SIGTERM))
 
 
 def main(cfg: DictConfig) -> float | None:

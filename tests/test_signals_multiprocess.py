@@ -13,6 +13,7 @@ signal lands mid-training however loaded the machine is, and the tests wait for 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -24,7 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ssd_lightning.callbacks.interrupt import INTERRUPTED_FILE
 from tests.conftest import REPO_ROOT
+from tests.test_resume import _per_epoch
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.no_dali]  # synthetic data
 
@@ -58,11 +61,12 @@ TRAIN = [
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _start(launcher: str, run_dir: Path, *extra: str) -> subprocess.Popen:
+def _start(launcher: str, run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     prefix = TORCHRUN if launcher == "torchrun" else [sys.executable]
     return subprocess.Popen(
         [*prefix, *TRAIN, f"hydra.run.dir={run_dir}", *extra],
         cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -88,16 +92,41 @@ def _ckpt(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> dict:
-    """The uninterrupted run's final checkpoint."""
+def straight_dir(tmp_path_factory) -> Path:
+    """The uninterrupted run's directory."""
     run_dir = tmp_path_factory.mktemp("straight")
     proc = _start("torchrun", run_dir)
     out = _finish(proc)
     assert proc.returncode == 0, out[-4000:]
-    return _ckpt(run_dir)
+    return run_dir
 
 
-def _interrupt(launcher: str, signum: signal.Signals, run_dir: Path, *, to_group: bool = False):
+@pytest.fixture(scope="module")
+def straight(straight_dir) -> dict:
+    """The uninterrupted run's final checkpoint."""
+    return _ckpt(straight_dir)
+
+
+EPOCH_MEANS = ("train/loss_epoch", "train/acc1_epoch")
+
+
+def _assert_same_epoch_means(straight_dir: Path, *parts: Path) -> None:
+    """The epoch means (over both ranks' batches) of the run in ``parts`` (interrupted, then resumed) are
+    the uninterrupted run's: the mid-epoch checkpoint carried the running sums of both ranks."""
+    for key in EPOCH_MEANS:
+        expected = _per_epoch(straight_dir, key)
+        got = {}
+        for part in parts:  # a run stopped early in its first epoch may have written no CSV yet
+            if (part / "csv" / "metrics.csv").is_file():
+                got.update(_per_epoch(part, key))
+        assert sorted(got) == sorted(expected) == list(range(EPOCHS)), key
+        for epoch, value in expected.items():
+            assert got[epoch] == pytest.approx(value, rel=1e-5), (key, epoch)
+
+
+def _interrupt(
+    launcher: str, signum: signal.Signals, run_dir: Path, *, to_group: bool = False, env: dict | None = None
+):
     """Start a run, wait until rank 0 pauses mid-training, send ``signum``: (exit code, output, seconds)."""
     marks = run_dir / "marks"
     proc = _start(
@@ -106,6 +135,7 @@ def _interrupt(launcher: str, signum: signal.Signals, run_dir: Path, *, to_group
         "+callbacks.pause._target_=tests.ddp_probes.PauseForSignal",
         f"+callbacks.pause.directory={marks}",
         f"+callbacks.pause.step={PAUSE_STEP}",
+        env=env,
     )
     deadline = time.monotonic() + TIMEOUT_S
     while not (marks / "paused").exists():
@@ -135,7 +165,9 @@ def _stopped_steps(out: str, name: str) -> dict[int, int]:
     }
 
 
-def _check_stop_and_resume(run_dir: Path, out: str, name: str, straight: dict, resume_with: str) -> int:
+def _check_stop_and_resume(
+    run_dir: Path, out: str, name: str, straight: dict, straight_dir: Path, resume_with: str
+) -> int:
     steps = _stopped_steps(out, name)
     assert sorted(steps) == [0, 1], out[-4000:]  # every rank saved ...
     assert steps[0] == steps[1], steps  # ... after the same step
@@ -153,12 +185,13 @@ def _check_stop_and_resume(run_dir: Path, out: str, name: str, straight: dict, r
     assert final["global_step"] == straight["global_step"] == TOTAL
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(final["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    _assert_same_epoch_means(straight_dir, run_dir, resumed)
     return saved["global_step"]
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
-def test_torchrun_signal_saves_on_every_rank_and_resumes(signum, straight, tmp_path):
+def test_torchrun_signal_saves_on_every_rank_and_resumes(signum, straight, straight_dir, tmp_path):
     name = signum.name
     run_dir = tmp_path / "killed"
     code, out, elapsed = _interrupt("torchrun", signum, run_dir)
@@ -167,7 +200,7 @@ def test_torchrun_signal_saves_on_every_rank_and_resumes(signum, straight, tmp_p
     assert code == 1 and f"got signal: {int(signum)}" in out, out[-4000:]
     assert "forcefully exiting" not in out and "Unable to shutdown" not in out, out[-4000:]
     assert out.count("Traceback") == 1, out[-6000:]  # the agent's only
-    step = _check_stop_and_resume(run_dir, out, name, straight, resume_with="torchrun")
+    step = _check_stop_and_resume(run_dir, out, name, straight, straight_dir, resume_with="torchrun")
     print(f"torchrun {name}: saved at step {step}; torchrun exited {elapsed:.1f} s after the signal")
 
 
@@ -177,11 +210,54 @@ def test_torchrun_signal_saves_on_every_rank_and_resumes(signum, straight, tmp_p
     [(signal.SIGTERM, False, 143), (signal.SIGINT, True, 130)],
     ids=["sigterm_to_rank0", "ctrl_c_to_group"],
 )
-def test_lightning_launcher_signal_saves_on_every_rank(signum, to_group, code, straight, tmp_path):
+def test_lightning_launcher_signal_saves_on_every_rank(
+    signum, to_group, code, straight, straight_dir, tmp_path
+):
     name = signum.name
     run_dir = tmp_path / "killed"
     got, out, elapsed = _interrupt("lightning", signum, run_dir, to_group=to_group)
     assert got == code, out[-4000:]
     assert "Traceback" not in out, out[-6000:]
-    step = _check_stop_and_resume(run_dir, out, name, straight, resume_with="lightning")
+    step = _check_stop_and_resume(run_dir, out, name, straight, straight_dir, resume_with="lightning")
     print(f"Lightning launcher {name}: saved at step {step}; exit {got} {elapsed:.1f} s after the signal")
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2], ids=["sigusr1", "sigusr2"])
+def test_time_limit_signal_to_every_rank_saves_and_the_restarted_job_continues(
+    signum, straight, straight_dir, tmp_path
+):
+    """SLURM's time-limit signals, sent to every task as SLURM does (here: the process group of Lightning's
+    launcher): every rank stops after the same step and saves; the same job started again (same scheduler
+    job id, as after a requeue, same run directory) continues from last.ckpt by itself."""
+    name = signum.name
+    run_dir = tmp_path / "job"
+    job = {"SUBMITIT_LOCAL_JOB_ID": f"{os.getpid()}{int(signum)}"}  # what a requeue keeps
+    code, out, _ = _interrupt("lightning", signum, run_dir, to_group=True, env=job)
+    assert code == 128 + int(signum), out[-4000:]  # no scheduler handler here to requeue: 138 / 140
+    assert "Traceback" not in out, out[-6000:]
+    steps = _stopped_steps(out, name)
+    assert sorted(steps) == [0, 1] and steps[0] == steps[1], out[-4000:]
+    saved = _ckpt(run_dir)
+    assert saved["global_step"] == steps[0] and PAUSE_STEP < steps[0] < TOTAL
+    record = json.loads((run_dir / "checkpoints" / INTERRUPTED_FILE).read_text())
+    assert (record["signal"], record["step"], record["job_id"]) == (
+        name,
+        steps[0],
+        "local_" + job["SUBMITIT_LOCAL_JOB_ID"],
+    )
+
+    # the same command again, as the requeued job runs it: it continues in place, not from epoch 0
+    proc = _start("lightning", run_dir, env=job)
+    again = _finish(proc)
+    assert proc.returncode == 0, again[-4000:]
+    assert (
+        f"continuing {run_dir} from checkpoints/last.ckpt (stopped by {name} at epoch 0, step {steps[0]})"
+        in again
+    )
+    final = _ckpt(run_dir)
+    assert final["global_step"] == straight["global_step"] == TOTAL
+    for key, value in straight["state_dict"].items():
+        torch.testing.assert_close(final["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    _assert_same_epoch_means(straight_dir, run_dir)  # one CSV, continued
+    assert not (run_dir / "checkpoints" / INTERRUPTED_FILE).exists()

@@ -1,9 +1,12 @@
-"""Preemption and Ctrl-C: finish the current step, write ``last.ckpt``, exit cleanly (on every DDP rank)."""
+"""Preemption, time limits and Ctrl-C: finish the current step, write ``last.ckpt`` (on every DDP rank), then
+exit cleanly or let the scheduler requeue the job, which continues from it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import signal
 import subprocess
 import threading
@@ -13,14 +16,49 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from ssd_lightning.atomic import atomic_write_text
+
 log = logging.getLogger(__name__)
 
-__all__ = ["InterruptCheckpoint"]
+__all__ = ["INTERRUPTED_FILE", "InterruptCheckpoint", "read_interruption", "scheduler_job_id"]
 
-_SIGINT, _SIGTERM = 0, 1  # positions in the flag vector the ranks reduce
+# what the ranks reduce, by position; the last one present wins (a requeue signal over a plain stop)
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+# SLURM's time-limit/preemption signals: submitit's (USR2, 120 s before the limit) and Lightning's
+# auto-requeue (USR1); after the save, the handler that was there before (submitit's) requeues the job
+_REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# next to the checkpoint: which signal stopped the run, where, and in which scheduler job
+INTERRUPTED_FILE = "interrupted.json"
+
+
+def scheduler_job_id() -> str | None:
+    """The id a scheduler keeps when it restarts a job: submitit_local's job, SLURM's (array) job; else None.
+
+    ``scontrol requeue``, SLURM's preemption requeue and submitit's local retries start the same job id
+    again, a new submission (a new sweep) gets a new one.
+    """
+    env = os.environ
+    if env.get("SUBMITIT_LOCAL_JOB_ID"):
+        return f"local_{env['SUBMITIT_LOCAL_JOB_ID']}"
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def read_interruption(checkpoint_dir: str | Path) -> dict | None:
+    """What :class:`InterruptCheckpoint` recorded in ``<checkpoint_dir>/interrupted.json``, or None."""
+    path = Path(checkpoint_dir) / INTERRUPTED_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        log.warning(f"{path} is unreadable ({error}); not continuing from it")
+        return None
 
 
 def _distributed(trainer: pl.Trainer) -> bool:
@@ -52,14 +90,25 @@ def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
             child.kill()
 
 
+def _replace(owner: object, name: str, value: object) -> None:
+    """Set one of Lightning's private attributes, failing loudly where an upgrade renamed it."""
+    if not hasattr(owner, name):
+        raise RuntimeError(
+            f"pytorch_lightning {pl.__version__}: {type(owner).__name__}.{name} is gone; InterruptCheckpoint "
+            "relies on it (ssd_lightning/callbacks/interrupt.py needs an update)"
+        )
+    setattr(owner, name, value)
+
+
 def _no_per_step_broadcast() -> None:
     """Stands in for Lightning's ``TrainingEpochLoop._broadcast_sigterm_tensor`` (see InterruptCheckpoint)."""
 
 
 class InterruptCheckpoint(pl.Callback):
-    """Turns SIGTERM (cluster preemption, ``scancel``, ``docker stop``) and a first Ctrl-C into a checkpoint.
+    """Turns SIGTERM (cluster preemption, ``scancel``, ``docker stop``), SIGUSR1/SIGUSR2 (SLURM time limits)
+    and a first Ctrl-C into a checkpoint.
 
-    Every process that receives SIGINT or SIGTERM only sets a flag in its signal handler: no collective and
+    Every process that receives one of them only sets a flag in its signal handler: no collective and
     no I/O there. At a step boundary the ranks agree through one small all-reduce (MAX of the flags), so
     they all stop after the same optimizer step, whichever rank (or ranks) got the signal: torchrun and
     SLURM signal every worker, a terminal's Ctrl-C reaches every process of Lightning's own launcher,
@@ -67,6 +116,14 @@ class InterruptCheckpoint(pl.Callback):
     ``SIGTERMException`` at the end of that step on every rank), this callback writes
     ``<dirpath>/<filename>`` there (``Trainer.save_checkpoint`` on every rank: rank 0 writes, atomically)
     and the caller exits with 143 (SIGTERM) or 130 (Ctrl-C).
+
+    SIGUSR2 (submitit's time-limit signal, 120 s before the limit) and SIGUSR1 (Lightning's SLURM
+    auto-requeue signal) stop the same way; the handler that was installed for the signal before training
+    (submitit's ``checkpoint_and_try_requeue``) runs only after the save, from :meth:`hand_over`: it
+    requeues the job and exits with the code submitit expects. Without it, SIGUSR1 under SLURM with
+    Lightning's auto-requeue requeues with ``scontrol requeue``, as Lightning would. Rank 0 writes
+    ``<dirpath>/interrupted.json`` (signal, epoch, step, :func:`scheduler_job_id`): the requeued job (same
+    job id, same run directory) continues from the checkpoint (:func:`ssd_lightning.run_dir.requeued_run`).
 
     The all-reduce runs every ``check_every_n_steps`` optimizer steps, or, when that is ``None``, adaptively
     about every ``check_every_seconds`` of training (the ranks agree on the interval too: it is computed from
@@ -100,9 +157,12 @@ class InterruptCheckpoint(pl.Callback):
         self.filename = filename
         self.check_every_n_steps = check_every_n_steps
         self.check_every_seconds = float(check_every_seconds)
-        self.stopped_by: str | None = None  # what stopped the run on this rank: "SIGTERM" / "SIGINT"
+        self.stopped_by: str | None = None  # what stopped the run on this rank: "SIGTERM" / "SIGINT" / ...
         self.saved_path: Path | None = None
         self._received: str | None = None  # the first signal this process received
+        self._agreed: str | None = None  # the signal all ranks stopped for (a requeue signal wins)
+        self._before: dict[int, object] = {}  # SIGUSR1/SIGUSR2 handlers from before training (submitit's)
+        self._slurm_requeue = False  # Lightning would requeue on SIGUSR1 (SLURM, auto_requeue)
         self.children_exit_timeout = 60.0  # s that rank 0 of Lightning's launcher waits for the others
         self._rank = 0
         self._trainer: pl.Trainer | None = None  # during fit, for the handlers
@@ -110,31 +170,52 @@ class InterruptCheckpoint(pl.Callback):
 
     # -- signals: handlers only set a flag ---------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.stopped_by, self.saved_path, self._received = None, None, None
+        self.stopped_by, self.saved_path, self._received, self._agreed = None, None, None, None
         self._trainer = trainer
         self._rank = trainer.global_rank
+        # before Lightning registers its handlers (after this hook): submitit's, if any, for hand_over()
+        self._before = {int(s): signal.getsignal(s) for s in _REQUEUE_SIGNALS}
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if environment is None and SLURMEnvironment.detect():
+            environment = SLURMEnvironment()
+        self._slurm_requeue = (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and environment.requeue_signal is not None
+        )
         # Lightning registers its SIGTERM handler after this hook; its notifier would forward the signal to
         # the launcher's children and, under DDP, broadcast from inside the handler on the receiving rank
         # alone (a collective the other ranks never join). Ours only takes note.
-        trainer._signal_connector._sigterm_notifier_fn = self._on_sigterm
+        _replace(trainer._signal_connector, "_sigterm_notifier_fn", self._on_sigterm)
+        # Its SLURM auto-requeue handler (SIGUSR1, registered under SLURM) would save from inside the handler
+        # on rank 0's schedule; until on_train_start installs ours for good, it takes note likewise.
+        _replace(trainer._signal_connector, "_slurm_sigusr_handler_fn", self._on_requeue_signal)
         # Lightning's per-step broadcast of that flag (a device sync before every training step under DDP)
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_per_step_broadcast
+        _replace(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", _no_per_step_broadcast)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # SIGINT here, not in on_fit_start: Lightning records the handlers when it registers its own (after
         # on_fit_start) and restores them in its teardown, which so also removes this one.
+        # SIGUSR1/SIGUSR2 likewise: ours replace Lightning's SLURM auto-requeue handler (which saves from
+        # inside the handler) and submitit's (which requeues and exits at once); hand_over() runs them later
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
+            for signum in _REQUEUE_SIGNALS:
+                signal.signal(signum, self._on_requeue_signal)
         self._reset_schedule(trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # a later trainer.validate()/test() gets Lightning's own behaviour back
             vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
+            vars(trainer._signal_connector).pop("_slurm_sigusr_handler_fn", None)
             vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
             self._trainer = None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._take_note("SIGTERM")
+
+    def _on_requeue_signal(self, signum, frame) -> None:
+        self._take_note(signal.Signals(signum).name)
 
     def _on_sigint(self, signum, frame) -> None:
         if self._received == "SIGINT":  # second Ctrl-C: stop now, no checkpoint
@@ -149,6 +230,8 @@ class InterruptCheckpoint(pl.Callback):
         if self._rank == 0:
             what = "Ctrl-C" if name == "SIGINT" else name
             again = " (press Ctrl-C again to abort now)" if name == "SIGINT" else ""
+            if name in ("SIGUSR1", "SIGUSR2"):
+                again = " (the scheduler's time-limit/requeue signal)"
             log.warning(f"{what}: stopping after this step and saving {self.filename}{again}")
         trainer = self._trainer
         if (
@@ -161,6 +244,7 @@ class InterruptCheckpoint(pl.Callback):
 
     def _stop(self, trainer: pl.Trainer, agreed: str) -> None:
         self.stopped_by = self._received or agreed
+        self._agreed = agreed
         # Lightning's own SIGTERM path: on_advance_end raises SIGTERMException after this step's bookkeeping
         # (after validation, if this step runs one) on every rank
         trainer._signal_connector.received_sigterm = True
@@ -189,18 +273,18 @@ class InterruptCheckpoint(pl.Callback):
             self._stop(trainer, agreed)
 
     def _agree(self, trainer: pl.Trainer, step: int) -> str | None:
-        """All-reduce (MAX) of [SIGINT received, SIGTERM received, seconds per step] over the ranks."""
+        """All-reduce (MAX) of [SIGINT, SIGTERM, SIGUSR1, SIGUSR2 received, seconds per step]."""
         now = time.monotonic()
         per_step = 0.0
         if self._last_check_time is not None:
             per_step = (now - self._last_check_time) / max(1, step - self._last_check_step)
-        flags = [0.0, 0.0, per_step]
+        flags = [0.0] * len(_SIGNALS) + [per_step]
         if self._received is not None:
-            flags[_SIGINT if self._received == "SIGINT" else _SIGTERM] = 1.0
+            flags[_SIGNALS.index(self._received)] = 1.0
         # The collective's device (CUDA under NCCL) and one read back: a single sync per check interval.
         tensor = torch.tensor(flags, dtype=torch.float32, device=trainer.strategy.root_device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        sigint, sigterm, slowest = tensor.tolist()
+        *received, slowest = tensor.tolist()
         self._last_check_time, self._last_check_step = now, step
         if self.check_every_n_steps is not None:
             interval = self.check_every_n_steps
@@ -209,9 +293,7 @@ class InterruptCheckpoint(pl.Callback):
         else:
             interval = 1  # no timing yet (first check)
         self._next_check = step + interval
-        if sigterm:
-            return "SIGTERM"
-        return "SIGINT" if sigint else None
+        return next((name for name, got in zip(_SIGNALS[::-1], received[::-1], strict=True) if got), None)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The evaluation loop raises after any batch when Lightning's flag is up; let validation finish.
@@ -253,9 +335,78 @@ class InterruptCheckpoint(pl.Callback):
         self.saved_path = path
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         epoch, step = trainer.current_epoch, trainer.global_step
+        if trainer.is_global_zero:
+            self._record(path, epoch, step)
         run = Path(path).parent.parent  # <run>/checkpoints/last.ckpt
         how = f"resume={run} (or ckpt_path={path})" if (run / ".hydra").is_dir() else f"ckpt_path={path}"
         log.warning(
             f"{prefix}{self.stopped_by}: stopped at epoch {epoch}, step {step}; "
             f"saved {path} in {time.monotonic() - started:.1f} s. Resume with the same command plus {how}"
+            + (" (a requeued job continues from it by itself)" if self._requeuer() else "")
         )
+
+    def _record(self, path: Path, epoch: int, step: int) -> None:
+        """``interrupted.json`` next to the checkpoint: what a requeued job checks before continuing."""
+        record = {
+            "signal": self.stopped_by,
+            "epoch": epoch,
+            "step": step,
+            "checkpoint": path.name,
+            "job_id": scheduler_job_id(),
+        }
+        try:
+            atomic_write_text(path.parent / INTERRUPTED_FILE, json.dumps(record, indent=1) + "\n")
+        except OSError as error:
+            log.error(f"could not write {path.parent / INTERRUPTED_FILE}: {error}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # training finished: nothing left for a requeued job of this run to continue
+        if trainer.is_global_zero:
+            (self.checkpoint_path(trainer).parent / INTERRUPTED_FILE).unlink(missing_ok=True)
+
+    # -- after the save: the scheduler's requeue ---------------------------------------------------
+    def _requeuer(self):
+        """What requeues the job after a SIGUSR1/SIGUSR2 stop: submitit's handler, "scontrol" or None."""
+        if self._agreed not in ("SIGUSR1", "SIGUSR2"):
+            return None
+        signum = int(signal.Signals[self._agreed])
+        before = self._before.get(signum)
+        if callable(before):
+            return before
+        if self._slurm_requeue and signum == int(signal.SIGUSR1):
+            return "scontrol"
+        return None
+
+    def hand_over(self) -> None:
+        """After a SIGUSR1/SIGUSR2 stop and its save (the process group released): requeue the job as the
+        signal's own handler would have, at once. submitit's handler requeues (rank 0) and exits with the
+        code submitit expects; with Lightning's SLURM auto-requeue, rank 0 runs ``scontrol requeue``.
+        Returns when there is nothing to hand over (the caller exits 128 + signal number)."""
+        requeuer = self._requeuer()
+        if requeuer is None or self.saved_path is None:
+            return
+        signum = signal.Signals[self._agreed]
+        if requeuer == "scontrol":
+            if self._rank == 0:
+                _scontrol_requeue()
+            return
+        log.info(f"{signum.name}: {self.filename} saved; the scheduler's handler requeues the job now")
+        requeuer(int(signum), None)
+
+
+def _scontrol_requeue() -> None:
+    """``scontrol requeue <job>``: what Lightning's SLURM auto-requeue handler does after its own save."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if not job_id:
+        log.error("SIGUSR1: no SLURM_JOB_ID, the job is not requeued")
+        return
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], timeout=60, check=False).returncode
+    except (OSError, subprocess.TimeoutExpired) as error:
+        result = error
+    if result == 0:
+        log.info(f"requeued SLURM job {job_id}; it continues from the checkpoint")
+    else:
+        log.error(f"scontrol requeue {job_id} failed ({result}); resume the run by hand")

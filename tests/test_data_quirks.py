@@ -133,6 +133,24 @@ def test_every_format_gives_its_size_and_its_end(tmp_path, fmt):
     assert check_image_headers([path]) == []  # without check_ends: headers only, as before
 
 
+def test_damage_the_check_cannot_see_is_named_by_dalis_decoder(root, tmp_path):
+    """A JPEG with its start and end marker but noise between passes the start-up check (no decode there);
+    DALI fails on it and the loader names the file (PIL decodes the split's files to find it)."""
+    import numpy as np
+
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    victim = root / "val2017" / _images(root)[5]["file_name"]
+    data = victim.read_bytes()
+    noise = np.random.default_rng(1).integers(0, 255, len(data) - 22, dtype=np.uint8).tobytes()
+    victim.write_bytes(data[:20] + noise.replace(b"\xff\xd9", b"\xff\x00") + b"\xff\xd9")
+    dm = CocoDALIDataModule(root, batch_size=2, device="cpu", cache_dir=tmp_path / "cache")
+    dm.setup("validate")  # passes
+    with pytest.raises(DataError, match=rf"corrupt or truncated: {victim}"):
+        for _ in dm.val_dataloader():
+            pass
+
+
 # ------------------------------------------------------------------------------- listed size != file size
 def _double_size(root: Path) -> tuple[str, str]:
     """List image 1 at twice its real size; returns its file_name and the expected listing."""

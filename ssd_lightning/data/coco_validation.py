@@ -186,15 +186,7 @@ def _scan_files(paths: Iterable[Path], *, check_ends: bool) -> _FileScan:
     suspects: list[tuple[Path, str]] = []
     for path in paths:
         try:
-            with open(path, "rb", buffering=0) as f:
-                head = f.read(_HEADER_BYTES)
-                end, size = b"", 0
-                if check_ends:
-                    size = os.fstat(f.fileno()).st_size
-                    end = head
-                    if size > len(head):
-                        f.seek(max(size - _TAIL_BYTES, len(head)))
-                        end = (head + f.read(_TAIL_BYTES))[-_TAIL_BYTES:]
+            head, end, size = _read_ends(path, check_ends)
         except FileNotFoundError:
             scan.missing.append(str(path))
             continue
@@ -217,6 +209,25 @@ def _scan_files(paths: Iterable[Path], *, check_ends: bool) -> _FileScan:
         undecodable = dict(_undecodable(path for path, _ in suspects))
         scan.truncated = [f"{p} ({why}; PIL: {undecodable[p]})" for p, why in suspects if p in undecodable]
     return scan
+
+
+def _read_ends(path: Path, check_ends: bool) -> tuple[bytes, bytes, int]:
+    """``(first page, last page or b"", size or 0)``: two reads at most, no seek (os-level: ~120k files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = os.read(fd, _HEADER_BYTES)
+        if not check_ends:
+            return head, b"", 0
+        if len(head) < _HEADER_BYTES:  # read whole
+            return head, head, len(head)
+        size = os.fstat(fd).st_size
+        if size <= _HEADER_BYTES:
+            return head, head, size
+        start = max(size - _TAIL_BYTES, _HEADER_BYTES)
+        end = os.pread(fd, size - start, start)
+        return head, (head + end)[-_TAIL_BYTES:] if start == _HEADER_BYTES else end, size
+    finally:
+        os.close(fd)
 
 
 def _raise_for_unusable(scan: _FileScan) -> None:

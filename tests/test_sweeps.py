@@ -100,7 +100,7 @@ def test_slurm_launcher_asks_for_one_task_per_gpu_on_every_node():
     assert type(launcher).__module__ + "." + type(launcher).__name__ == SLURM_LAUNCHER
     params = launcher.params
     assert (params["tasks_per_node"], params["gpus_per_node"], params["nodes"]) == (8, 8, 2)
-    assert params["partition"] == "gpu" and params["max_num_timeout"] == 0
+    assert params["partition"] == "gpu" and params["max_num_timeout"] == 3  # requeued at the time limit
     assert params["name"] == "test"  # hydra.job.name: Lightning ignores SLURM jobs named bash/interactive
 
 

@@ -31,7 +31,6 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ssd_lightning.atomic import atomic_write_text
-from ssd_lightning.callbacks.interrupt import read_interruption, scheduler_job_id
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.sweep import launcher_rank
 
@@ -156,6 +155,10 @@ def requeued_run(cfg: DictConfig) -> Path | None:
     has none, so a fresh run never continues from a checkpoint it did not make. Only for ``task=fit``
     without ``resume=``/``run_dir=``/``ckpt_path=``.
     """
+    # Lightning comes with the callback module: imported here, so that the config resolvers (which import
+    # this module) stay light
+    from ssd_lightning.callbacks.interrupt import read_interruption, scheduler_job_id
+
     if cfg.get("task") != "fit" or cfg.get("resume") or cfg.get("run_dir") or cfg.get("ckpt_path"):
         return None
     job_id = scheduler_job_id()

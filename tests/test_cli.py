@@ -26,6 +26,21 @@ def test_cfg_job_prints_the_composed_config():
     assert cfg["eval_epochs"] == [21, 31, 37, 42, 48, 53, 59, 64]
 
 
+def test_composing_a_config_loads_neither_torch_nor_lightning():
+    """`--cfg job`, `--help` and tab completion run train.py's module level only: the resolvers it registers
+    must not pull in the training stack (seconds per call)."""
+    code = (
+        "import sys, runpy; sys.argv = ['train.py', 'experiment=demo', '--cfg', 'job']\n"
+        "try:\n    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'pytorch_lightning', 'nvidia.dali') if m in sys.modules)\n"
+        "print('HEAVY', heavy)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "task_name: demo" in result.stdout
+    assert result.stdout.strip().endswith("HEAVY []"), result.stdout[-500:]
+
+
 def test_unknown_experiment_fails_with_the_accepted_names():
     result = _run("experiment=ssd300_fp17")
     assert result.returncode == 1  # Hydra's composition error (README: 1 for anything but our config checks)

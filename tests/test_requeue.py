@@ -39,24 +39,27 @@ SIGNAL_STEP = STEPS_PER_EPOCH + 1  # in the middle of the last epoch
 @pytest.mark.timeout(600)
 def test_sigusr2_in_a_submitit_job_saves_and_the_requeued_job_continues(straight, tmp_path):  # noqa: F811
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")
-    sweep_dir = tmp_path / "multirun"
+    # started from another directory, with Hydra's default sweep dir (multirun/<date>/<time> under it)
     result = subprocess.run(
         [
             sys.executable,
-            "train.py",
+            str(REPO_ROOT / "train.py"),
             "-m",
             *COMMON,
             "hydra/launcher=submitit_local",
             "hydra.launcher.timeout_min=10",
-            f"hydra.sweep.dir={sweep_dir}",
             *_signal_at(SIGNAL_STEP, signal.SIGUSR2),
         ],
-        cwd=REPO_ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=540,
-        env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+        env={**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(REPO_ROOT)},  # tests.fault_injection
     )
+    sweeps = list(tmp_path.glob("multirun/*/*"))
+    assert len(sweeps) == 1, (sweeps, result.stderr[-3000:])
+    sweep_dir = sweeps[0]
+    assert (sweep_dir / "summary.csv").is_file(), result.stderr[-3000:]
     job = sweep_dir / "0"
     logs = "\n".join(p.read_text() for p in sorted((sweep_dir / ".submitit").rglob("*_log.*")))
     assert result.returncode == 0, result.stderr[-3000:] + logs[-3000:]

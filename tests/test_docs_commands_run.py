@@ -75,8 +75,8 @@ NOT_RUN: dict[str, str] = {
 SIZE: dict[str, list[str]] = {
     "demo": ["trainer.max_epochs=1", "data.num_train=24", "data.num_val=8"],
     "mobilenetv2_demo": ["trainer.max_epochs=1", "data.num_train_per_class=8", "data.num_val_per_class=4"],
-    "benchmark_training": ["benchmark_warmup=1", "benchmark_iterations=1", "data.batch_size=2"],
-    "benchmark_inference": ["benchmark_warmup=1", "benchmark_iterations=1"],
+    "benchmark_training": ["benchmark_warmup=0", "benchmark_iterations=1", "data.batch_size=2"],
+    "benchmark_inference": ["benchmark_warmup=0", "benchmark_iterations=1"],
 }
 # Appended to scripts/<name>.py (argparse: the last value of an option wins): sizes only.
 SCRIPT_SIZE: dict[str, list[str]] = {
@@ -120,18 +120,10 @@ def normalised(text: str) -> str:
     return " ".join(re.sub(r"\s+#\s.*$", "", text).split())
 
 
-def _words(text: str) -> list[str]:
-    return normalised(text).split()
-
-
 def _train_overrides(words: list[str]) -> list[str]:
     """``key=value`` words after train.py, sweeps reduced to their first value (to compose one job)."""
     after = words[words.index("train.py") + 1 :]
     return [re.sub(r"=([^,\[\]()]+),[^\s]*$", r"=\1", w) for w in after if "=" in w and "<" not in w]
-
-
-def _composed(overrides: list[str]):
-    return compose_config([o.replace("'", "") for o in overrides])
 
 
 def classify(text: str) -> Plan:
@@ -149,9 +141,9 @@ def classify(text: str) -> Plan:
     if words[0] != "python":
         raise AssertionError(f"no rule for {text!r}: add one to test_docs_commands_run.py, or to NOT_RUN")
     script = words[1]
+    if script in ("train.py", "predict.py") and NVIDIA_FILE in command:
+        return Plan("composed", f"{NVIDIA_FILE} (NVIDIA's released checkpoint) cannot exist here")
     if script == "predict.py":
-        if NVIDIA_FILE in command:
-            return Plan("composed", f"{NVIDIA_FILE} (NVIDIA's released checkpoint) cannot exist here")
         return Plan("run")
     if script == "-m" and words[2] == "ssd_lightning.benchmark":
         return Plan("run")
@@ -161,13 +153,11 @@ def classify(text: str) -> Plan:
         raise AssertionError(
             f"no rule for {text!r}: add the script to SCRIPT_SIZE, or the command to NOT_RUN"
         )
-    if NVIDIA_FILE in command:
-        return Plan("composed", f"{NVIDIA_FILE} (NVIDIA's released checkpoint) cannot exist here")
     if "hydra/launcher=slurm" in words:
         return Plan("composed", "submits SLURM jobs")
     if any(w.startswith(("resume=", "run_dir=")) for w in words) or "--cfg" in words:
         return Plan("run")  # the run's own config and size; or only printing the config
-    cfg = _composed(_train_overrides(words))
+    cfg = compose_config([o.replace("'", "") for o in _train_overrides(words)])
     if cfg.data._target_ in REAL_DATASETS:
         root = next(
             (w.split("=", 1)[1] for w in words if w.startswith("data.root=")), "data/ of the checkout"
@@ -176,7 +166,7 @@ def classify(text: str) -> Plan:
     if str(OmegaConf.select(cfg, "trainer.accelerator")) in ("gpu", "cuda"):
         return Plan("fails cleanly", "needs a CUDA GPU")
     assert cfg.task_name in SIZE, f"{text!r}: add size overrides for task_name={cfg.task_name} to SIZE"
-    size = [*SIZE[cfg.task_name], *(["hydra.sweeper.n_trials=2"] if "sweep=demo_optuna" in words else [])]
+    size = [*SIZE[cfg.task_name], *(["hydra.sweeper.n_trials=1"] if "sweep=demo_optuna" in words else [])]
     return Plan("run", size=tuple(size))
 
 

@@ -283,3 +283,12 @@ def test_cli_names_the_file_in_one_error_line(root, tmp_path, quirk):
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def test_switch_values_are_checked_when_the_datamodule_is_made(tmp_path):
+    from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
+
+    with pytest.raises(
+        ValueError, match=r"size_check must be one of \('error', 'warn', 'off'\), got 'sometimes'"
+    ):
+        CocoDALIDataModule(tmp_path, size_check="sometimes")

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split
+from ssd_lightning.data.coco_validation import CHECK_MODES, CocoSplitInfo, check_coco_split
 from ssd_lightning.data.dali_datamodule import (
     DALIDataModule,
     check_loader_args,
@@ -109,6 +109,9 @@ class CocoDALIDataModule(DALIDataModule):
     ) -> None:
         super().__init__()
         check_loader_args(batch_size, eval_batch_size, num_threads, device)
+        for name, value in (("exif_check", exif_check), ("size_check", size_check)):
+            if value not in CHECK_MODES:  # at construction: a wrong value fails before anything is read
+                raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
         self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
         if image_size != 300:
             # box_encoder's anchors are dboxes300_coco(), in relative units; other sizes need other anchors

@@ -90,7 +90,7 @@ def test_truncated_jpeg_is_named_cold_and_again(root, tmp_path, monkeypatch):
     assert len(calls) == 2  # a failed check is never cached as a pass
 
 
-def test_a_passing_check_is_cached_and_not_slower_warm(root, tmp_path, monkeypatch):
+def test_an_undamaged_copy_passes_and_is_cached(root, tmp_path, monkeypatch):
     """Control: the undamaged copy passes, and the second call is served by the cache."""
     _backdate(root)
     calls = _count_checks(monkeypatch)

@@ -155,16 +155,12 @@ def test_grayscale_cmyk_png_decode_to_rgb(tmp_path):
     assert sum(1 for _ in dm.train_dataloader()) == 3
 
 
-def _dali_rejects_truncated_jpeg() -> bool:
-    from ssd_lightning.data.dali_compat import DALI_VERSION
-
-    return int(DALI_VERSION.split(".")[0]) >= 2
-
-
 @pytest.mark.dali
 @pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_jpeg_named(tmp_path, damage):
+    """Cut short, or noise after a valid start: the start-up check names the file, on every DALI line (1.34's
+    decoder would turn a truncated JPEG grey; tests/test_data_quirks.py has the damage only DALI sees)."""
     root = write_coco(tmp_path)
     path = root / "val2017" / "4.jpg"
     data = path.read_bytes()
@@ -173,11 +169,5 @@ def test_corrupt_jpeg_named(tmp_path, damage):
     else:  # a valid JPEG start, then noise
         noise = np.random.default_rng(1).integers(0, 255, len(data) - 20, dtype=np.uint8).tobytes()
         path.write_bytes(data[:20] + noise)
-    dm = _setup(root)
-    if damage == "truncated" and not _dali_rejects_truncated_jpeg():
-        for batch in dm.val_dataloader():  # the known difference of that line (see dali_compat)
-            assert batch["images"].shape[1:] == (3, 300, 300)
-        return
     with pytest.raises(ValueError, match=r"corrupt or truncated: .*val2017/4.jpg"):
-        for _ in dm.val_dataloader():
-            pass
+        _setup(root)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -41,7 +42,11 @@ def test_a_failing_rank_ends_the_job_with_its_message(failing_rank, shapes_coco,
     # validation shards are contiguous: rank 0 reads the first half of the file list, rank 1 the second
     victim = sorted(images, key=lambda im: im["id"])[0 if failing_rank == 0 else -1]["file_name"]
     path = root / "val2017" / victim
-    path.write_bytes(path.read_bytes()[:300])  # truncated JPEG
+    # noise after a valid start, end marker kept: passes the start-up check (which sees the file's two ends),
+    # so the failure comes from that rank's DALI decoder in the middle of the job
+    data = path.read_bytes()
+    noise = np.random.default_rng(1).integers(0, 255, len(data) - 22, dtype=np.uint8).tobytes()
+    path.write_bytes(data[:20] + noise.replace(b"\xff\xd9", b"\xff\x00") + b"\xff\xd9")
 
     started = time.monotonic()
     proc = subprocess.Popen(

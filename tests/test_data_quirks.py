@@ -10,11 +10,9 @@ before it is damaged.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from PIL import Image
 from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split, check_image_headers
 from ssd_lightning.errors import DataError
+from tests.test_split_cache import _backdate, _count_checks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
@@ -48,27 +47,12 @@ def _edit(root: Path, fn) -> None:
     _ann(root).write_text(json.dumps(data))  # json writes float("nan") as NaN, as exporters do
 
 
-def _backdate(root: Path) -> None:
-    """Files written just now are not cached (coarse mtime ticks): make them look a minute old."""
-    when = time.time() - 60
-    for path in (_ann(root), root / "val2017"):
-        os.utime(path, (when, when))
+def _backdate_split(root: Path) -> None:
+    _backdate(_ann(root), root / "val2017")
 
 
 def _check(root: Path, cache: Path, **kwargs):
     return check_coco_split(root / "val2017", _ann(root), cache_dir=cache, **kwargs)
-
-
-def _count_checks(monkeypatch) -> list[Path]:
-    calls: list[Path] = []
-    real = coco_validation._check_split
-
-    def counted(image_dir, annotation_file, *args):
-        calls.append(annotation_file)
-        return real(image_dir, annotation_file, *args)
-
-    monkeypatch.setattr(coco_validation, "_check_split", counted)
-    return calls
 
 
 def _cut(path: Path, fraction: float = 1 / 3) -> None:
@@ -80,7 +64,7 @@ def _cut(path: Path, fraction: float = 1 / 3) -> None:
 def test_truncated_jpeg_is_named_cold_and_again(root, tmp_path, monkeypatch):
     victim = root / "val2017" / _images(root)[3]["file_name"]
     _cut(victim)
-    _backdate(root)
+    _backdate_split(root)
     calls = _count_checks(monkeypatch)
     for _ in range(2):  # the second call finds the cache folder the first one used: the error is not hidden
         with pytest.raises(DataError, match=r"1 image file\(s\) are corrupt or truncated: ") as err:
@@ -92,7 +76,7 @@ def test_truncated_jpeg_is_named_cold_and_again(root, tmp_path, monkeypatch):
 
 def test_an_undamaged_copy_passes_and_is_cached(root, tmp_path, monkeypatch):
     """Control: the undamaged copy passes, and the second call is served by the cache."""
-    _backdate(root)
+    _backdate_split(root)
     calls = _count_checks(monkeypatch)
     first = _check(root, tmp_path / "cache")
     assert _check(root, tmp_path / "cache") == first
@@ -187,7 +171,7 @@ def test_size_check_warn_and_off(root, tmp_path, caplog):
 def test_size_mismatch_is_judged_at_every_warm_start(root, tmp_path, monkeypatch):
     """Recorded in the cache entry: a warm start with size_check=error still raises, without re-checking."""
     _, listing = _double_size(root)
-    _backdate(root)
+    _backdate_split(root)
     calls = _count_checks(monkeypatch)
     assert _check(root, tmp_path / "cache", size_check="off").num_size_mismatches == 1
     with pytest.raises(DataError, match="listed with a width and height other than") as err:

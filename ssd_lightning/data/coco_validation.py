@@ -824,6 +824,11 @@ def _image_sizes(images: list[Any], annotation_file: Path) -> dict[int, tuple[fl
             ) from exc
         if iid in sizes:
             raise DataError(f"annotation file {annotation_file}: duplicate image id {iid}")
+        if isinstance(img["width"], str) or isinstance(img["height"], str):
+            raise DataError(
+                f"annotation file {annotation_file}: image {name} (id {iid}) lists width {img['width']!r} "
+                f"and height {img['height']!r}; write them as numbers (DALI's parser rejects strings)"
+            )
         if not (0 < w < math.inf and 0 < h < math.inf):  # also NaN
             raise DataError(f"annotation file {annotation_file}: image {name} (id {iid}) has size {w}x{h}")
         sizes[iid] = (w, h, name)

@@ -51,7 +51,7 @@ __all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "default_cache_dir", "writab
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # bump when the check's policy or the entry's fields change (2: file ends, sizes, NaN)
+VERSION = 3  # bump when the check's policy or the entry's fields change (2: file ends, sizes; 3: str sizes)
 RACY_SECONDS = 2.0
 _ERRORS = {cls.__name__: cls for cls in (errors.DataError, errors.MissingDataError)}
 

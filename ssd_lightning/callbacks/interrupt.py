@@ -41,9 +41,14 @@ def scheduler_job_id() -> str | None:
     ``scontrol requeue``, SLURM's preemption requeue and submitit's local retries start the same job id
     again, a new submission (a new sweep) gets a new one.
     """
+    if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
+        return f"local_{os.environ['SUBMITIT_LOCAL_JOB_ID']}"
+    return _slurm_job_id()
+
+
+def _slurm_job_id() -> str | None:
+    """``<array job>_<task>`` for an array task, else ``SLURM_JOB_ID`` (what ``scontrol requeue`` takes)."""
     env = os.environ
-    if env.get("SUBMITIT_LOCAL_JOB_ID"):
-        return f"local_{env['SUBMITIT_LOCAL_JOB_ID']}"
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     return env.get("SLURM_JOB_ID") or None
@@ -396,9 +401,7 @@ class InterruptCheckpoint(pl.Callback):
 
 def _scontrol_requeue() -> None:
     """``scontrol requeue <job>``: what Lightning's SLURM auto-requeue handler does after its own save."""
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    job_id = _slurm_job_id()
     if not job_id:
         log.error("SIGUSR1: no SLURM_JOB_ID, the job is not requeued")
         return

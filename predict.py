@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ssd_lightning.predict import collect_inputs, load_detector, load_onnx_detector, predict_images
+from ssd_lightning.inference.predict import collect_inputs, load_detector, load_onnx_detector, predict_images
 
 log = logging.getLogger("predict")
 

@@ -8,14 +8,14 @@ python train.py experiment=ssd300_eval ckpt_path=outputs/.../last.ckpt
 import hydra
 from omegaconf import DictConfig
 
-from ssd_lightning.resolvers import register_resolvers
+from ssd_lightning.cli.resolvers import register_resolvers
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ssd_lightning.train import main as run  # torch and Lightning: not needed for --cfg/--help
+    from ssd_lightning.cli.train import main as run  # torch and Lightning: not needed for --cfg/--help
 
     return run(cfg)
 

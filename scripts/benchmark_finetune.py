@@ -155,7 +155,7 @@ def build_runs(args: argparse.Namespace, stamp: str | None = None) -> tuple[Run 
 
 def read_result(run_dir: Path, minutes: float = math.nan) -> Result:
     """Steps from ``<run_dir>/checkpoints/last.ckpt``; the last COCO AP@0.5 and AP of ``csv/metrics.csv``."""
-    from ssd_lightning.weights import read_checkpoint
+    from ssd_lightning.io.weights import read_checkpoint
 
     steps = int(read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"])
     ap50 = ap = None

@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ssd_lightning.export import EndToEndSSD, detection_difference, export_end_to_end
+from ssd_lightning.inference.export import EndToEndSSD, detection_difference, export_end_to_end
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
 
 
 def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     if args.ckpt_path or args.nvidia_checkpoint:
-        from ssd_lightning.predict import load_detector
+        from ssd_lightning.inference.predict import load_detector
 
         detector = load_detector(
             args.ckpt_path,

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from ssd_lightning.benchmark import run_benchmark_task
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark, device_name, throughput_statistics
+from ssd_lightning.cli.benchmark import run_benchmark_task
 from ssd_lightning.data.synthetic import SyntheticDetectionDataModule
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, ssd300
 from ssd_lightning.modules.ssd import DEFAULT_DECODER, SSDLitModule

@@ -12,18 +12,19 @@ at batch 2 and print the largest difference to PyTorch), ``end_to_end`` (false),
 (end-to-end only: overrides of the checkpoint's decoder settings ``score_thresh``, ``nms_iou``,
 ``topk_per_class``, ``max_detections``).
 
-The ONNX graph: input ``images`` (N, 3, 300, 300) float32, preprocessed as in ``ssd_lightning.predict.
-preprocess`` (RGB, resized to 300×300, ImageNet mean/std); outputs ``locs`` (N, 4, 8732) box offsets and
-``logits`` (N, C, 8732) class logits, the reference layout. N is dynamic. By default decoding (softmax,
-score threshold, per-class NMS, top-k) is not in the graph (any runtime runs it, no NonMaxSuppression
-operator needed); decode the outputs with the same code as training::
+The ONNX graph: input ``images`` (N, 3, 300, 300) float32, preprocessed as in
+``ssd_lightning.inference.predict.preprocess`` (RGB, resized to 300×300, ImageNet mean/std); outputs
+``locs`` (N, 4, 8732) box offsets and ``logits`` (N, C, 8732) class logits, the reference layout. N is
+dynamic. By default decoding (softmax, score threshold, per-class NMS, top-k) is not in the graph (any
+runtime runs it, no NonMaxSuppression operator needed); decode the outputs with the same code as training::
 
     from ssd_lightning.models import BoxCoder, dboxes300_coco
     locs, logits = session.run(["locs", "logits"], {"images": batch})
     detections = BoxCoder(dboxes300_coco()).decode(torch.from_numpy(locs), torch.from_numpy(logits))
     # per image: boxes (k, 4) ltrb in [0, 1] (multiply by width, height, width, height), scores, labels
 
-With ``end_to_end=true`` the graph is :class:`ssd_lightning.export.EndToEndSSD`: decoding, score threshold,
+With ``end_to_end=true`` the graph is
+:class:`ssd_lightning.inference.export.EndToEndSSD`: decoding, score threshold,
 per-class top-k and NMS included (ONNX ``NonMaxSuppression``), the same detections as ``BoxCoder.decode``.
 Outputs ``boxes`` (N, K, 4) ltrb in [0, 1] (clipped), ``scores`` (N, K), ``labels`` (N, K) int64 in 1..C-1,
 ``num_detections`` (N,) int64, K = ``max_detections``; rows past ``num_detections`` are zeros (label 0).
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print(f"keys (key=value) and defaults: {DEFAULTS}")
         return 0
-    from ssd_lightning.predict import DEFAULT_DECODER, load_detector
+    from ssd_lightning.inference.predict import DEFAULT_DECODER, load_detector
 
     unknown = [a for a in (argv or []) if a.split("=", 1)[0].lstrip("+").split(".")[0] not in DEFAULTS]
     if unknown:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export_end_to_end(detector, cfg) -> int:
-    from ssd_lightning.export import EndToEndSSD, compare_with_decoder, export_end_to_end
+    from ssd_lightning.inference.export import EndToEndSSD, compare_with_decoder, export_end_to_end
 
     model = EndToEndSSD(detector.net, detector.box_coder, **detector.decoder)
     metadata = {"class_names": list(detector.class_names), "category_ids": list(detector.category_ids)}

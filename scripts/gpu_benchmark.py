@@ -207,7 +207,7 @@ def _release_memory() -> None:
 
 def run_one(run: Run, *, warmup: int, iterations: int, runs_dir: Path) -> dict[str, Any]:
     """Run one row; returns a record with ``status`` ok/failed, the ``benchmark.json`` content and timings."""
-    from ssd_lightning.train import train
+    from ssd_lightning.cli.train import train
 
     out_dir = runs_dir / run.name
     items = overrides(run, warmup=warmup, iterations=iterations)

@@ -1,4 +1,4 @@
-"""ssd_lightning.atomic: a file appears whole or not at all."""
+"""ssd_lightning.io.atomic: a file appears whole or not at all."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from ssd_lightning.atomic import atomic_write, atomic_write_json, atomic_write_text
+from ssd_lightning.io.atomic import atomic_write, atomic_write_json, atomic_write_text
 
 
 def test_writes_replace_whole_files_and_leave_no_temporaries(tmp_path):

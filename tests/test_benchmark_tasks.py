@@ -7,9 +7,9 @@ import json
 import hydra
 import pytest
 
-from ssd_lightning.benchmark import collect_results, format_sweep_table, run_benchmark_task
 from ssd_lightning.callbacks.throughput import RESULTS_FILENAME, ThroughputBenchmark
-from ssd_lightning.train import instantiate_group
+from ssd_lightning.cli.benchmark import collect_results, format_sweep_table, run_benchmark_task
+from ssd_lightning.cli.train import instantiate_group
 
 TINY = [
     "trainer.accelerator=cpu",
@@ -133,7 +133,7 @@ def test_sweep_table_lists_one_row_per_batch_size(tmp_path):
 def test_compiled_model_trains_through_train(make_cfg, tmp_path):
     from torch._dynamo.utils import counters
 
-    from ssd_lightning.train import train
+    from ssd_lightning.cli.train import train
 
     counters.clear()
     cfg = make_cfg(["experiment=ssd300_benchmark_training", "compile=true", *TINY])

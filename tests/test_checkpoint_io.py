@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from ssd_lightning.checkpoint_io import AtomicCheckpointIO
+from ssd_lightning.cli.train import train
 from ssd_lightning.errors import CheckpointWriteError
-from ssd_lightning.train import train
+from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 from tests.conftest import REPO_ROOT
 
 
@@ -59,7 +59,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, time, torch
-        from ssd_lightning.checkpoint_io import AtomicCheckpointIO
+        from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 
         def slow_write(checkpoint, f):
             torch.save(checkpoint, f)

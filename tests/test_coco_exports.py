@@ -396,7 +396,7 @@ def test_exif_rotated_jpeg_decodes_upright_or_is_named(tmp_path):
 def test_train_fits_and_evaluates_a_labelling_tool_export(make_cfg, tmp_path):
     """train(cfg) end to end: string ids, no iscrowd/area, category id 0, PNGs in a subfolder, and an
     EXIF-rotated JPEG where this DALI line decodes it upright; pycocotools evaluates the normalised copy."""
-    from ssd_lightning.train import train
+    from ssd_lightning.cli.train import train
 
     exif = "upright" if coco_validation.decoder_applies_exif_orientation() else None
     image_dir, ann_file = write_export(tmp_path / "export", image_ids="str", exif_listing=exif, n=8)

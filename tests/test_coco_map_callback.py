@@ -173,7 +173,7 @@ class DestroyProcessGroupAtExit(Callback):
     """
 
     def setup(self, trainer, pl_module, stage):
-        from ssd_lightning.train import _release_process_group
+        from ssd_lightning.cli.train import _release_process_group
 
         atexit.unregister(_release_process_group)  # once per process
         atexit.register(_release_process_group)

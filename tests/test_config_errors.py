@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ssd_lightning.config_checks import validate_config
+from ssd_lightning.cli.config_checks import validate_config
 from ssd_lightning.errors import ConfigError
 from tests.conftest import REPO_ROOT
 

@@ -9,7 +9,7 @@ import pytest
 import pytorch_lightning as pl
 from omegaconf import OmegaConf
 
-from ssd_lightning.train import instantiate_group, validate_config
+from ssd_lightning.cli.train import instantiate_group, validate_config
 from tests.conftest import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))

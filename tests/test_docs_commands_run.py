@@ -145,7 +145,7 @@ def classify(text: str) -> Plan:
         return Plan("composed", f"{NVIDIA_FILE} (NVIDIA's released checkpoint) cannot exist here")
     if script == "predict.py":
         return Plan("run")
-    if script == "-m" and words[2] == "ssd_lightning.benchmark":
+    if script == "-m" and words[2] == "ssd_lightning.cli.benchmark":
         return Plan("run")
     if script in SCRIPT_SIZE:
         return Plan("run", size=tuple(SCRIPT_SIZE[script]))
@@ -229,7 +229,7 @@ class Workspace:
             self.run_documented(
                 next(c.text for c in COMMANDS if "make_coco_scale_fixture.py --out" in c.text)
             )
-        if "ssd_lightning.benchmark multirun/<date>/<time>" in text:
+        if "ssd_lightning.cli.benchmark multirun/<date>/<time>" in text:
             sweep = self.newest_sweep("*/benchmark.json", BENCHMARK_SWEEP)
             text = text.replace("multirun/<date>/<time>", sweep)
         if "multirun/<date>/<time>" in text or "RUN_A RUN_B" in text:

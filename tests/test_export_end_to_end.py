@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from ssd_lightning.export import (
+from ssd_lightning.inference.export import (
     END_TO_END_OUTPUTS,
     EndToEndSSD,
     detection_difference,

@@ -18,10 +18,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from ssd_lightning.cli.train import train
 from ssd_lightning.errors import ConfigError
+from ssd_lightning.io.weights import CheckpointNotFoundError, init_from_checkpoint
 from ssd_lightning.models import mobilenet_v2, ssd300
-from ssd_lightning.train import train
-from ssd_lightning.weights import CheckpointNotFoundError, init_from_checkpoint
 from tests.conftest import compose_config
 
 HEAD_KEYS = {f"conf.{i}.{p}" for i in range(6) for p in ("weight", "bias")}
@@ -64,7 +64,7 @@ def test_other_class_count_loads_all_but_the_class_heads(source_ssd, layout, tmp
     net = ssd300(backbone="resnet18", num_classes=3)
     initial = _clone(net)
 
-    with caplog.at_level(logging.INFO, logger="ssd_lightning.weights"):
+    with caplog.at_level(logging.INFO, logger="ssd_lightning.io.weights"):
         report = init_from_checkpoint(net, path)
 
     after = net.state_dict()
@@ -130,7 +130,7 @@ def test_missing_file_names_the_key(tmp_path):
 
 
 def test_config_check_fails_early_on_a_missing_file_unless_resuming(tmp_path):
-    from ssd_lightning.config_checks import validate_config
+    from ssd_lightning.cli.config_checks import validate_config
 
     missing = tmp_path / "nope.ckpt"
     cfg = compose_config([f"model.init_from={missing}"])

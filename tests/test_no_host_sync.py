@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from torch.overrides import TorchFunctionMode
 
-from ssd_lightning.train import train
+from ssd_lightning.cli.train import train
 from tests.conftest import REPO_ROOT, compose_config
 
 SYNC_PRONE = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "unique", "cpu"}
@@ -85,7 +85,7 @@ def test_only_logging_steps_touch_the_host(overrides, tmp_path, monkeypatch):
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
-    import ssd_lightning.train as train_module
+    import ssd_lightning.cli.train as train_module
 
     real = train_module.instantiate_group
     monkeypatch.setattr(

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ssd_lightning.callbacks import NonFiniteGuard
+from ssd_lightning.cli.train import train
 from ssd_lightning.errors import NonFiniteLossError
-from ssd_lightning.train import train
 from tests.fault_injection import NaNImagesAt
 
 BATCHES = 10

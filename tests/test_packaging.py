@@ -47,7 +47,7 @@ def test_torch_pins_agree_with_the_dependency_ranges():
     pins = _torch_pins_in_makefile()
     assert pins == {"torch==2.14.1", "torchvision==0.29.1"}
     deps = " ".join(PYPROJECT["project"]["dependencies"])
-    # 2.6: the first torch whose weights_only loading cannot be bypassed (ssd_lightning.weights relies on it)
+    # 2.6: the first torch whose weights_only loading cannot be bypassed (io/weights.py relies on it)
     assert "torch>=2.6,<=2.14.1" in deps and "torchvision>=0.21,<=0.29.1" in deps
 
 

@@ -14,9 +14,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from PIL import Image
 
-from ssd_lightning.models import ssd300
-from ssd_lightning.modules.ssd import SSDLitModule
-from ssd_lightning.predict import (
+from ssd_lightning.inference.predict import (
     COCO_CATEGORY_IDS,
     COCO_CLASS_NAMES,
     collect_inputs,
@@ -25,6 +23,8 @@ from ssd_lightning.predict import (
     predict_images,
     preprocess,
 )
+from ssd_lightning.models import ssd300
+from ssd_lightning.modules.ssd import SSDLitModule
 from tests.conftest import REPO_ROOT, compose_config
 
 SHAPE_NAMES = {"rectangle", "ellipse", "triangle", "star"}
@@ -204,7 +204,7 @@ def onnx_export(fake_run, tmp_path_factory) -> Path:
 def _json_difference(got: list[dict], expected: list[dict], image_id: int) -> float:
     """detection_difference of one image's predictions.json entries; scores x 1000, so that one tolerance
     reads as 0.02 px for boxes and 2e-5 for scores."""
-    from ssd_lightning.export import detection_difference
+    from ssd_lightning.inference.export import detection_difference
 
     def arrays(results):
         entries = [e for e in results if e["image_id"] == image_id]
@@ -215,8 +215,8 @@ def _json_difference(got: list[dict], expected: list[dict], image_id: int) -> fl
 
 
 def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onnx_export, tmp_path):
-    from ssd_lightning.export import detection_difference
-    from ssd_lightning.predict import OnnxDetector, load_onnx_detector
+    from ssd_lightning.inference.export import detection_difference
+    from ssd_lightning.inference.predict import OnnxDetector, load_onnx_detector
 
     run, _ = fake_run
     from_ckpt = load_detector(run / "checkpoints" / "last.ckpt")
@@ -250,7 +250,7 @@ def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onn
 
 
 def test_onnx_loading_errors_say_what_to_do(onnx_export, tmp_path):
-    from ssd_lightning.predict import load_onnx_detector
+    from ssd_lightning.inference.predict import load_onnx_detector
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_onnx_detector(tmp_path / "missing.onnx")

@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ssd_lightning.callbacks.interrupt import INTERRUPTED_FILE, InterruptCheckpoint, scheduler_job_id
-from ssd_lightning.run_dir import requeued_run
+from ssd_lightning.cli.run_dir import requeued_run
 from tests.conftest import REPO_ROOT
 from tests.test_interrupt import COMMON, STEPS_PER_EPOCH, TOTAL, _signal_at, straight  # noqa: F401 (fixture)
 from tests.test_resume import _ckpt, _per_epoch, _per_step

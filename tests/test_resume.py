@@ -16,7 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from ssd_lightning.train import train
+from ssd_lightning.cli.train import train
 from tests.conftest import compose_config
 
 # synthetic batches only: nothing here depends on the DALI line

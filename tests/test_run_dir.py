@@ -17,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
+from ssd_lightning.cli.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
 from ssd_lightning.errors import ConfigError
-from ssd_lightning.loggers import ContinuingCSVLogger
-from ssd_lightning.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
+from ssd_lightning.io.loggers import ContinuingCSVLogger
 from tests.conftest import REPO_ROOT
 
 
@@ -70,7 +70,7 @@ def test_the_command_lines_overrides_apply_to_the_stored_config(tmp_path):
 
 
 def test_a_second_resume_continues_from_the_config_the_first_one_ran_with(tmp_path, monkeypatch):
-    from ssd_lightning.run_dir import save_run_config
+    from ssd_lightning.cli.run_dir import save_run_config
 
     run = _stored_run(tmp_path)
     first = resolve_run_reference(_resuming(run), ["trainer.max_epochs=80"])
@@ -91,7 +91,7 @@ def test_a_resumed_run_from_before_keeps_its_csv(tmp_path):
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
     assert (
         resolve_run_reference(_resuming(run), []).logger.csv._target_
-        == "ssd_lightning.loggers.ContinuingCSVLogger"
+        == "ssd_lightning.io.loggers.ContinuingCSVLogger"
     )
 
 

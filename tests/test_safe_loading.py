@@ -17,17 +17,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ssd_lightning.checkpoint_io import AtomicCheckpointIO
-from ssd_lightning.models import load_nvidia_checkpoint, mobilenet_v2, ssd300
-from ssd_lightning.modules.ssd import SSDLitModule
-from ssd_lightning.predict import load_detector
-from ssd_lightning.weights import (
+from ssd_lightning.inference.predict import load_detector
+from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
+from ssd_lightning.io.weights import (
     CheckpointNotFoundError,
     CheckpointReadError,
     UntrustedCheckpointError,
     init_from_checkpoint,
     read_checkpoint,
 )
+from ssd_lightning.models import load_nvidia_checkpoint, mobilenet_v2, ssd300
+from ssd_lightning.modules.ssd import SSDLitModule
 from tests.conftest import REPO_ROOT
 
 
@@ -230,7 +230,7 @@ def test_resume_through_train_refuses_a_crafted_checkpoint(tmp_path, make_cfg):
             f"ckpt_path={path}",
         ]
     )
-    from ssd_lightning.train import train
+    from ssd_lightning.cli.train import train
 
     with pytest.raises(UntrustedCheckpointError) as error:
         train(cfg)

@@ -1,5 +1,5 @@
-"""Multirun summaries (ssd_lightning.sweep): the CSV reader, the callback under a real Hydra multirun, the
-ready-made sweep configs, and a 2-job sweep of train.py."""
+"""Multirun summaries (ssd_lightning.cli.sweep_summary): the CSV reader, the callback under a real Hydra
+multirun, the ready-made sweep configs, and a 2-job sweep of train.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ssd_lightning.sweep import read_last_metrics
+from ssd_lightning.cli.sweep_summary import read_last_metrics
 from tests.conftest import REPO_ROOT, compose_config
 
 
@@ -69,7 +69,7 @@ hydra:
     subdir: ${{hydra.job.num}}
   callbacks:
     sweep_summary:
-      _target_: ssd_lightning.sweep.SweepSummary
+      _target_: ssd_lightning.cli.sweep_summary.SweepSummary
       metrics: ["val/*", "train/*_epoch"]
 """
 
@@ -162,7 +162,7 @@ def test_sweep_configs_compose_into_a_multirun_grid(sweep, experiment, params):
     cfg = compose_config([f"experiment={experiment}", f"sweep={sweep}"])
     assert dict(cfg.hydra.sweeper.params) == params
     assert cfg.hydra.mode.name == "MULTIRUN"
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "ssd_lightning.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "ssd_lightning.cli.sweep_summary.SweepSummary"
 
 
 @pytest.mark.dali

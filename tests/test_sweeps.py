@@ -16,7 +16,8 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from ssd_lightning.sweep import SLURM_LAUNCHER, multirun_launch_problem, read_last_metrics
+from ssd_lightning.cli.launch_check import SLURM_LAUNCHER, multirun_launch_problem
+from ssd_lightning.cli.sweep_summary import read_last_metrics
 from tests.conftest import REPO_ROOT, compose_config
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")

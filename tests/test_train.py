@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ssd_lightning.cli.train import train
 from ssd_lightning.evaluation import evaluate_coco
-from ssd_lightning.train import train
 
 pytest.importorskip("nvidia.dali")
 

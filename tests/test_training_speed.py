@@ -276,7 +276,7 @@ class CountedSpeed(TrainingSpeed):
 def test_demo_run_logs_speed_at_the_logging_steps_without_syncs(make_cfg, shapes_coco, tmp_path, monkeypatch):
     """SSD300 on the DALI shapes datamodule: the metrics land in metrics.csv at Lightning's logging steps,
     each interval's elapsed time holds its training steps, and only logging steps touch torch."""
-    import ssd_lightning.train as train_module
+    import ssd_lightning.cli.train as train_module
     from ssd_lightning.modules.ssd import SSDLitModule
 
     warmup, every = 2, 2

@@ -16,7 +16,6 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
-from ssd_lightning.atomic import atomic_write, atomic_write_json
 from ssd_lightning.evaluation import (
     BACKENDS,
     COCO_STAT_NAMES,
@@ -29,6 +28,7 @@ from ssd_lightning.evaluation import (
     per_class_metrics,
     write_coco_results_json,
 )
+from ssd_lightning.io.atomic import atomic_write, atomic_write_json
 
 __all__ = ["CocoMAPCallback"]
 

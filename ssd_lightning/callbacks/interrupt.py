@@ -20,7 +20,7 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from ssd_lightning.atomic import atomic_write_text
+from ssd_lightning.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ class InterruptCheckpoint(pl.Callback):
     requeues the job and exits with the code submitit expects. Without it, SIGUSR1 under SLURM with
     Lightning's auto-requeue requeues with ``scontrol requeue``, as Lightning would. Rank 0 writes
     ``<dirpath>/interrupted.json`` (signal, epoch, step, :func:`scheduler_job_id`): the requeued job (same
-    job id, same run directory) continues from the checkpoint (:func:`ssd_lightning.run_dir.requeued_run`).
+    job id, same run directory) continues from the checkpoint
+    (:func:`ssd_lightning.cli.run_dir.requeued_run`).
 
     The all-reduce runs every ``check_every_n_steps`` optimizer steps, or, when that is ``None``, adaptively
     about every ``check_every_seconds`` of training (the ranks agree on the interval too: it is computed from

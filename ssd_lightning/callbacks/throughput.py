@@ -42,7 +42,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
-from ssd_lightning.atomic import atomic_write
+from ssd_lightning.io.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def dali_version() -> str | None:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as indented JSON to ``path``, atomically (:mod:`ssd_lightning.atomic`)."""
+    """Write ``data`` as indented JSON to ``path``, atomically (:mod:`ssd_lightning.io.atomic`)."""
     return atomic_write(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
 
 

@@ -71,10 +71,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ssd_lightning.atomic import atomic_write_json
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.split_cache import SplitCache, writable_cache_dir
 from ssd_lightning.errors import DataError, MissingDataError, UserError
+from ssd_lightning.io.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 

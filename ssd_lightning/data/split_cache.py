@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_lightning import errors
-from ssd_lightning.atomic import atomic_write_json
+from ssd_lightning.io.atomic import atomic_write_json
 
 try:
     import fcntl

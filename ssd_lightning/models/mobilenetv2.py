@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import Tensor, nn
 from torchvision.models import MobileNet_V2_Weights, MobileNetV2
 
-from ssd_lightning.weights import network_state_dict, read_checkpoint
+from ssd_lightning.io.weights import network_state_dict, read_checkpoint
 
 __all__ = [
     "DEFAULT_INVERTED_RESIDUAL_SETTING",
@@ -158,7 +158,7 @@ def mobilenet_v2(
         pretrained_path: a local file with a state dict (plain, or under ``state_dict``/``model``, keys
             possibly prefixed ``module.``/``model.``/``net.``), loaded strictly. With a different
             class count the classifier is left at its initialisation (logged). Read with
-            ``torch.load(weights_only=True)`` (:func:`ssd_lightning.weights.read_checkpoint`).
+            ``torch.load(weights_only=True)`` (:func:`ssd_lightning.io.weights.read_checkpoint`).
         trust_checkpoint: unpickle ``pretrained_path`` fully instead, which can run code from the file;
             only for files from a source you trust.
     """

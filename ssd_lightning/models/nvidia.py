@@ -20,8 +20,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from ssd_lightning.io.weights import read_checkpoint
 from ssd_lightning.models.ssd300 import ssd300
-from ssd_lightning.weights import read_checkpoint
 
 __all__ = ["load_nvidia_checkpoint", "unwrap_distributed_key"]
 
@@ -55,7 +55,7 @@ def load_nvidia_checkpoint(
         num_classes: classes including background (81 for COCO).
         trust_checkpoint: unpickle the file fully (``torch.load(weights_only=False)``), which can run code
             from the file. By default it is read with ``weights_only=True``: tensors, plain values and the
-            reference's ``argparse.Namespace`` only (:func:`ssd_lightning.weights.read_checkpoint`).
+            reference's ``argparse.Namespace`` only (:func:`ssd_lightning.io.weights.read_checkpoint`).
 
     Raises:
         FileNotFoundError: the path does not exist.

@@ -91,7 +91,7 @@ class ClassifierLitModule(pl.LightningModule):
         init_from: start ``fit`` from the weights of this file whose names and shapes match ``net`` (a
             Lightning checkpoint of this project, a torchvision/DDP state dict); a classifier of another
             class count keeps its initialisation; no optimizer or epoch state is taken; ignored when resuming
-            from ``ckpt_path`` (see :func:`ssd_lightning.weights.init_from_checkpoint`).
+            from ``ckpt_path`` (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
         trust_checkpoint: unpickle ``init_from`` fully instead of ``torch.load(weights_only=True)``; this
             can run code from the file, so only for trusted files.
     """

@@ -14,8 +14,8 @@ from torch import nn
 from torchmetrics import Metric
 
 from ssd_lightning.errors import ConfigError
+from ssd_lightning.io.weights import init_from_checkpoint
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
-from ssd_lightning.weights import init_from_checkpoint
 
 log = logging.getLogger(__name__)
 

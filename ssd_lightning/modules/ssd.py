@@ -41,7 +41,8 @@ class SSDLitModule(pl.LightningModule):
         init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``: an
             NVIDIA SSD300 checkpoint, a Lightning checkpoint of this project or a plain state dict. Class
             heads of another class count keep their initialisation; no optimizer or epoch state is taken;
-            ignored when resuming from ``ckpt_path`` (see :func:`ssd_lightning.weights.init_from_checkpoint`).
+            ignored when resuming from ``ckpt_path``
+            (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
         trust_checkpoint: unpickle ``nvidia_checkpoint``/``init_from`` fully instead of
             ``torch.load(weights_only=True)``; this can run code from the file, so only for trusted files.
     """

@@ -9,7 +9,7 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
-from ssd_lightning.atomic import atomic_write
+from ssd_lightning.io.atomic import atomic_write
 
 
 class _ContinuingWriter(ExperimentWriter):

@@ -2,7 +2,7 @@
 
 ``${if:cond,a,b}``, ``${eval_resize:weights,default}`` (the resize torchvision evaluates MobileNetV2
 weights with), and the run directories of ``resume=``/``run_dir=``: ``${run_output_dir:...}``,
-``${hydra_subdir:...}``, ``${log_name:...}`` (:mod:`ssd_lightning.run_dir`).
+``${hydra_subdir:...}``, ``${log_name:...}`` (:mod:`ssd_lightning.cli.run_dir`).
 Light on purpose: ``train.py --cfg job`` and ``--help`` compose configs without loading the training stack.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from ssd_lightning.run_dir import hydra_subdir_for, log_name_for, output_dir_for
+from ssd_lightning.cli.run_dir import hydra_subdir_for, log_name_for, output_dir_for
 
 __all__ = ["eval_resize_for_weights", "register_resolvers"]
 

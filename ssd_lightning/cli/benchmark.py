@@ -3,7 +3,7 @@
 ``train(cfg)`` instantiates trainer, model and datamodule exactly as for ``fit`` and hands them to
 :func:`run_benchmark_task`; :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark` measures.
 
-Sweep summary: ``python -m ssd_lightning.benchmark multirun/<date>/<time>`` prints one row per
+Sweep summary: ``python -m ssd_lightning.cli.benchmark multirun/<date>/<time>`` prints one row per
 ``benchmark.json`` found below the directory (e.g. img/s per ``data.eval_batch_size``).
 """
 

@@ -29,8 +29,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor, nn
 
+from ssd_lightning.io.weights import read_checkpoint
 from ssd_lightning.models import BoxCoder, dboxes300_coco, load_nvidia_checkpoint, ssd300
-from ssd_lightning.weights import read_checkpoint
 
 __all__ = [
     "COCO_CATEGORY_IDS",
@@ -163,7 +163,7 @@ def _load_run_config(config_path: Path):
     """The run's composed config, with the ``${hydra:...}`` paths filled in from ``.hydra/hydra.yaml``."""
     from omegaconf import OmegaConf
 
-    from ssd_lightning.resolvers import register_resolvers
+    from ssd_lightning.cli.resolvers import register_resolvers
 
     register_resolvers()
     cfg = OmegaConf.load(config_path)
@@ -242,7 +242,7 @@ def load_detector(
     ``decoder`` overrides keys of the decoder settings (see :meth:`BoxCoder.decode`).
 
     Both are read with ``torch.load(weights_only=True)`` (tensors and plain values only; see
-    :func:`ssd_lightning.weights.read_checkpoint`); ``trust_checkpoint=True`` unpickles them fully, which
+    :func:`ssd_lightning.io.weights.read_checkpoint`); ``trust_checkpoint=True`` unpickles them fully, which
     can run code from the file, so only for files from a source you trust.
 
     Raises:
@@ -347,7 +347,7 @@ def load_onnx_detector(
     """
     import onnxruntime as ort
 
-    from ssd_lightning.export import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
+    from ssd_lightning.inference.export import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
 
     path = Path(path)
     if not path.is_file():

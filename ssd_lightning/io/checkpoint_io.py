@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning.plugins import TorchCheckpointIO
 
 from ssd_lightning.errors import CheckpointWriteError
-from ssd_lightning.weights import UntrustedCheckpointError, untrusted_message
+from ssd_lightning.io.weights import UntrustedCheckpointError, untrusted_message
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -29,7 +29,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Reading (``ckpt_path=`` resume / validate) uses ``torch.load(weights_only=True)``: this project's
     checkpoints hold tensors and plain values only (mid-epoch loader states included), so nothing else is
     ever unpickled; a file that needs more is refused with
-    :class:`~ssd_lightning.weights.UntrustedCheckpointError` before any of its code runs, unless
+    :class:`~ssd_lightning.io.weights.UntrustedCheckpointError` before any of its code runs, unless
     ``trust_checkpoint=True`` (``model.trust_checkpoint=true``). Lightning itself leaves ``weights_only``
     to torch's default, which an environment variable can turn off, and turns it off for http URLs.
 

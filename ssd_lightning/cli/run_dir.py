@@ -30,13 +30,13 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ssd_lightning.atomic import atomic_write_text
+from ssd_lightning.cli.sweep_summary import launcher_rank
 from ssd_lightning.errors import ConfigError
-from ssd_lightning.sweep import launcher_rank
+from ssd_lightning.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-CONFIG_GROUPS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_GROUPS_DIR = Path(__file__).resolve().parents[2] / "configs"
 # keys of this invocation that are not applied to the stored config
 _INVOCATION_KEYS = ("resume", "run_dir")
 # what a resumed invocation saved: the config it ran with (.hydra/resume_<time>/run_config.yaml)
@@ -217,7 +217,7 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             merged.ckpt_path = str(_checkpoint(run, names, key))
         csv = OmegaConf.select(merged, "logger.csv")
         if resume and csv is not None and csv.get("_target_") == "pytorch_lightning.loggers.CSVLogger":
-            csv._target_ = "ssd_lightning.loggers.ContinuingCSVLogger"  # Lightning's would delete metrics.csv
+            csv._target_ = "ssd_lightning.io.loggers.ContinuingCSVLogger"  # keeps metrics.csv
     log.info("%s=%s: the run's own config and checkpoint %s", key, run, merged.ckpt_path)
     return merged
 

@@ -3,7 +3,7 @@
 A reader (another rank, a later run, a user's tool) sees the previous version or the new one, never a
 half-written file, and a crash leaves at most a ``.<name>.<random>.tmp`` beside it. Temporary names are
 unique per call, so ranks or jobs on other hosts writing the same file on a shared file system do not
-collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.checkpoint_io`, which also
+collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.io.checkpoint_io`, which also
 fsyncs.)
 """
 

@@ -2,7 +2,7 @@
 
 Every file this package reads weights from (``model.init_from``, ``model.nvidia_checkpoint``,
 ``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints, ``ckpt_path`` through
-:class:`~ssd_lightning.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
+:class:`~ssd_lightning.io.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
 ``torch.load(weights_only=True)``, which rebuilds tensors, containers and plain values only, plus the
 allow-list :data:`SAFE_GLOBALS`. A file holding anything else is refused with
 :class:`UntrustedCheckpointError`, before any of its code runs; ``trust_checkpoint=True`` unpickles it

@@ -17,8 +17,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from ssd_lightning.cli.launch_check import multirun_launch_problem
 from ssd_lightning.errors import ConfigError, UserError
-from ssd_lightning.sweep import multirun_launch_problem
 
 __all__ = ["TASKS", "check_writable_dir", "validate_config"]
 
@@ -138,7 +138,7 @@ def _check_devices(p: _Problems, cuda_device_count: int) -> None:
 
 
 def _check_multirun_launch(p: _Problems, cuda_device_count: int, hydra_cfg: DictConfig | None) -> None:
-    """A multirun job must not start its ranks with Lightning's launcher (see ssd_lightning.sweep)."""
+    """A multirun job must not start its ranks with Lightning's launcher (cli/launch_check.py)."""
     if hydra_cfg is None and HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
     if hydra_cfg is not None:

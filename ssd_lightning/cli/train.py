@@ -20,13 +20,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from ssd_lightning.benchmark import config_summary_from_cfg, run_benchmark_task
 from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
-from ssd_lightning.checkpoint_io import AtomicCheckpointIO
-from ssd_lightning.config_checks import check_writable_dir, validate_config
+from ssd_lightning.cli.benchmark import config_summary_from_cfg, run_benchmark_task
+from ssd_lightning.cli.config_checks import check_writable_dir, validate_config
+from ssd_lightning.cli.resolvers import register_resolvers
+from ssd_lightning.cli.run_dir import requeued_run, resolve_run_reference, save_run_config
 from ssd_lightning.errors import user_errors_as_messages
-from ssd_lightning.resolvers import register_resolvers
-from ssd_lightning.run_dir import requeued_run, resolve_run_reference, save_run_config
+from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats.
 
     ``resume=<run dir>`` / ``run_dir=<run dir>`` replace ``cfg`` by that run's config (see
-    :mod:`ssd_lightning.run_dir`), with the command line's overrides on top."""
+    :mod:`ssd_lightning.cli.run_dir`), with the command line's overrides on top."""
     _silence_known_harmless_warnings()
     requeued = requeued_run(cfg)  # a scheduler restarted this job after a signal: continue in place
     if requeued is not None:

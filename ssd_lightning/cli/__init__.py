@@ -1,0 +1,1 @@
+"""Run orchestration: the train/validate/benchmark job, run directories, config checks, resolvers, sweeps."""

@@ -1,0 +1,1 @@
+"""Inference: detectors from checkpoints, NVIDIA weights or ONNX; predict on images; ONNX export."""

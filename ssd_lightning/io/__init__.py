@@ -1,0 +1,1 @@
+"""Files: weight/checkpoint reading and writing, atomic writes, run loggers."""

@@ -37,6 +37,7 @@ train: setup  ## the main job: SSD demo on a generated shapes dataset (CPU is fi
 lint: setup  ## ruff; hadolint (Dockerfile) and shellcheck (shell scripts) come from the dev extra
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint Dockerfile
 	$(VENV)/bin/shellcheck scripts/*.sh scripts/slurm/*.sbatch .ci/run
 

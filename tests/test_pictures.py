@@ -15,6 +15,7 @@ from PIL import Image
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
+from ssd_lightning.callbacks.curves import TrainingCurves
 from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.visualize import GT_COLOUR, class_colour, draw_detections, plot_curves, read_metrics_csv
@@ -167,7 +168,7 @@ def test_callback_writes_pictures_and_curves_in_a_trainer_run(shapes_coco, tmp_p
         max_epochs=2,
         accelerator="cpu",
         logger=CSVLogger(tmp_path, name="csv", version=""),
-        callbacks=[callback],
+        callbacks=[callback, TrainingCurves(output_dir=tmp_path)],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -210,11 +211,79 @@ def test_callback_writes_pictures_and_curves_in_a_trainer_run(shapes_coco, tmp_p
     assert any("train/loss_step" in r for r in rows) and any("val/mAP" in r for r in rows)
 
 
+class _TinyRun(pl.LightningModule):
+    """Logs train/loss every step and val/mAP every epoch; no detections (curves need none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        self.log("train/loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/mAP", 0.1 * (self.current_epoch + 1), on_epoch=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_training_curves_alone_redraws_curves_png_after_due_evaluations_and_at_fit_end(tmp_path, monkeypatch):
+    import ssd_lightning.callbacks.curves as curves_module
+
+    titles = []
+
+    def recording_plot(runs, output, *, title=None):
+        titles.append(title)
+        return plot_curves(runs, output, title=title)
+
+    monkeypatch.setattr(curves_module, "plot_curves", recording_plot)
+    data = DataLoader([torch.randn(4) for _ in range(4)], batch_size=2)
+    options = dict(
+        accelerator="cpu",
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        num_sanity_val_steps=1,
+    )
+    trainer = pl.Trainer(
+        max_epochs=5,
+        logger=CSVLogger(tmp_path, name="csv", version=""),
+        callbacks=[TrainingCurves(output_dir=tmp_path, every_n_evals=2)],
+        **options,
+    )
+    trainer.fit(_TinyRun(), train_dataloaders=data, val_dataloaders=data)
+    # evaluations 2 and 4 (epochs 1, 3), the last epoch's (4), then the end of fit; never the sanity check
+    name = tmp_path.name
+    assert titles == [f"{name}: epoch 1", f"{name}: epoch 3", f"{name}: epoch 4", f"{name}: epoch 5"]
+    png = Image.open(tmp_path / "curves.png")
+    assert png.format == "PNG" and png.size == (1500, 420)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["csv", "curves.png"]  # no pictures: its own job
+    rows = read_metrics_csv(tmp_path / "csv" / "metrics.csv")
+    assert any("train/loss_step" in r for r in rows) and any("val/mAP" in r for r in rows)
+
+    titles.clear()  # trainer.validate redraws nothing
+    trainer.validate(_TinyRun(), dataloaders=data, verbose=False)
+    assert titles == []
+
+    no_csv = pl.Trainer(
+        max_epochs=1, logger=False, callbacks=[TrainingCurves(output_dir=tmp_path / "b")], **options
+    )
+    with pytest.warns(UserWarning, match="curves.png needs a CSVLogger"):
+        no_csv.fit(_TinyRun(), train_dataloaders=data, val_dataloaders=data)
+    assert not (tmp_path / "b" / "curves.png").exists()
+
+
 def test_callback_arguments_are_checked():
     with pytest.raises(ValueError, match="every_n_evals"):
         PredictionPictures(every_n_evals=0)
     with pytest.raises(ValueError, match="max_images"):
         PredictionPictures(max_images=-1)
+    with pytest.raises(ValueError, match="every_n_evals"):
+        TrainingCurves(every_n_evals=0)
 
 
 # ------------------------------------------------------------------------------------------ curves

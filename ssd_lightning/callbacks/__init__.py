@@ -1,6 +1,7 @@
-"""Callbacks: COCO mAP, eval schedule, benchmark, training speed, pictures, interrupt, NaN guard."""
+"""Callbacks: COCO mAP, eval schedule, benchmark, training speed, pictures, curves, interrupt, NaN guard."""
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
+from ssd_lightning.callbacks.curves import TrainingCurves
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
 from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.callbacks.nonfinite import NonFiniteGuard
@@ -17,5 +18,6 @@ __all__ = [
     "PredictionPictures",
     "StepMetricsProgressBar",
     "ThroughputBenchmark",
+    "TrainingCurves",
     "TrainingSpeed",
 ]

@@ -1,4 +1,4 @@
-"""What a person looks at during training: detections drawn on validation images, and the curves."""
+"""Detections drawn on a few validation images after evaluations, for a person to look at during training."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytorch_lightning as pl
 from PIL import Image, ImageOps
 from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities import rank_zero_warn
 
-from ssd_lightning.visualize import draw_detections, plot_curves
+from ssd_lightning.callbacks.curves import evaluation_is_due
+from ssd_lightning.visualize import draw_detections
 
 __all__ = ["PredictionPictures"]
 
@@ -24,34 +24,32 @@ log = logging.getLogger(__name__)
 
 
 class PredictionPictures(Callback):
-    """After evaluations, draw detections on a few validation images; keep ``curves.png`` up to date.
+    """After evaluations, draw detections over the ground truth on the first few validation images.
 
-    Pictures: on rank 0, the first ``max_images`` validation images that rank 0 sees (the same ones every
-    time: validation order is fixed) are written to ``<output_dir>/predictions/epoch_<e>/<image_id>.jpg``
-    with predicted boxes (score >= ``score_thresh``, colour per class, "name score" tags) over the ground
-    truth (green). Images whose longer side is under ``min_display_size`` pixels are enlarged first so
-    lines and text stay readable.
+    On rank 0, the first ``max_images`` validation images rank 0 sees (the same ones every time: validation
+    order is fixed) go to ``<output_dir>/predictions/epoch_<e>/<image_id>.jpg`` (JPEG q92, 4:4:4): predicted
+    boxes with score >= ``score_thresh`` (colour per class, "name score" tags) over the ground truth (green).
+    Images whose longer side is under ``min_display_size`` pixels are enlarged first. The sanity check draws
+    nothing. ``curves.png`` is :class:`~ssd_lightning.callbacks.curves.TrainingCurves`' job.
 
-    Curves: ``<output_dir>/curves.png`` (training loss and LR over steps, validation mAP over epochs) is
-    redrawn from the run's ``CSVLogger`` file after each drawn evaluation and at the end of ``fit``; no
-    CSVLogger, no curves (said once).
-
-    Inputs (docs/architecture.md): ``validation_step`` returns ``{"detections": [per-image dict]}`` with
-    ``image_id``, ``boxes`` (k, 4) ltrb in original-image pixels, ``scores``, ``labels`` (1..K). The original
-    JPEGs are read from ``image_dir`` (default ``trainer.datamodule.val_images``), file names and ground truth
-    from ``annotation_file`` (default ``trainer.datamodule.val_annotation_file``), class names from
-    ``trainer.datamodule.category_map.names``. Pictures are a convenience: a problem drawing them (missing
-    file, unknown image id) is warned about and never stops training.
+    Inputs: ``validation_step`` returns ``{"detections": [per-image dict]}`` with ``image_id``, ``boxes``
+    (k, 4) ltrb in original-image pixels, ``scores`` (k,), ``labels`` (k,) in 1..K. JPEGs are read from
+    ``image_dir`` (default ``trainer.datamodule.val_images``), file names and ground truth from
+    ``annotation_file`` (default ``trainer.datamodule.val_annotation_file``), class names from
+    ``category_map`` (default ``trainer.datamodule.category_map``). A problem drawing (missing file, unknown
+    image id, other outputs) is warned about once and never stops training.
 
     Args:
         output_dir: run directory; default ``trainer.default_root_dir``.
-        max_images: images drawn per evaluation.
-        every_n_evals: draw after every n-th evaluation of ``fit`` (the last epoch's is always drawn);
+        max_images: images drawn per evaluation (>= 0).
+        every_n_evals: draw after every n-th evaluation of ``fit`` (>= 1; the last epoch's is always drawn);
             ``trainer.validate`` always draws.
         score_thresh: minimum score of a drawn prediction.
-        min_display_size: enlarge smaller images to this longer side (0: keep the original size).
-        curves: write ``curves.png``.
+        min_display_size: enlarge smaller images to this longer side in pixels (0: keep the original size).
         image_dir, annotation_file, category_map: override what is read from the datamodule.
+
+    Raises:
+        ValueError: ``max_images`` or ``min_display_size`` < 0, ``every_n_evals`` < 1.
     """
 
     def __init__(
@@ -62,7 +60,6 @@ class PredictionPictures(Callback):
         every_n_evals: int = 1,
         score_thresh: float = 0.3,
         min_display_size: int = 480,
-        curves: bool = True,
         image_dir: str | os.PathLike | None = None,
         annotation_file: str | os.PathLike | None = None,
         category_map: Any = None,
@@ -79,7 +76,6 @@ class PredictionPictures(Callback):
         self.every_n_evals = every_n_evals
         self.score_thresh = score_thresh
         self.min_display_size = min_display_size
-        self.curves = curves
         self.image_dir = image_dir
         self.annotation_file = annotation_file
         self.category_map = category_map
@@ -97,12 +93,6 @@ class PredictionPictures(Callback):
 
     def _out_dir(self, trainer: pl.Trainer) -> Path:
         return self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir)
-
-    def _drawing_this_eval(self, trainer: pl.Trainer) -> bool:
-        if trainer.state.fn != "fit":
-            return True
-        last_epoch = trainer.max_epochs is not None and trainer.current_epoch >= trainer.max_epochs - 1
-        return last_epoch or trainer.should_stop or (self._evals + 1) % self.every_n_evals == 0
 
     def _load_annotations(self, path: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
         if self._annotations is None or self._annotations[0] != path:
@@ -122,7 +112,7 @@ class PredictionPictures(Callback):
             trainer.is_global_zero
             and not trainer.sanity_checking
             and self.max_images > 0
-            and self._drawing_this_eval(trainer)
+            and evaluation_is_due(trainer, self._evals, self.every_n_evals)
         )
 
     def on_validation_batch_end(
@@ -153,7 +143,6 @@ class PredictionPictures(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        drawn_now = self._drawing_this_eval(trainer)
         if trainer.state.fn == "fit":
             self._evals += 1
         if not trainer.is_global_zero:
@@ -164,12 +153,6 @@ class PredictionPictures(Callback):
             except Exception as e:  # a picture must never end a training run
                 self._warn_once(f"pictures:{type(e).__name__}", f"could not draw pictures: {e}")
         self._collected = []
-        if drawn_now and trainer.state.fn == "fit":
-            self._write_curves(trainer)
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            self._write_curves(trainer)
 
     # ------------------------------------------------------------------ writers
     def _write_pictures(self, trainer: pl.Trainer) -> None:
@@ -221,21 +204,3 @@ class PredictionPictures(Callback):
             # 4:4:4 chroma: thin coloured lines stay crisp
             picture.save(folder / f"{det['image_id']}.jpg", quality=92, subsampling=0)
         log.info("PredictionPictures: wrote %d pictures to %s", len(self._collected), folder)
-
-    def _write_curves(self, trainer: pl.Trainer) -> None:
-        if not self.curves:
-            return
-        csv_loggers = [lg for lg in trainer.loggers if isinstance(lg, CSVLogger)]
-        if not csv_loggers:
-            self._warn_once("csv", "curves.png needs a CSVLogger (logger=default or csv); no curves")
-            return
-        csv_logger = csv_loggers[0]
-        try:
-            csv_logger.save()  # flush what is buffered so the curves include the latest values
-            metrics_file = Path(csv_logger.experiment.metrics_file_path)
-            if not metrics_file.is_file():
-                return
-            title = f"{Path(self._out_dir(trainer)).name}: epoch {trainer.current_epoch}"
-            plot_curves({"run": metrics_file}, self._out_dir(trainer) / "curves.png", title=title)
-        except Exception as e:  # never end a training run over a plot
-            self._warn_once(f"curves:{type(e).__name__}", f"could not draw curves.png: {e}")

@@ -1,59 +1,15 @@
-"""Cheap up-front checks of a COCO-layout split before any DALI pipeline is built.
+"""Up-front checks of a COCO-layout split, before any DALI pipeline is built: :func:`check_coco_split`.
 
-DALI reports bad data late and vaguely (an assertion inside ``random_bbox_crop``, a decoder error that
-does not always name the file). :func:`check_coco_split` reads the annotation file once in Python and
-raises ``FileNotFoundError``/``ValueError`` that name the file and say what to do.
-
-Policy for boxes (documented, tested):
-
-* width or height below 0.1 px (zero, negative, degenerate): dropped, with ONE warning that counts them
-  (DALI's ``readers.coco`` drops them itself through ``size_threshold=0.1``);
-* extending outside the image by at most ``max(2 px, 2 % of the side)``: clipped to the image (COCO-style
-  rounding), with ONE warning that counts them; the clipped copy of the annotation file is written to a
-  cache directory and fed to DALI (``random_bbox_crop`` aborts the whole pipeline on out-of-image boxes);
-* further outside than that: ``ValueError`` (the file is probably in another box format or the image
-  sizes are wrong).
-
-The COCO evaluation keeps reading the unclipped file. A box value that is not a finite number (``NaN``,
-which Python's ``json`` writes, ``Infinity``, a string) is a ``ValueError`` naming the annotation id and the
-image (DALI's parser would fail with an unrelated message).
-
-Policy for image files (documented, tested; not done with ``check_files=False``): each file's first 4 KiB
-and last 4 KiB are read, no decode.
-
-* missing files and files that do not start like an image: ``FileNotFoundError``/``ValueError``;
-* files cut short (DALI decodes a truncated JPEG with a grey remainder and a log line without the file
-  name): a JPEG without its end marker ``FFD9`` in its last 4 KiB, a PNG without its ``IEND`` chunk there,
-  a BMP or WebP shorter than its header says. Files a camera appended more than 4 KiB to (motion photos)
-  look the same, so these few are decoded by PIL and only those it cannot decode are named, in one
-  ``ValueError``;
-* the real width and height, parsed from the first 4 KiB (JPEG SOF, PNG IHDR, BMP, WebP; PIL's lazy
-  ``Image.open`` where the header does not reach that far) and compared with the listed ones. DALI reads
-  boxes relative to the listed size, so images resized after labelling train on wrongly scaled boxes; the
-  check records them (cached) and :func:`check_coco_split` raises naming them, or warns, as
-  ``size_check`` says at every call. EXIF-rotated images are judged by the EXIF policy below instead.
-
-Policy for exports of labelling tools (documented, tested), which often leave out what COCO tools need:
-
-* annotations without ``iscrowd`` (0 filled in), ``area`` (box ``w * h``) or a unique integer ``id``
-  (renumbered ``1..M``; pycocotools needs them, and it silently keeps one of two boxes sharing an id), and
-  image ids that are not integers in DALI's int32 range (strings: DALI fails with "Error parsing JSON
-  file"): a *normalised copy* is written next to the clipped copies, with ONE warning per split that says
-  what was filled in and for how many. Images get ids ``1..N`` in file order and keep the old id as
-  ``original_id``; both the reader and the COCO evaluation read the normalised copy, so the ids of
-  validation batches and of the detections files are the new ones. Category ids stay as they are (0 is
-  fine: labels are ``1..K`` in the file's category order, see :mod:`ssd_lightning.data.categories`).
-* images with an EXIF orientation other than 1 (phone photos stored sideways plus a "rotate" tag):
-  labelling tools draw the boxes on the upright image. DALI 2.x decoders apply the tag (the image comes out
-  upright, as in every viewer), DALI 1.34's do not (:func:`decoder_applies_exif_orientation`). The header
-  check records these images (JPEG, TIFF, WebP; not done with ``check_files=False``) and
-  :func:`check_coco_split` raises, naming them, where the boxes cannot line up: on a line that ignores the
-  tag, and where the file lists an image with its stored (unrotated) width and height while the decoder
-  turns it upright (some exporters write that).
-
-The check reads the whole file (~450 MB for COCO train2017; polygons are skipped unparsed) and one header
-per image; its result is cached per machine while the files are unchanged, and concurrent processes (the
-ranks of a node) wait for the first one's result: see :mod:`ssd_lightning.data.split_cache`.
+It reads the annotation file once (polygons skipped) and, with ``check_files``, each image's first and last
+4 KiB, and returns a :class:`CocoSplitInfo` naming the files DALI and the COCO evaluation should read.
+Errors (:class:`~ssd_lightning.errors.DataError`, :class:`~ssd_lightning.errors.MissingDataError`) name the
+file and what to do. Policy, in short: boxes under 0.1 px are dropped, boxes slightly outside the image
+(``max(2 px, 2 %)``) are clipped in a copy for DALI, boxes further out or not finite raise; missing,
+non-image and truncated files raise; images listed at another size or EXIF-rotated so their boxes cannot
+line up raise or warn (``size_check``, ``exif_check``); what labelling tools leave out (``iscrowd``,
+``area``, annotation ids, integer image ids) is filled in a normalised copy whose image ids ``1..N`` the
+reader and the evaluation share. One warning per kind of change. The full policy and its reasons:
+docs/internals.md; the result is cached per machine by :mod:`ssd_lightning.data.split_cache`.
 """
 
 from __future__ import annotations
@@ -155,7 +111,7 @@ def check_image_headers(paths: Iterable[Path], *, check_ends: bool = False) -> l
     """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP).
 
     Reads the first 4 KiB of each file (one page: as cheap as its first bytes, so fine for COCO's 118k
-    images). With ``check_ends`` also the last 4 KiB, and files cut short are named (module docstring);
+    images). With ``check_ends`` also the last 4 KiB, and files cut short are named (docs/internals.md);
     without it truncated files pass here, and DALI's decoder names those when it meets them (see
     :func:`find_undecodable_images`).
 
@@ -181,7 +137,7 @@ class _FileScan:
 
 
 def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = False) -> _FileScan:
-    """Read each file's first page (and with ``check_ends`` its last page); see the module docstring.
+    """Read each file's first page (and with ``check_ends`` its last page); policy in docs/internals.md.
 
     ``read_sizes``: also keep each image's (width, height) as parsed from its first page (None where the
     page does not tell).
@@ -218,7 +174,7 @@ def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = F
 
 
 def _read_ends(path: Path, check_ends: bool) -> tuple[bytes, bytes, int]:
-    """``(first page, last page or b"", size or 0)``: two reads at most, no seek (os-level: ~120k files)."""
+    """``(first page, last page or b"", size or 0)``: two reads at most, no seek (runs once per image)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         head = os.read(fd, _HEADER_BYTES)
@@ -393,9 +349,9 @@ def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
     return [f"{path} ({why})" for path, why in _undecodable(paths)]
 
 
-# A polygon list value of "segmentation" (numbers and brackets only). Polygons are ~2/3 of COCO's bytes and
-# most of its numbers (slow to parse, ~2 GiB as Python floats for train2017), and nothing here reads them.
-# On valid JSON this matches only that key: a bare "segmentation" followed by ':' cannot occur in a string.
+# A polygon list value of "segmentation" (numbers and brackets only): most of COCO's bytes, slow to parse,
+# and nothing here reads them (docs/internals.md). On valid JSON this matches only that key: a bare
+# "segmentation" followed by ':' cannot occur in a string.
 _POLYGONS = re.compile(rb'"segmentation"\s*:\s*\[[-+0-9.eE,\s\[\]]*\]')
 
 
@@ -403,7 +359,7 @@ def _load_json(path: Path) -> dict[str, Any]:
     """The annotation file with every polygon ``segmentation`` replaced by ``[]`` (RLE ones are kept)."""
     raw = path.read_bytes()
     text = _POLYGONS.sub(b'"segmentation": []', raw)
-    del raw  # ~0.4 GB for train2017: free it before parsing
+    del raw  # the whole file: free it before parsing
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -446,7 +402,7 @@ def check_coco_split(
     exif_check: str = "error",
     size_check: str = "error",
 ) -> CocoSplitInfo:
-    """Validate one COCO split and return what the pipelines need. See the module docstring for the policy.
+    """Validate one COCO split and return what the pipelines need. Policy: docs/internals.md.
 
     The result is cached (:mod:`ssd_lightning.data.split_cache`): while the annotation file and the image
     directory are unchanged, later calls (other ranks, later runs) read a small JSON instead of checking
@@ -554,7 +510,7 @@ EXIF_CHECKS = CHECK_MODES
 
 
 def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
-    """What cannot line up between EXIF-rotated images and their boxes under this DALI (module docstring)."""
+    """What cannot line up between EXIF-rotated images and their boxes under this DALI (docs/internals.md)."""
     oriented = info.exif_listed_upright + info.exif_listed_unrotated
     if not oriented:
         return None
@@ -580,7 +536,7 @@ def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
 
 
 def _size_mismatch(info: CocoSplitInfo) -> str | None:
-    """The images listed with another width and height than their file's (module docstring)."""
+    """The images listed with another width and height than their file's (docs/internals.md)."""
     if not info.num_size_mismatches:
         return None
     more = info.num_size_mismatches - len(info.size_mismatches)
@@ -730,7 +686,7 @@ _NUMBER = (int, float)  # exact types: what json gives, without bool
 def _is_box(bbox: Any) -> bool:
     """Four finite numbers (Python's json reads ``NaN`` and ``Infinity`` as floats; DALI's parser fails).
 
-    Unrolled: it runs once per annotation (860k for COCO train2017), 4x faster than a generator.
+    Unrolled on purpose: it runs once per annotation (docs/internals.md).
     """
     if type(bbox) is not list or len(bbox) != 4:
         return False
@@ -749,7 +705,7 @@ def _is_box(bbox: Any) -> bool:
 
 
 def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, int]]:
-    """Fill in, in place, what minimal exports leave out (module docstring); ``(what, how many)`` changed."""
+    """Fill in, in place, what minimal exports leave out (docs/internals.md); ``(what, how many)`` changed."""
     for ann in data["annotations"]:
         if not isinstance(ann, dict):
             raise DataError(
@@ -883,7 +839,7 @@ def _check_boxes(
     image_dir: Path,
     annotation_file: Path,
 ) -> _BoxCheck:
-    """Check every annotation's image, category and box (module docstring); nothing is changed here."""
+    """Check every annotation's image, category and box (docs/internals.md); nothing is changed here."""
     found = _BoxCheck(clipped=[], with_boxes=set(), dropped=0)
     for ann in annotations:
         iid, cid, bbox = ann.get("image_id"), ann.get("category_id"), ann.get("bbox")

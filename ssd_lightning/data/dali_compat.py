@@ -1,30 +1,12 @@
-"""Every difference between the DALI lines this project supports, in one place.
+"""Every difference between the supported DALI lines (1.34.0 for CUDA 11, 2.x for CUDA 12/13), in one place.
 
-* **1.34.0**: the last real ``nvidia-dali-cuda110`` wheel on PyPI (CUDA 11 drivers);
-* **2.x**: ``nvidia-dali-cuda120`` / ``nvidia-dali-cuda130``.
-
-Features are detected (operator schemas, constructor signatures), not inferred from version numbers.
-What 1.34 lacks, and what the project does instead:
-
-* the readers' ``shuffle_after_epoch_seed``: 1.34 reshuffles with DALI's built-in seed (plus the epoch
-  number). That is still one global permutation per epoch, identical on every rank, so sharding stays
-  correct and runs are reproducible; only the order cannot be changed through the seed. A non-default seed
-  is reported once (:func:`reader_shuffle_kwargs`).
-* the dynamic executor (``exec_dynamic``): 1.34 has only the pipelined executor, which reuses its output
-  buffers, so :class:`~ssd_lightning.data.dali_iterator.DALILoader` copies CPU outputs into its own pool
-  (:func:`uses_fresh_outputs`); its GPU outputs are synchronised with the host (2.x binds them to torch's
-  stream instead, :func:`run_pipeline`); and a pipeline cannot move data from the GPU back to the CPU (so
-  the validation graph reads image shapes from the encoded bytes, not from the GPU-decoded images).
-* ``nvidia.dali.plugin.pytorch.torch_utils`` (2.x only): the dtype table is taken from
-  ``nvidia.dali.plugin.pytorch``, where both lines have it.
-
-Pipeline checkpointing (exact resume) exists in both lines. One difference no argument can bridge: DALI
-1.34's CPU decoder decodes a truncated JPEG (the missing part grey) and only logs "Input file read error",
-where 2.x raises, so only 2.x names a truncated file (through
-:func:`~ssd_lightning.data.coco_validation.find_undecodable_images`); the header check before training
-catches missing and non-image files on both. And 1.34's decoders ignore a JPEG's EXIF orientation, where 2.x
-apply it: :func:`decoders_apply_exif_orientation` tells which, and the
-split check names EXIF-rotated images on 1.34 (their boxes would not line up).
+Features are detected (operator schemas, constructor signatures), never inferred from version numbers. Each
+function answers one question or returns the keyword arguments that bridge one difference: the readers'
+shuffle seed (:func:`reader_shuffle_kwargs`), the executor and its output buffers
+(:func:`uses_fresh_outputs`, :func:`run_pipeline`), EXIF orientation in the decoders
+(:func:`decoders_apply_exif_orientation`); ``feed_ndarray`` and ``to_torch_type`` come from
+``nvidia.dali.plugin.pytorch``, where both lines have them. What 1.34 lacks and what the project does
+instead: docs/internals.md.
 """
 
 from __future__ import annotations

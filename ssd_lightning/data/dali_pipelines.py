@@ -1,16 +1,9 @@
 """DALI pipeline graphs for SSD300 (COCO) and ImageFolder classification.
 
-Every graph exists once; ``device="gpu"`` only changes the ``device=`` of the decoder ("mixed") and of the
-image operators ("gpu"). Box operators always run on the CPU, as in the NVIDIA reference.
-
-All readers are named ``"Reader"`` (the iterator asks it for the epoch size), use ``pad_last_batch=True``
-(the last batch of a shard is filled with copies of its last sample; the iterator trims or drops them) and
-never change shard between epochs (``stick_to_shard``, or ``shuffle_after_epoch``, which DALI implements as
-one global permutation per epoch, identical on every rank because the seed is, then split into fixed shards;
-what differs between DALI lines is in :mod:`ssd_lightning.data.dali_compat`).
-Training loaders build them with ``enable_checkpointing=True`` (a keyword every ``@pipeline_def`` takes) so
-that a run can be resumed exactly; DALI then draws reader epoch ``k``'s permutation from the seed and ``k``
-alone, instead of reshuffling the previous epoch's order (see :mod:`ssd_lightning.data.dali_iterator`).
+Every graph exists once; ``device="gpu"`` only moves the decoder ("mixed") and the image operators ("gpu");
+box operators always run on the CPU. Readers are named ``"Reader"``, pad the last batch of a shard with
+copies of its last sample (``pad_last_batch``) and never change shard between epochs. Training loaders build
+them with ``enable_checkpointing=True`` for an exact resume. Reasons: docs/internals.md.
 
 Outputs (per sample):
 

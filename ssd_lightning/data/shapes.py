@@ -1,35 +1,17 @@
-"""Synthetic "shapes" datasets, so the project can be trained and evaluated without downloading COCO.
+"""Synthetic "shapes" datasets, deterministic from ``seed``, to train and evaluate without COCO.
 
-Two kinds, both written as JPEG (quality 90, RGB) and fully deterministic from ``seed``:
+* detection (:func:`make_detection_dataset`): the COCO 2017 layout (``root/{train,val}2017/*.jpg``,
+  ``root/annotations/instances_{train,val}2017.json``); 0-6 shapes per image of :data:`SHAPE_CATEGORIES`
+  (or ``categories`` drawn from :data:`SHAPE_CATALOGUE`) on textured backgrounds; every 20th image (index 3,
+  23, 43, ...) has none. Annotations follow COCO: ``bbox`` ``[x, y, w, h]`` in pixels of the *visible*
+  pixels (pixel ``i`` covers ``[i, i + 1)``), ``area`` the visible pixel count, ``segmentation`` the full
+  outline as one polygon, ``iscrowd`` 0; objects less than 25 % visible are left out of the annotations;
+  category ids are non-contiguous.
+* classification (:func:`make_classification_dataset`): ``root/{train,val}/<name>/*.jpg``, one shape each.
 
-* detection (:func:`make_detection_dataset`): the real COCO 2017 layout::
-
-      root/train2017/000000000001.jpg ...
-      root/val2017/...
-      root/annotations/instances_train2017.json
-      root/annotations/instances_val2017.json
-
-  Images have varied size and aspect ratio, 0-6 shapes each (rectangles, ellipses, triangles, stars) of
-  varied scale, colour and rotation on textured backgrounds (gradient + blotches + clutter lines + noise).
-  ``categories`` draws another class set from :data:`SHAPE_CATALOGUE` instead (e.g. crosses, hexagons and
-  arrows: a dataset to fine-tune a detector of the default shapes on); the default set is
-  :data:`SHAPE_CATEGORIES` and its datasets are the same bytes as before the option existed.
-  Later shapes are drawn over earlier ones; an object less than 25 % visible is left out of the
-  annotations (its pixels stay in the image). Every 20th image (index 3, 23, 43, ... of each split) has
-  no objects at all and is still listed in ``images``.
-
-  Annotation conventions (COCO): ``bbox`` is ``[x, y, w, h]`` in pixels of the *visible* drawn pixels of
-  the shape (pixel ``i`` covers ``[i, i + 1)``), ``area`` is the number of visible pixels,
-  ``segmentation`` is the full (amodal) outline of the shape as one polygon ``[x1, y1, x2, y2, ...]``,
-  ``iscrowd`` is 0. Category ids are deliberately non-contiguous (see :data:`SHAPE_CATEGORIES`) so that
-  code mapping category ids to training labels is exercised.
-
-* classification (:func:`make_classification_dataset`): ImageFolder layout ``root/{train,val}/<name>/*.jpg``
-  with one shape per image.
-
-Generation writes into a temporary sibling directory and renames it into place, so an interrupted run
-never leaves a dataset that looks complete. :func:`ensure_detection_dataset` and
-:func:`ensure_classification_dataset` generate only when ``root`` does not exist yet.
+Images are RGB JPEG (quality 90). A dataset appears complete or not at all (written in a temporary sibling,
+then renamed); ``ensure_*_dataset`` generate only when ``root`` does not exist. Design notes:
+docs/internals.md.
 """
 
 from __future__ import annotations
@@ -325,7 +307,7 @@ def _draw_shapes(
 def _finish(rng: np.random.Generator, img: np.ndarray) -> np.ndarray:
     """Add per-pixel noise, uniform in ``[-a, a]`` with ``a`` drawn from 3..14 (sigma 1.7-8), as uint8.
 
-    (Uniform integer noise is ~7x cheaper to draw than Gaussian noise and looks the same after JPEG.)
+    Uniform, not Gaussian: cheaper to draw and the same after JPEG (docs/internals.md).
     """
     half = int(rng.integers(3, 15))
     out = img.astype(np.int16)

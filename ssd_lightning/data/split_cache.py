@@ -1,28 +1,13 @@
 """Remember that a COCO split passed its check, so that an unchanged dataset is checked once per machine.
 
-:func:`ssd_lightning.data.coco_validation.check_coco_split` reads the whole annotation file (435 MB for
-COCO train2017) and one header per image; every rank of every run used to pay that. The result (a few KB:
-counts, the category list, which file DALI should read) is kept here as a small JSON file per split,
-valid while the annotation file and the image directory are unchanged:
-
-* key: the host name and the resolved paths of the annotation file and the image directory (one entry
-  per machine, also in a cache folder shared by a cluster's nodes); the entry records the
-  annotation file's size and ``mtime_ns``, the image directory's ``mtime_ns`` (files added, removed or
-  renamed) and whether image files were checked; any difference, or another :data:`VERSION`, is a miss;
-* entries are written atomically (temp file + ``os.replace``) and only when the files were last modified
-  more than :data:`RACY_SECONDS` before the check began (file systems store ``mtime`` in coarse ticks; a
-  file rewritten within one tick of an earlier version would otherwise look unchanged);
-* one process at a time checks a split: the first takes an exclusive ``flock`` on the entry's lock file,
-  the others wait for it and then read its entry. A check that fails records its error (type and message),
-  and the processes that were already waiting raise that same error without checking again; a later run
-  ignores it and checks afresh (the user may have fixed an image since). A holder that crashes records
-  nothing: the OS releases its lock and the next process checks itself, so no one waits for ever;
-* location: ``cache_dir`` if given, else ``$SSD_LIGHTNING_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssd_lightning``
-  (``~/.cache/ssd_lightning``),
-  else ``<tmp>/ssd_lightning-<uid>`` when that is not writable; with no writable directory at all every
-  process checks on its own. The dataset directory is never written to (it may be read-only).
-
-An unreadable or malformed entry is ignored and rewritten.
+:class:`SplitCache` keeps :func:`~ssd_lightning.data.coco_validation.check_coco_split`'s result as one small
+JSON entry per split, keyed on the host and the resolved paths; it is valid while the annotation file's size
+and ``mtime_ns``, the image directory's ``mtime_ns``, ``check_files`` and :data:`VERSION` are unchanged, and
+is written atomically only for files last modified more than :data:`RACY_SECONDS` before the check began.
+One process checks a split at a time (``flock``); the ones waiting for it read its entry, or raise the error
+it recorded. Location: ``cache_dir``, else :func:`default_cache_dir`, else a per-user temp folder, else no
+cache (every process checks). The dataset directory is never written to; an unreadable or malformed entry
+is ignored and rewritten. Reasons and pitfalls: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
+from ssd_lightning import compat
+
 __all__ = ["EvalSchedule"]
 
 # ``(current_epoch + 1) % _NEVER == 0`` (Lightning's "validate this epoch?" test) is false for every epoch.
@@ -80,7 +82,7 @@ class EvalSchedule(Callback):
                 "EvalSchedule needs epoch-based validation, but the Trainer has check_val_every_n_epoch=None "
                 "(validation every N training batches); set check_val_every_n_epoch=1 or drop EvalSchedule"
             )
-        if getattr(trainer, "_val_check_time_interval", None) is not None:
+        if compat.val_check_time_interval(trainer) is not None:
             raise ValueError("EvalSchedule does not support a time-based Trainer(val_check_interval=...)")
         if trainer.check_val_every_n_epoch not in (1, _NEVER):
             rank_zero_warn(

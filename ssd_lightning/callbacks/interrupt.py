@@ -17,9 +17,9 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.plugins.environments import SLURMEnvironment
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from ssd_lightning import compat
 from ssd_lightning.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -71,17 +71,11 @@ def _distributed(trainer: pl.Trainer) -> bool:
 
 
 def _take_over_launched_ranks(trainer: pl.Trainer) -> list[subprocess.Popen]:
-    """The ranks Lightning's own launcher started from this process (none elsewhere), now ours to wait for.
-
-    They stop at the same step, save with this process and exit 143/130; Lightning's process observer (a
-    thread of this process watching the launcher's list) would take that for a failure and SIGKILL this
-    process, so the list is emptied and this process waits for them instead.
-    """
-    launcher = trainer.strategy.launcher
-    if not isinstance(launcher, _SubprocessScriptLauncher) or not launcher.procs:
-        return []
-    children = list(launcher.procs)
-    launcher.procs.clear()  # the observer holds this very list
+    """The ranks Lightning's own launcher started from this process (none elsewhere), now ours to wait for:
+    they exit 143/130 after the save, which Lightning's process observer would answer with SIGKILL."""
+    procs = compat.launched_processes(trainer)
+    children = list(procs)
+    procs.clear()  # the observer holds this very list
     return children
 
 
@@ -95,57 +89,31 @@ def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
             child.kill()
 
 
-def _replace(owner: object, name: str, value: object) -> None:
-    """Set one of Lightning's private attributes, failing loudly where an upgrade renamed it."""
-    if not hasattr(owner, name):
-        raise RuntimeError(
-            f"pytorch_lightning {pl.__version__}: {type(owner).__name__}.{name} is gone; InterruptCheckpoint "
-            "relies on it (ssd_lightning/callbacks/interrupt.py needs an update)"
-        )
-    setattr(owner, name, value)
-
-
-def _no_per_step_broadcast() -> None:
-    """Stands in for Lightning's ``TrainingEpochLoop._broadcast_sigterm_tensor`` (see InterruptCheckpoint)."""
-
-
 class InterruptCheckpoint(pl.Callback):
-    """Turns SIGTERM (cluster preemption, ``scancel``, ``docker stop``), SIGUSR1/SIGUSR2 (SLURM time limits)
-    and a first Ctrl-C into a checkpoint.
+    """Turn SIGTERM, SIGUSR1/SIGUSR2 and a first Ctrl-C into ``last.ckpt``, written at the same step on every
+    DDP rank; the caller then exits 143 (SIGTERM), 130 (Ctrl-C) or hands over to the scheduler's requeue.
 
-    Every process that receives one of them only sets a flag in its signal handler: no collective and
-    no I/O there. At a step boundary the ranks agree through one small all-reduce (MAX of the flags), so
-    they all stop after the same optimizer step, whichever rank (or ranks) got the signal: torchrun and
-    SLURM signal every worker, a terminal's Ctrl-C reaches every process of Lightning's own launcher,
-    ``kill <pid>`` of its main process only rank 0. Then Lightning's own interruption path runs (it raises
-    ``SIGTERMException`` at the end of that step on every rank), this callback writes
-    ``<dirpath>/<filename>`` there (``Trainer.save_checkpoint`` on every rank: rank 0 writes, atomically)
-    and the caller exits with 143 (SIGTERM) or 130 (Ctrl-C).
-
-    SIGUSR2 (submitit's time-limit signal, 120 s before the limit) and SIGUSR1 (Lightning's SLURM
-    auto-requeue signal) stop the same way; the handler that was installed for the signal before training
-    (submitit's ``checkpoint_and_try_requeue``) runs only after the save, from :meth:`hand_over`: it
-    requeues the job and exits with the code submitit expects. Without it, SIGUSR1 under SLURM with
-    Lightning's auto-requeue requeues with ``scontrol requeue``, as Lightning would. Rank 0 writes
-    ``<dirpath>/interrupted.json`` (signal, epoch, step, :func:`scheduler_job_id`): the requeued job (same
-    job id, same run directory) continues from the checkpoint
-    (:func:`ssd_lightning.cli.run_dir.requeued_run`).
-
-    The all-reduce runs every ``check_every_n_steps`` optimizer steps, or, when that is ``None``, adaptively
-    about every ``check_every_seconds`` of training (the ranks agree on the interval too: it is computed from
-    the reduced step time). It replaces the broadcast Lightning >= 2.5 does before *every* training step
-    under DDP (``_broadcast_sigterm_tensor``, a device-to-host sync per step), which is switched off. With
-    one process there is nothing to agree on: the flag is read after every step, at no cost.
-
-    A second Ctrl-C aborts at once, without a checkpoint. A signal during validation takes effect after it.
+    * Signal handlers only set a flag (no collective, no I/O). The ranks agree at step boundaries through one
+      all-reduce (MAX of the flags), whichever ranks got the signal (torchrun and SLURM signal every worker,
+      ``kill <pid>`` of Lightning's launcher only rank 0): every ``check_every_n_steps`` optimizer steps or,
+      when that is None, about every ``check_every_seconds`` (computed from the reduced step time, so the
+      same on every rank). Lightning's per-step broadcast of its SIGTERM flag is switched off. One process:
+      the flag is read after every step.
+    * Lightning's own path then raises ``SIGTERMException`` after that step on every rank;
+      :meth:`on_exception` calls ``Trainer.save_checkpoint`` on every rank (rank 0 writes, atomically) and
+      rank 0 writes ``interrupted.json`` (signal, epoch, step, :func:`scheduler_job_id`), from which a
+      requeued job continues.
+    * SIGUSR2 (submitit's time-limit signal) and SIGUSR1 (Lightning's SLURM auto-requeue signal) stop the
+      same way; after the save :meth:`hand_over` runs the handler installed before training (submitit's
+      requeue), or ``scontrol requeue`` under Lightning's SLURM auto-requeue.
+    * A second Ctrl-C aborts at once, without a checkpoint. A signal during validation takes effect after it.
 
     Args:
         dirpath: where to write; defaults to the ModelCheckpoint's directory (else ``<root>/checkpoints``).
         filename: the file name; ``last.ckpt`` so that the usual resume command works.
         check_every_n_steps: a fixed number of optimizer steps between two agreements of the DDP ranks.
-        check_every_seconds: with ``check_every_n_steps=None``, the target time between two agreements;
-            the delay from a signal to the save is at most about this (plus one step). Keep it well below
-            the time a launcher waits before SIGKILL (torchrun: ``--shutdown-timeout``, 30 s by default).
+        check_every_seconds: with ``check_every_n_steps=None``, the target time between two agreements (the
+            delay from a signal to the save); keep it well below the launcher's wait before SIGKILL.
     """
 
     def __init__(
@@ -189,15 +157,12 @@ class InterruptCheckpoint(pl.Callback):
             and environment.auto_requeue
             and environment.requeue_signal is not None
         )
-        # Lightning registers its SIGTERM handler after this hook; its notifier would forward the signal to
-        # the launcher's children and, under DDP, broadcast from inside the handler on the receiving rank
-        # alone (a collective the other ranks never join). Ours only takes note.
-        _replace(trainer._signal_connector, "_sigterm_notifier_fn", self._on_sigterm)
-        # Its SLURM auto-requeue handler (SIGUSR1, registered under SLURM) would save from inside the handler
-        # on rank 0's schedule; until on_train_start installs ours for good, it takes note likewise.
-        _replace(trainer._signal_connector, "_slurm_sigusr_handler_fn", self._on_requeue_signal)
-        # Lightning's per-step broadcast of that flag (a device sync before every training step under DDP)
-        _replace(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", _no_per_step_broadcast)
+        # Lightning's SIGTERM and SLURM SIGUSR1 handlers run a collective or save from inside the handler;
+        # ours only take note (SIGUSR1/SIGUSR2 until on_train_start installs ours for good)
+        compat.replace_signal_handlers(
+            trainer, sigterm=self._on_sigterm, slurm_requeue=self._on_requeue_signal
+        )
+        compat.skip_per_step_sigterm_broadcast(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # SIGINT here, not in on_fit_start: Lightning records the handlers when it registers its own (after
@@ -212,9 +177,7 @@ class InterruptCheckpoint(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # a later trainer.validate()/test() gets Lightning's own behaviour back
-            vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
-            vars(trainer._signal_connector).pop("_slurm_sigusr_handler_fn", None)
-            vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)
+            compat.restore_signal_handling(trainer)
             self._trainer = None
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -253,7 +216,7 @@ class InterruptCheckpoint(pl.Callback):
         self._agreed = agreed
         # Lightning's own SIGTERM path: on_advance_end raises SIGTERMException after this step's bookkeeping
         # (after validation, if this step runs one) on every rank
-        trainer._signal_connector.received_sigterm = True
+        compat.set_sigterm_received(trainer, True)
 
     # -- agreement at step boundaries ----------------------------------------------------------------
     def _reset_schedule(self, global_step: int) -> None:
@@ -304,13 +267,13 @@ class InterruptCheckpoint(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The evaluation loop raises after any batch when Lightning's flag is up; let validation finish.
         if self.stopped_by is not None and trainer.state.fn == "fit":
-            trainer._signal_connector.received_sigterm = False
+            compat.set_sigterm_received(trainer, False)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn != "fit":
             return
         if self.stopped_by is not None:
-            trainer._signal_connector.received_sigterm = True
+            compat.set_sigterm_received(trainer, True)
         elif self._received is not None and not _distributed(trainer):  # arrived during validation
             self._stop(trainer, self._received)
 

@@ -47,11 +47,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from ssd_lightning import compat
 from ssd_lightning.callbacks.throughput import _batch_size
 
 __all__ = ["FETCH_ACTION", "IntervalSpeed", "TrainingSpeed", "interval_speed"]
 
-FETCH_ACTION = "train_dataloader_next"  # Lightning's profiler action around the training loader's __next__
+FETCH_ACTION = compat.TRAIN_FETCH_ACTION  # Lightning's profiler action around the training loader's __next__
 IMAGES_PER_SECOND = "train/images_per_second"
 DATA_WAIT_FRACTION = "train/data_wait_fraction"
 
@@ -171,6 +172,7 @@ class TrainingSpeed(pl.Callback):
 
     # -- Lightning hooks -----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compat.train_fetch_action(trainer)  # still the action Lightning times the fetch with
         self._patch_profiler(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -245,5 +247,4 @@ class TrainingSpeed(pl.Callback):
 
 def _logging_step(trainer: pl.Trainer) -> int:
     """The 1-based count Lightning tests against ``log_every_n_steps`` when it writes step metrics."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step - 1)) + 1
+    return compat.batches_that_stepped(trainer) + 1

@@ -17,9 +17,9 @@ import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from ssd_lightning import compat
 from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.cli.benchmark import config_summary_from_cfg, run_benchmark_task
 from ssd_lightning.cli.config_checks import check_writable_dir, validate_config
@@ -100,6 +100,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer: pl.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=plugins
     )
+    compat.check_installed(trainer)  # an unsupported Lightning/Hydra/torch fails here, in one line
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
@@ -171,8 +172,8 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
     Only the main process of Lightning's own launcher has children; torchrun and SLURM end the other
     workers of a failed job themselves.
     """
-    launcher = trainer.strategy.launcher
-    if isinstance(launcher, _SubprocessScriptLauncher):
+    launcher = compat.subprocess_script_launcher(trainer)
+    if launcher is not None:
         launcher.kill(signal.SIGKILL)
 
 

@@ -78,6 +78,7 @@ import torch.distributed as dist
 from nvidia.dali.tensors import TensorListGPU
 from torch import Tensor
 
+from ssd_lightning import compat
 from ssd_lightning.data.dali_compat import feed_ndarray, run_pipeline, to_torch_type, uses_fresh_outputs
 from ssd_lightning.errors import ConfigError
 
@@ -90,15 +91,6 @@ _STATE_FORMAT = 1
 def shard_size(num_samples: int, shard_id: int, num_shards: int) -> int:
     """Samples in shard ``shard_id`` under DALI's split ``[floor(sN/n), floor((s+1)N/n))``."""
     return (shard_id + 1) * num_samples // num_shards - shard_id * num_samples // num_shards
-
-
-def _storage_users(tensor: Tensor) -> int:
-    """Tensors sharing ``tensor``'s storage, ``tensor`` included (views count; a large number if unknown)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:  # private API gone: never reuse, always safe
-        return 1 << 30
-    # the temporary storage object made by untyped_storage() holds one reference of its own
-    return use_count(tensor.untyped_storage()._cdata) - 1
 
 
 class _BufferPool:
@@ -115,7 +107,7 @@ class _BufferPool:
         shape = tuple(shape)
         pool = self._buffers.setdefault(key, [])
         for i, buf in enumerate(pool):
-            if buf.shape == shape and buf.dtype == dtype and _storage_users(buf) == 1:
+            if buf.shape == shape and buf.dtype == dtype and compat.storage_use_count(buf) == 1:
                 pool.append(pool.pop(i))  # most recently used last
                 return buf
         buf = torch.empty(shape, dtype=dtype)

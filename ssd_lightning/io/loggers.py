@@ -9,18 +9,15 @@ from lightning_fabric.loggers.logger import rank_zero_experiment
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
+from ssd_lightning import compat
 from ssd_lightning.io.atomic import atomic_write
 
 
 class _ContinuingWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued instead of deleted.
+    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued instead of deleted: at the
+    first save, its rows from the first step logged now on are dropped (the resumed run logs them again)."""
 
-    Rows already in the file whose ``step`` is at or past the first step logged now are dropped when the
-    first new rows are saved: they were logged after the checkpoint the run resumed from, and the resumed
-    run logs those steps again (so the file, and ``curves.png`` drawn from it, stay one continuous run).
-    """
-
-    def _check_log_dir_exists(self) -> None:
+    def _check_log_dir_exists(self) -> None:  # Lightning's hook, checked by compat.csv_logger_experiment
         self._continued = os.path.isfile(self.metrics_file_path)
         if self._continued:
             with open(self.metrics_file_path, newline="") as f:
@@ -52,7 +49,4 @@ class ContinuingCSVLogger(CSVLogger):
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _ContinuingWriter(log_dir=self.log_dir)
-        return self._experiment
+        return compat.csv_logger_experiment(self, _ContinuingWriter)

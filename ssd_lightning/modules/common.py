@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics import Metric
 
+from ssd_lightning import compat
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.weights import init_from_checkpoint
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
@@ -79,11 +80,7 @@ def restore_train_loader_state(trainer: pl.Trainer) -> None:
     ``configure_optimizers``, so the states would silently be dropped and a resumed epoch would restart its
     data from the first batch.
     """
-    fit_loop = trainer.fit_loop
-    pending = getattr(fit_loop, "_combined_loader_states_to_load", None)
-    if pending and fit_loop._combined_loader is not None:
-        fit_loop._combined_loader._load_state_dicts(pending)
-        fit_loop._combined_loader_states_to_load = []
+    compat.load_pending_loader_states(trainer)
 
 
 EPOCH_METRIC_STATES = "epoch_metric_states"  # the checkpoint's key

@@ -1,0 +1,285 @@
+"""Every private attribute of Lightning, Hydra and torch that ssd_lightning touches, behind named accessors.
+
+Each accessor looks its attribute up strictly: when an upgrade renamed one, it raises :class:`CompatError`,
+one line naming the attribute, the installed version and the supported range. :func:`check_installed`
+runs all those look-ups at once on a fresh Trainer (the train job calls it before ``fit``). Lightning and
+Hydra are imported only by the accessors that need them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import re
+import subprocess
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ssd_lightning.errors import UserError
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = [
+    "CompatError",
+    "TRAIN_FETCH_ACTION",
+    "batches_that_stepped",
+    "check_installed",
+    "csv_logger_experiment",
+    "is_compiled_in_place",
+    "job_return_value",
+    "launched_processes",
+    "load_pending_loader_states",
+    "norm_base_class",
+    "replace_signal_handlers",
+    "restore_signal_handling",
+    "set_sigterm_received",
+    "sigterm_received",
+    "skip_per_step_sigterm_broadcast",
+    "storage_use_count",
+    "subprocess_script_launcher",
+    "train_fetch_action",
+    "val_check_time_interval",
+]
+
+SignalHandler = Callable[[int, Any], None]
+
+_PL, _TORCH, _HYDRA = "pytorch_lightning", "torch", "hydra"
+_DISTRIBUTIONS = {_PL: "pytorch-lightning", _TORCH: "torch", _HYDRA: "hydra-core"}
+
+# Lightning's profiler action around the training loader's ``__next__`` ("[_TrainingEpochLoop].<this>")
+TRAIN_FETCH_ACTION = "train_dataloader_next"
+# the attribute names Lightning's signal handling is replaced through (instance attributes shadow them)
+_SIGTERM_NOTIFIER = "_sigterm_notifier_fn"
+_SLURM_SIGUSR_HANDLER = "_slurm_sigusr_handler_fn"
+_SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+class CompatError(UserError, RuntimeError):
+    """The installed Lightning/Hydra/torch lacks a private attribute ssd_lightning relies on (another version
+    than the supported one). The message is one line: package, version, attribute, supported range."""
+
+
+def _supported(package: str) -> str:
+    """The requirement ssd_lightning's metadata states for ``package`` (``pytorch-lightning>=2.6,<2.7``)."""
+    distribution = _DISTRIBUTIONS[package]
+    try:
+        requirements = importlib.metadata.requires("ssd_lightning") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*([^;]*)", requirement.split(";")[0].strip())
+        if found and found[1] == distribution and found[2]:
+            specifiers = sorted(found[2].split(","), key=lambda s: not s.startswith(">"))
+            return distribution + ",".join(specifiers)
+    return f"the {distribution} versions pyproject.toml pins"
+
+
+def _missing(package: str, what: str) -> CompatError:
+    """The error for ``what`` (``Class.attribute``) absent from the installed ``package``."""
+    version = getattr(importlib.import_module(package), "__version__", "?")
+    return CompatError(f"{package} {version} has no {what}; ssd_lightning supports {_supported(package)}")
+
+
+def _attr(owner: object, name: str, where: str, package: str = _PL) -> Any:
+    """``owner.<name>``, or :class:`CompatError` naming ``<where>.<name>``."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise _missing(package, f"{where}.{name}") from None
+
+
+# -- Lightning: signals --------------------------------------------------------------------------------------
+def _signal_connector(trainer: pl.Trainer) -> Any:
+    return _attr(trainer, "_signal_connector", "Trainer")
+
+
+def sigterm_received(trainer: pl.Trainer) -> bool:
+    """Lightning's "stop after this step" flag (raises ``SIGTERMException`` at the step's end when set)."""
+    return bool(_attr(_signal_connector(trainer), "received_sigterm", "Trainer._signal_connector"))
+
+
+def set_sigterm_received(trainer: pl.Trainer, value: bool) -> None:
+    """Raise or lower Lightning's "stop after this step" flag."""
+    connector = _signal_connector(trainer)
+    _attr(connector, "received_sigterm", "Trainer._signal_connector")
+    connector.received_sigterm = bool(value)
+
+
+def replace_signal_handlers(
+    trainer: pl.Trainer, *, sigterm: SignalHandler, slurm_requeue: SignalHandler
+) -> None:
+    """Make Lightning register ``sigterm`` for SIGTERM and ``slurm_requeue`` for its SLURM auto-requeue signal
+    in place of its own handlers (call in ``on_fit_start``: Lightning registers them after that hook).
+
+    Lightning's SIGTERM notifier forwards the signal to the launcher's children and, under DDP, broadcasts
+    from inside the handler; its SIGUSR1 handler saves a checkpoint from inside the handler.
+    Undone by :func:`restore_signal_handling`.
+    """
+    connector = _signal_connector(trainer)
+    for name, handler in ((_SIGTERM_NOTIFIER, sigterm), (_SLURM_SIGUSR_HANDLER, slurm_requeue)):
+        _attr(connector, name, "Trainer._signal_connector")
+        setattr(connector, name, handler)
+
+
+def skip_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Switch off the broadcast of the SIGTERM flag Lightning does before every training step under DDP
+    (a device-to-host sync per step); undone by :func:`restore_signal_handling`."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    _attr(epoch_loop, _SIGTERM_BROADCAST, "Trainer.fit_loop.epoch_loop")
+    setattr(epoch_loop, _SIGTERM_BROADCAST, _no_broadcast)
+
+
+def _no_broadcast() -> None:
+    """Stands in for ``_TrainingEpochLoop._broadcast_sigterm_tensor``."""
+
+
+def restore_signal_handling(trainer: pl.Trainer) -> None:
+    """Lightning's own handlers and per-step broadcast again (drops what the two functions above set)."""
+    connector = _signal_connector(trainer)
+    vars(connector).pop(_SIGTERM_NOTIFIER, None)
+    vars(connector).pop(_SLURM_SIGUSR_HANDLER, None)
+    vars(trainer.fit_loop.epoch_loop).pop(_SIGTERM_BROADCAST, None)
+
+
+@functools.cache
+def _subprocess_script_launcher_class() -> type:
+    where = "pytorch_lightning.strategies.launchers.subprocess_script"
+    try:
+        return importlib.import_module(where)._SubprocessScriptLauncher
+    except (ImportError, AttributeError):
+        raise _missing(_PL, f"{where}._SubprocessScriptLauncher") from None
+
+
+def subprocess_script_launcher(trainer: pl.Trainer) -> Any | None:
+    """The trainer's launcher if it is Lightning's own (``python train.py`` starting the other ranks as
+    subprocesses of this one), else None."""
+    launcher = trainer.strategy.launcher
+    return launcher if isinstance(launcher, _subprocess_script_launcher_class()) else None
+
+
+def launched_processes(trainer: pl.Trainer) -> list[subprocess.Popen]:
+    """The rank processes Lightning's launcher started from this process: the very list its process observer
+    watches (clearing it stops the observer from killing this process when they exit). ``[]`` elsewhere."""
+    launcher = subprocess_script_launcher(trainer)
+    return [] if launcher is None else _attr(launcher, "procs", "_SubprocessScriptLauncher")
+
+
+# -- Lightning: loops and validation schedule ----------------------------------------------------------------
+def load_pending_loader_states(trainer: pl.Trainer) -> None:
+    """Give the train loaders the states the checkpoint holds for them, if Lightning has not yet (it does so
+    only when it first sets up the train dataloader after loading the checkpoint)."""
+    fit_loop = trainer.fit_loop
+    pending = _attr(fit_loop, "_combined_loader_states_to_load", "Trainer.fit_loop")
+    loader = _attr(fit_loop, "_combined_loader", "Trainer.fit_loop")
+    if pending and loader is not None:
+        _attr(loader, "_load_state_dicts", "CombinedLoader")(pending)
+        fit_loop._combined_loader_states_to_load = []
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """Training batches that ended with an optimizer step, over the whole run: Lightning's logging step (the
+    ``step`` column of ``metrics.csv``); restored from checkpoints."""
+    return int(_attr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", "Trainer.fit_loop.epoch_loop"))
+
+
+def val_check_time_interval(trainer: pl.Trainer) -> float | None:
+    """Seconds between validations for a time-based ``Trainer(val_check_interval=...)``, else None."""
+    return _attr(trainer, "_val_check_time_interval", "Trainer")
+
+
+@functools.cache
+def _fetch_action_in(loop_class: type) -> bool:
+    try:
+        return f'].{TRAIN_FETCH_ACTION}"' in inspect.getsource(loop_class)
+    except (OSError, TypeError):
+        return False
+
+
+def train_fetch_action(trainer: pl.Trainer) -> str:
+    """:data:`TRAIN_FETCH_ACTION`, checked against the source of the trainer's training epoch loop: the
+    profiler action Lightning starts and stops around each ``next()`` of the training loader."""
+    loop_class = type(trainer.fit_loop.epoch_loop)
+    if not _fetch_action_in(loop_class):
+        raise _missing(_PL, f'{loop_class.__name__} profiler action "{TRAIN_FETCH_ACTION}"')
+    return TRAIN_FETCH_ACTION
+
+
+# -- Lightning: the CSV logger -------------------------------------------------------------------------------
+def csv_logger_experiment(logger: Any, writer_class: type) -> Any:
+    """The body of ``CSVLogger.experiment`` with ``writer_class`` (a subclass of Lightning's
+    ``ExperimentWriter`` overriding its ``_check_log_dir_exists``) in place of ``ExperimentWriter``."""
+    from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+
+    _attr(ExperimentWriter, "_check_log_dir_exists", "ExperimentWriter")
+    if _attr(logger, "_experiment", "CSVLogger") is None:
+        _attr(logger, "_fs", "CSVLogger").makedirs(logger.root_dir, exist_ok=True)
+        logger._experiment = writer_class(log_dir=logger.log_dir)
+    return logger._experiment
+
+
+# -- torch ---------------------------------------------------------------------------------------------------
+@functools.cache
+def _storage_use_count_fn() -> Callable[[int], int]:
+    use_count = _attr(torch._C, "_storage_Use_Count", "torch._C", _TORCH)
+    _attr(torch.empty(0).untyped_storage(), "_cdata", "UntypedStorage", _TORCH)
+    return use_count
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """Tensors sharing ``tensor``'s storage, ``tensor`` included (views count)."""
+    use_count = _storage_use_count_fn()
+    # the temporary storage object made by untyped_storage() holds one reference of its own
+    return use_count(tensor.untyped_storage()._cdata) - 1
+
+
+def is_compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called on ``module`` (``torch.compile(module)`` wraps it instead)."""
+    return _attr(module, "_compiled_call_impl", "nn.Module", _TORCH) is not None
+
+
+def norm_base_class() -> type:
+    """torch's base class of BatchNorm*/SyncBatchNorm/InstanceNorm* layers."""
+    return _attr(nn.modules.batchnorm, "_NormBase", "torch.nn.modules.batchnorm", _TORCH)
+
+
+# -- Hydra ---------------------------------------------------------------------------------------------------
+def job_return_value(job_return: Any) -> Any:
+    """What a Hydra job returned or, for a failed job, the exception it raised (``JobReturn.return_value``
+    re-raises it instead)."""
+    return _attr(job_return, "_return_value", "JobReturn", _HYDRA)
+
+
+# -- all at once ---------------------------------------------------------------------------------------------
+def check_installed(trainer: pl.Trainer) -> None:
+    """Look up every private attribute the accessors touch, on ``trainer`` (before ``fit``) and the installed
+    classes; raise :class:`CompatError` for the first one missing."""
+    from hydra.core.utils import JobReturn
+    from pytorch_lightning.loggers import CSVLogger
+    from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+    from pytorch_lightning.utilities import CombinedLoader
+
+    connector = _signal_connector(trainer)
+    for name in ("received_sigterm", _SIGTERM_NOTIFIER, _SLURM_SIGUSR_HANDLER):
+        _attr(connector, name, "Trainer._signal_connector")
+    _attr(trainer.fit_loop.epoch_loop, _SIGTERM_BROADCAST, "Trainer.fit_loop.epoch_loop")
+    _subprocess_script_launcher_class()
+    for name in ("_combined_loader_states_to_load", "_combined_loader"):
+        _attr(trainer.fit_loop, name, "Trainer.fit_loop")
+    _attr(CombinedLoader, "_load_state_dicts", "CombinedLoader")
+    batches_that_stepped(trainer)
+    val_check_time_interval(trainer)
+    train_fetch_action(trainer)
+    csv = CSVLogger(save_dir="unused", version=0)  # touches no file
+    for name in ("_experiment", "_fs"):
+        _attr(csv, name, "CSVLogger")
+    _attr(ExperimentWriter, "_check_log_dir_exists", "ExperimentWriter")
+    _storage_use_count_fn()
+    _attr(nn.Module, "_compiled_call_impl", "nn.Module", _TORCH)
+    norm_base_class()
+    _attr(JobReturn, "_return_value", "JobReturn", _HYDRA)

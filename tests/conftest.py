@@ -1,4 +1,4 @@
-"""Shared fixtures: generated datasets and Hydra configs composed in-process (no subprocess per test)."""
+"""Session set-up and fixtures: generated datasets, composed configs (helpers live in tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
+from tests.helpers import CONFIG_DIR, REPO_ROOT, compose_config, train_config
+
+__all__ = ["CONFIG_DIR", "REPO_ROOT", "compose_config"]  # imported from here by older test modules
 
 # Two cores: keep each test process from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -30,7 +30,8 @@ atexit.register(shutil.rmtree, os.environ["SSD_LIGHTNING_CACHE_DIR"], ignore_err
 # train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line
 # (`no_dali` opts a test on synthetic data out).
 _USES_DALI = re.compile(
-    r"dali|datamodule|shapes_coco|shapes_imagefolder|make_cfg|train\(|train\.py|experiment=", re.I
+    r"dali|datamodule|shapes_coco|shapes_imagefolder|make_cfg|train_config|train\(|train\.py|train_py|experiment=",
+    re.I,
 )
 
 
@@ -65,25 +66,12 @@ def shapes_imagefolder(tmp_path_factory) -> Path:
     )
 
 
-def compose_config(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` with overrides, as ``train.py`` would, without running it."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="test"):
-        cfg = compose(config_name=config_name, overrides=overrides or [], return_hydra_config=True)
-    return cfg
-
-
 @pytest.fixture
 def make_cfg(tmp_path):
-    """Factory: compose a config whose outputs go under ``tmp_path`` (hydra runtime keys filled in)."""
-    from hydra.core.hydra_config import HydraConfig
+    """Factory: :func:`tests.helpers.train_config` with outputs under ``tmp_path``."""
 
     def _make(overrides: list[str] | None = None) -> DictConfig:
-        cfg = compose_config([f"paths.output_dir={tmp_path}", *(overrides or [])])
-        HydraConfig.instance().set_config(cfg)
-        with open_dict(cfg):
-            del cfg["hydra"]
-        return cfg
+        return train_config(overrides or [], output_dir=tmp_path)
 
     yield _make
     GlobalHydra.instance().clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
+from tests.helpers import requires_dali
 
 
 def write_coco(root: Path, n: int = 6, kinds: dict[int, str] | None = None, boxes=None) -> Path:
@@ -122,7 +121,7 @@ def test_not_an_image(tmp_path):
 
 
 @pytest.mark.dali
-@pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
+@requires_dali
 def test_degenerate_and_slightly_outside_boxes(tmp_path):
     root = write_coco(tmp_path, boxes=[[10, 10, 0, 5], [10, 10, 5, -3], [50, 30, 15, 18.5]])
     with warnings.catch_warnings(record=True) as caught:
@@ -142,7 +141,7 @@ def test_degenerate_and_slightly_outside_boxes(tmp_path):
 
 
 @pytest.mark.dali
-@pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
+@requires_dali
 def test_grayscale_cmyk_png_decode_to_rgb(tmp_path):
     root = write_coco(tmp_path, kinds={1: "gray", 2: "cmyk", 3: "png"})
     dm = _setup(root)
@@ -156,7 +155,7 @@ def test_grayscale_cmyk_png_decode_to_rgb(tmp_path):
 
 
 @pytest.mark.dali
-@pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
+@requires_dali
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_jpeg_named(tmp_path, damage):
     """Cut short, or noise after a valid start: the start-up check names the file, on every DALI line (1.34's

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +19,9 @@ from PIL import Image
 from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split, check_image_headers
 from ssd_lightning.errors import DataError
+from tests.helpers import run_train_py
 from tests.test_split_cache import _backdate, _count_checks
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -257,19 +255,12 @@ def test_cli_names_the_file_in_one_error_line(root, tmp_path, quirk):
         expected = f"annotation {ann_id} (image "
     else:
         _, expected = _double_size(root)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "experiment=demo",
-            "data=coco",
-            f"data.root={root}",
-            f"paths.output_dir={tmp_path / 'out'}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    result = run_train_py(
+        "experiment=demo",
+        "data=coco",
+        f"data.root={root}",
+        f"paths.output_dir={tmp_path / 'out'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
         timeout=240,
     )
     assert result.returncode == 1, result.stderr[-3000:]

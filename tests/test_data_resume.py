@@ -7,15 +7,15 @@ mid-epoch checkpoint.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import pytorch_lightning as pl
 import torch
 
+from tests.helpers import requires_dali
+
 pytestmark = [
     pytest.mark.dali,
-    pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI"),
+    requires_dali,
 ]
 
 BATCH = 4

@@ -7,17 +7,13 @@ timeout, so a hang fails the test instead of blocking CI.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import launch_train_py
 
 pytest.importorskip("nvidia.dali")
 
@@ -27,11 +23,6 @@ TIMEOUT_S = 150
 # What docs/reliability.md promises: the job ends within this, on a loaded 2-core box (10-20 s when quiet),
 # instead of the other rank waiting for the collective timeout (30 min for gloo and NCCL).
 ENDS_WITHIN_S = 120
-
-
-def _processes_in_group(pgid: int) -> list[str]:
-    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True)
-    return [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]  # zombies are gone
 
 
 @pytest.mark.parametrize("failing_rank", [1, 0])
@@ -49,39 +40,24 @@ def test_a_failing_rank_ends_the_job_with_its_message(failing_rank, shapes_coco,
     path.write_bytes(data[:20] + noise.replace(b"\xff\xd9", b"\xff\x00") + b"\xff\xd9")
 
     started = time.monotonic()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            "experiment=demo",
-            "task=validate",
-            "trainer=ddp_cpu",
-            f"data.root={root}",
-            "logger=csv",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the job hung for {TIMEOUT_S} s after rank {failing_rank} failed")
-    elapsed = time.monotonic() - started
-    assert proc.returncode != 0, out[-3000:]
+    with launch_train_py(
+        "experiment=demo",
+        "task=validate",
+        "trainer=ddp_cpu",
+        f"data.root={root}",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ) as job:
+        done = job.finish(timeout=TIMEOUT_S)  # a hang fails here, its processes killed
+        elapsed = time.monotonic() - started
+        left = job.leftovers(within_s=20)  # no rank left behind (give exiting processes a moment)
+    out = done.stdout
+    assert done.returncode != 0, out[-3000:]
     assert f"[rank {failing_rank}] Error:" in out, out[-3000:]
     assert f"corrupt or truncated: {path}" in out
     # the other rank either says why it stops or is ended before it can (Lightning's launcher kills it)
     other = f"[rank {1 - failing_rank}]"
     assert f"{other} Stopped: another process of this job failed" in out or other not in out
     assert "Traceback" not in out, out[-3000:]
-    # no rank left behind (give exiting processes a moment)
-    deadline = time.monotonic() + 20
-    while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
     assert left == [], left
     assert elapsed < ENDS_WITHIN_S, f"rank {failing_rank}'s failure took {elapsed:.0f} s to end the job"

@@ -6,19 +6,14 @@ Each run is a subprocess with a timeout: a hang fails the test instead of blocki
 
 from __future__ import annotations
 
-import csv
+import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import ProcessGroup, csv_rows, last_checkpoint, launch_train_py
 
 pytest.importorskip("nvidia.dali")
 
@@ -34,37 +29,20 @@ def _free_port() -> int:
 
 
 def _metrics(run_dir: Path) -> list[dict[str, str]]:
-    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
+    return csv_rows(run_dir / "csv" / "metrics.csv")
 
 
 def _first(rows: list[dict[str, str]], key: str) -> float:
     return next(float(r[key]) for r in rows if r.get(key))
 
 
-def _communicate(procs: list[subprocess.Popen]) -> list[str]:
-    """Outputs of all processes; on a timeout kill every process group we started and fail."""
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"distributed run did not finish within {TIMEOUT_S} s (hang?)")
-    return outputs
-
-
-def _train_py(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, so a hang can be killed with all its ranks
-    )
+def _run_all(*runs: ProcessGroup) -> list[str]:
+    """Outputs (stdout and stderr) of every run; a run still going after ``TIMEOUT_S`` fails the test and
+    every process group started here is killed."""
+    with contextlib.ExitStack() as stack:
+        for run in runs:
+            stack.enter_context(run)
+        return [run.finish(timeout=TIMEOUT_S).stdout for run in runs]
 
 
 def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
@@ -73,8 +51,6 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
 
     run_dir, port, batch = tmp_path / "run", _free_port(), 4
     common = [
-        "-m",
-        "torch.distributed.run",
         "--nnodes",
         "2",
         "--nproc-per-node",
@@ -85,7 +61,6 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
         str(port),
     ]
     train_args = [
-        "train.py",
         "experiment=demo",
         "debug=fast",
         "trainer=ddp_cpu",
@@ -102,10 +77,10 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
         "logger=csv",
         f"hydra.run.dir={run_dir}",
     ]
-    procs = [_train_py(*common, "--node-rank", str(node), *train_args) for node in (0, 1)]
-    outputs = _communicate(procs)
-    for node, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0, f"node {node}:\n{out[-4000:]}"
+    nodes = [launch_train_py(*train_args, torchrun=[*common, "--node-rank", str(node)]) for node in (0, 1)]
+    outputs = _run_all(*nodes)
+    for node, (run, out) in enumerate(zip(nodes, outputs, strict=True)):
+        assert run.proc.returncode == 0, f"node {node}:\n{out[-4000:]}"
         assert f"GLOBAL_RANK: {node}, MEMBER: {node + 1}/2" in out
     assert "fit finished" in outputs[0] and "fit finished" not in outputs[1]  # rank 0 reports
 
@@ -118,7 +93,7 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
     # written once (by rank 0), not once per node; no temporary file left
     written = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert written == ["best.ckpt", "epoch_0.ckpt", "last.ckpt"]  # best: the epoch's evaluation
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    ckpt = last_checkpoint(run_dir)
     assert ckpt["global_step"] == per_shard
 
     # validation: each rank decoded its shard, rank 0 evaluated the union: every val image, once
@@ -132,8 +107,7 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
 
 def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
     base_lr, batch = 0.01, 4
-    proc = _train_py(
-        "train.py",
+    run = launch_train_py(
         "experiment=demo",
         "debug=fast",
         "trainer=ddp_cpu",  # Lightning starts rank 1 itself, re-invoking train.py
@@ -149,8 +123,8 @@ def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
         "model.scheduler.warmup_steps=0",
         f"paths.log_dir={tmp_path}",  # no hydra.run.dir: the time-stamped run directory of rank 0
     )
-    (out,) = _communicate([proc])
-    assert proc.returncode == 0, out[-4000:]
+    (out,) = _run_all(run)
+    assert run.proc.returncode == 0, out[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in out
     # rank 1 was started with rank 0's run directory: one run directory, not one per rank
     (run_dir,) = (tmp_path / "demo").iterdir()
@@ -161,8 +135,7 @@ def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
 
 def test_multirun_with_ddp_spawn_runs_each_job_once(shapes_coco, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = _train_py(
-        "train.py",
+    run = launch_train_py(
         "-m",
         "experiment=demo",
         "debug=fast",
@@ -179,12 +152,11 @@ def test_multirun_with_ddp_spawn_runs_each_job_once(shapes_coco, tmp_path):
         "model.scheduler.warmup_steps=0",
         f"hydra.sweep.dir={sweep_dir}",
     )
-    (out,) = _communicate([proc])
-    assert proc.returncode == 0, out[-4000:]
+    (out,) = _run_all(run)
+    assert run.proc.returncode == 0, out[-4000:]
     assert out.count("Launching 2 jobs locally") == 1  # the sweep ran once, in the main process only
     assert out.count("GLOBAL_RANK: 1, MEMBER: 2/2") == 2  # one rank-1 worker per job
-    with open(sweep_dir / "summary.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(sweep_dir / "summary.csv")
     assert [r["overrides"] for r in rows] == ["model.optimizer.lr=0.01", "model.optimizer.lr=0.02"]
     for job, lr in enumerate([0.01, 0.02]):
         assert _first(_metrics(sweep_dir / str(job)), "lr-SGD/other") == pytest.approx(lr * 2 * 4 / 32)

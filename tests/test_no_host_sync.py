@@ -14,24 +14,16 @@ reduced over the ranks once, at the epoch's end, and equal the mean over every r
 from __future__ import annotations
 
 import collections
-import csv
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import pytorch_lightning as pl
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 from torch.overrides import TorchFunctionMode
 
 from ssd_lightning.cli.train import train
-from tests.conftest import REPO_ROOT, compose_config
+from tests.ddp_probes import FROM_PYTHON, SYNC_PRONE
+from tests.helpers import csv_rows, launch_train_py, train_config
 
-SYNC_PRONE = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "unique", "cpu"}
-FROM_PYTHON = {"tensor", "as_tensor", "scalar_tensor"}  # a host-to-device copy that waits on CUDA
 STEPS, LOG_EVERY = 8, 4
 
 
@@ -67,7 +59,7 @@ class _CountSyncs(TorchFunctionMode, pl.Callback):
 )
 def test_only_logging_steps_touch_the_host(overrides, tmp_path, monkeypatch):
     counter = _CountSyncs()
-    cfg = compose_config(
+    cfg = train_config(
         [
             *overrides,
             "data.batch_size=2",
@@ -79,12 +71,9 @@ def test_only_logging_steps_touch_the_host(overrides, tmp_path, monkeypatch):
             "eval_epochs=[]",
             "precision=bf16",
             "logger=csv",
-            f"paths.output_dir={tmp_path}",
-        ]
+        ],
+        output_dir=tmp_path,
     )
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
     import ssd_lightning.cli.train as train_module
 
     real = train_module.instantiate_group
@@ -113,42 +102,29 @@ DDP_STEPS, CHECK_EVERY = 8, 4  # per epoch, 2 epochs; the interrupt check at glo
 @pytest.mark.timeout(400)
 def test_ddp_steps_have_no_collective_and_epoch_metrics_cover_all_ranks(tmp_path):
     probe = tmp_path / "probe"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            "data=synthetic_cls",
-            "model=mobilenetv2",
-            "callbacks=classification",
-            "data._target_=tests.ddp_probes.PerRankSyntheticClassification",  # the ranks' losses differ
-            "data.image_size=32",
-            "data.batch_size=4",
-            f"data.steps_per_epoch={DDP_STEPS}",
-            "model.net.num_classes=4",
-            "trainer=ddp_cpu",  # Lightning's launcher: 2 processes
-            "trainer.max_epochs=2",
-            "trainer.log_every_n_steps=1000",  # no logging interval inside the epoch
-            "+trainer.limit_val_batches=0",
-            "eval_epochs=[]",
-            "logger=csv",
-            "+trainer.enable_progress_bar=false",
-            f"callbacks.interrupt.check_every_n_steps={CHECK_EVERY}",
-            "+callbacks.probe._target_=tests.ddp_probes.RecordCollectives",
-            f"+callbacks.probe.directory={probe}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out = proc.communicate(timeout=300)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the 2-process run did not finish within 300 s (hang?)")
-    assert proc.returncode == 0, out[-4000:]
+    with launch_train_py(
+        "data=synthetic_cls",
+        "model=mobilenetv2",
+        "callbacks=classification",
+        "data._target_=tests.ddp_probes.PerRankSyntheticClassification",  # the ranks' losses differ
+        "data.image_size=32",
+        "data.batch_size=4",
+        f"data.steps_per_epoch={DDP_STEPS}",
+        "model.net.num_classes=4",
+        "trainer=ddp_cpu",  # Lightning's launcher: 2 processes
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1000",  # no logging interval inside the epoch
+        "+trainer.limit_val_batches=0",
+        "eval_epochs=[]",
+        "logger=csv",
+        "+trainer.enable_progress_bar=false",
+        f"callbacks.interrupt.check_every_n_steps={CHECK_EVERY}",
+        "+callbacks.probe._target_=tests.ddp_probes.RecordCollectives",
+        f"+callbacks.probe.directory={probe}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ) as run:
+        done = run.finish(timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:]
     ranks = [json.loads((probe / f"rank_{r}.json").read_text()) for r in (0, 1)]
     steps = [{int(k): v for k, v in r["steps"].items()} for r in ranks]
 
@@ -166,8 +142,7 @@ def test_ddp_steps_have_no_collective_and_epoch_metrics_cover_all_ranks(tmp_path
     # the epoch metrics' reduction happens at the epoch's end (torchmetrics gathers the states)
     assert "all_gather" in ranks[0]["outside"] and "all_gather" in ranks[1]["outside"]
 
-    with open(tmp_path / "run" / "csv" / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "run" / "csv" / "metrics.csv")
     for epoch in (0, 1):
         batches = [record[s] for record in steps for s in range(epoch * DDP_STEPS, (epoch + 1) * DDP_STEPS)]
         images = sum(b["batch_size"] for b in batches)

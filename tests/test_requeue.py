@@ -10,12 +10,9 @@ tests/test_signals_multiprocess.py.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +21,8 @@ from omegaconf import OmegaConf
 
 from ssd_lightning.callbacks.interrupt import INTERRUPTED_FILE, InterruptCheckpoint, scheduler_job_id
 from ssd_lightning.cli.run_dir import requeued_run
-from tests.conftest import REPO_ROOT
+from tests.helpers import csv_rows, last_checkpoint, metric_by_epoch, metric_by_step, run_train_py
 from tests.test_interrupt import COMMON, STEPS_PER_EPOCH, TOTAL, _signal_at, straight  # noqa: F401 (fixture)
-from tests.test_resume import _ckpt, _per_epoch, _per_step
 
 # synthetic batches only: nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali
@@ -40,21 +36,15 @@ SIGNAL_STEP = STEPS_PER_EPOCH + 1  # in the middle of the last epoch
 def test_sigusr2_in_a_submitit_job_saves_and_the_requeued_job_continues(straight, tmp_path):  # noqa: F811
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[sweeps]'")
     # started from another directory, with Hydra's default sweep dir (multirun/<date>/<time> under it)
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "train.py"),
-            "-m",
-            *COMMON,
-            "hydra/launcher=submitit_local",
-            "hydra.launcher.timeout_min=10",
-            *_signal_at(SIGNAL_STEP, signal.SIGUSR2),
-        ],
+    result = run_train_py(
+        "-m",
+        *COMMON,
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=10",
+        *_signal_at(SIGNAL_STEP, signal.SIGUSR2),
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=540,
-        env={**os.environ, "HYDRA_FULL_ERROR": "1", "PYTHONPATH": str(REPO_ROOT)},  # tests.fault_injection
+        full_error=True,
     )
     sweeps = list(tmp_path.glob("multirun/*/*"))
     assert len(sweeps) == 1, (sweeps, result.stderr[-3000:])
@@ -76,15 +66,17 @@ def test_sigusr2_in_a_submitit_job_saves_and_the_requeued_job_continues(straight
     assert not (job / "checkpoints" / INTERRUPTED_FILE).exists()  # finished: nothing left to continue
 
     # every optimizer step ran once (none repeated from epoch 0), with the uninterrupted run's losses
-    with open(job / "csv" / "metrics.csv") as f:
-        logged_steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss_step")]
+    rows = csv_rows(job / "csv" / "metrics.csv")
+    logged_steps = [int(row["step"]) for row in rows if row.get("train/loss_step")]
     assert logged_steps == list(range(TOTAL))
-    final, expected = _ckpt(job), _ckpt(straight)
+    final, expected = last_checkpoint(job), last_checkpoint(straight)
     assert final["global_step"] == expected["global_step"] == TOTAL
-    expected_loss, got_loss = _per_step(straight, "train/loss_step"), _per_step(job, "train/loss_step")
+    expected_loss = metric_by_step(straight, "train/loss_step")
+    got_loss = metric_by_step(job, "train/loss_step")
     for step in range(TOTAL):
         assert got_loss[step] == pytest.approx(expected_loss[step], rel=1e-5, abs=1e-6), step
-    expected_mean, got_mean = _per_epoch(straight, "train/loss_epoch"), _per_epoch(job, "train/loss_epoch")
+    expected_mean = metric_by_epoch(straight, "train/loss_epoch")
+    got_mean = metric_by_epoch(job, "train/loss_epoch")
     assert sorted(got_mean) == sorted(expected_mean) == [0, 1]
     for epoch, value in expected_mean.items():
         assert got_mean[epoch] == pytest.approx(value, rel=1e-5), epoch

@@ -8,16 +8,13 @@ when the job stops after 2 (scheduler position), and an epoch milestone at epoch
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 
 from ssd_lightning.cli.train import train
-from tests.conftest import compose_config
+from tests.helpers import last_checkpoint, metric_by_epoch, metric_by_step, train_config
 
 # synthetic batches only: nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali
@@ -53,27 +50,11 @@ COMMON = [
 
 def _run(out_dir: Path, *extra: str, common: list[str] = COMMON) -> dict[str, float]:
     """``train()`` on ``common`` + ``extra`` overrides, writing into ``out_dir``."""
-    cfg = compose_config([*common, f"paths.output_dir={out_dir}", *extra])
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return train(cfg)
+    return train(train_config([*common, *extra], output_dir=out_dir))
 
 
-def _per_step(run_dir: Path, key: str) -> dict[int, float]:
-    """``{global_step: value}`` of a per-step metric in the run's ``csv/metrics.csv``."""
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
-
-
-def _per_epoch(run_dir: Path, key: str) -> dict[int, float]:
-    """``{epoch: value}`` of an epoch-level metric (``train/loss_epoch``) in the run's ``csv/metrics.csv``."""
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(row["epoch"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
-
-
-def _ckpt(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+# the names tests/test_interrupt.py imports from here
+_ckpt, _per_step, _per_epoch = last_checkpoint, metric_by_step, metric_by_epoch
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +75,15 @@ def runs(tmp_path_factory):
 def test_resumed_run_has_the_same_loss_curve_and_lr(runs):
     straight, first, resumed = runs
     total = 2 * STEPS_PER_EPOCH
-    loss_straight = _per_step(straight, "train/loss_step")
-    loss_split = {**_per_step(first, "train/loss_step"), **_per_step(resumed, "train/loss_step")}
+    loss_straight = metric_by_step(straight, "train/loss_step")
+    loss_split = {**metric_by_step(first, "train/loss_step"), **metric_by_step(resumed, "train/loss_step")}
     assert sorted(loss_straight) == list(range(total))
-    assert sorted(_per_step(resumed, "train/loss_step")) == list(range(STEPS_PER_EPOCH, total))
+    assert sorted(metric_by_step(resumed, "train/loss_step")) == list(range(STEPS_PER_EPOCH, total))
     for step in range(total):
         assert loss_split[step] == pytest.approx(loss_straight[step], rel=1e-6, abs=1e-7), step
 
-    lr_straight = _per_step(straight, "lr-SGD/other")  # LearningRateMonitor, every step here
-    lr_resumed = _per_step(resumed, "lr-SGD/other")
+    lr_straight = metric_by_step(straight, "lr-SGD/other")  # LearningRateMonitor, every step here
+    lr_resumed = metric_by_step(resumed, "lr-SGD/other")
     # hand-computed: linear warm-up over 3 iterations, x0.1 from epoch 1 (step 2 is both)
     expected = [BASE_LR * min(1.0, s / WARMUP) * (0.1 if s >= STEPS_PER_EPOCH else 1.0) for s in range(total)]
     assert [lr_straight[s] for s in range(total)] == pytest.approx(expected, rel=1e-6)
@@ -115,7 +96,7 @@ def test_resumed_run_has_the_same_loss_curve_and_lr(runs):
 @pytest.mark.timeout(300)
 def test_resumed_run_ends_with_the_same_weights_optimizer_and_counters(runs):
     straight, first, resumed = runs
-    a, b, mid = _ckpt(straight), _ckpt(resumed), _ckpt(first)
+    a, b, mid = last_checkpoint(straight), last_checkpoint(resumed), last_checkpoint(first)
     # written at the end of epoch 0 (the loops' state says the epoch is complete)
     assert (mid["epoch"], mid["global_step"]) == (0, STEPS_PER_EPOCH)
     assert a["global_step"] == b["global_step"] == 2 * STEPS_PER_EPOCH

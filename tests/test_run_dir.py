@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
 from ssd_lightning.cli.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.loggers import ContinuingCSVLogger
-from tests.conftest import REPO_ROOT
+from tests.helpers import csv_rows, last_checkpoint, load_checkpoint, run_train_py
 
 
 def _stored_run(tmp_path: Path, checkpoints=("last.ckpt",)) -> Path:
@@ -159,11 +157,6 @@ def test_overrides_without_a_reference_change_nothing():
 
 
 # ------------------------------------------------------------------------------------------ CSV log
-def _rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def test_csv_log_continues_and_drops_what_was_logged_after_the_checkpoint(tmp_path):
     first = ContinuingCSVLogger(tmp_path, name="csv", version="")
     for step in range(10):  # the killed run logged steps 0..9; its last checkpoint is at step 6
@@ -175,7 +168,7 @@ def test_csv_log_continues_and_drops_what_was_logged_after_the_checkpoint(tmp_pa
     for step in range(6, 8):
         resumed.log_metrics({"train/loss_step": 100.0 + step, "lr": 0.1}, step=step)  # a new column
     resumed.save()
-    rows = _rows(tmp_path / "csv" / "metrics.csv")
+    rows = csv_rows(tmp_path / "csv" / "metrics.csv")
     losses = [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]]
     assert losses == [(s, float(s)) for s in range(6)] + [(6, 106.0), (7, 107.0)]  # steps 6..9 once, new
     assert [r["val/mAP"] for r in rows if r["val/mAP"]] == ["0.5"]  # older rows keep every column
@@ -183,14 +176,14 @@ def test_csv_log_continues_and_drops_what_was_logged_after_the_checkpoint(tmp_pa
 
     resumed.log_metrics({"train/loss_step": 8.0}, step=8)  # later saves append, drop nothing
     resumed.save()
-    assert len(_rows(tmp_path / "csv" / "metrics.csv")) == len(rows) + 1
+    assert len(csv_rows(tmp_path / "csv" / "metrics.csv")) == len(rows) + 1
 
 
 def test_a_fresh_csv_log_is_lightnings(tmp_path):
     logger = ContinuingCSVLogger(tmp_path, name="csv", version="")
     logger.log_metrics({"a": 1.0}, step=0)
     logger.save()
-    assert _rows(tmp_path / "csv" / "metrics.csv") == [{"a": "1.0", "step": "0"}]
+    assert csv_rows(tmp_path / "csv" / "metrics.csv") == [{"a": "1.0", "step": "0"}]
 
 
 # ------------------------------------------------------------------------------------------ best.ckpt
@@ -236,7 +229,7 @@ def _fit(tmp_path: Path, scores: list[float] | None, epochs: int) -> BestCheckpo
 def test_best_checkpoint_holds_the_best_evaluation(tmp_path):
     best = _fit(tmp_path, [0.2, 0.7, 0.4, 0.6], epochs=4)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.ckpt"]
-    saved = torch.load(tmp_path / "checkpoints" / "best.ckpt", weights_only=True)
+    saved = load_checkpoint(tmp_path / "checkpoints" / "best.ckpt")
     assert saved["epoch"] == 1 and float(best.best_model_score) == pytest.approx(0.7)
 
 
@@ -249,9 +242,7 @@ def test_without_the_metric_no_best_checkpoint_and_one_warning(tmp_path, caplog)
 
 # ------------------------------------------------------------------------------------------ end to end
 def _train_py(*args: str, returncode: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
-    )
+    proc = run_train_py(*args, timeout=300)
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -289,14 +280,14 @@ def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
     [resumed_cfg] = run.glob(".hydra/resume_*/run_config.yaml")
     resumed = OmegaConf.load(resumed_cfg)  # the config that ran
     assert resumed.callbacks.fault is None and resumed.data.batch_size == 4 and resumed.resume == str(run)
-    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    last = last_checkpoint(run)
     assert last["epoch"] == 1 and last["global_step"] == 2 * steps
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "best.ckpt",
         "epoch_1.ckpt",
         "last.ckpt",
     ]
-    rows = _rows(run / "csv" / "metrics.csv")
+    rows = csv_rows(run / "csv" / "metrics.csv")
     assert sorted(int(r["step"]) for r in rows if r.get("train/loss_step")) == list(range(2 * steps))  # once
     maps = {int(r["epoch"]): float(r["val/mAP"]) for r in rows if r.get("val/mAP")}
     assert sorted(maps) == [0, 1]  # evaluated after epoch 0 (first run) and the last epoch (resumed run)
@@ -304,11 +295,13 @@ def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
     log_text = (run / "demo.log").read_text()  # the run's log (task_name=demo), appended
     assert "SIGTERM: stopped at epoch 1" in log_text and "fit finished in" in log_text
     assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) >= 2  # same log dir
-    best = torch.load(run / "checkpoints" / "best.ckpt", weights_only=True)
+    best = load_checkpoint(run / "checkpoints" / "best.ckpt")
     assert best["epoch"] == max(maps, key=maps.get)
 
     proc = _train_py("task=validate", f"run_dir={run}", "+trainer.enable_progress_bar=false")
     assert "checkpoint " + str(run / "checkpoints" / "best.ckpt") in proc.stdout + proc.stderr
     [validate_dir] = (run / "validate").iterdir()
-    validated = [float(r["val/mAP"]) for r in _rows(validate_dir / "csv" / "metrics.csv") if r.get("val/mAP")]
+    validated = [
+        float(r["val/mAP"]) for r in csv_rows(validate_dir / "csv" / "metrics.csv") if r.get("val/mAP")
+    ]
     assert validated == [pytest.approx(max(maps.values()), abs=1e-6)]  # the best evaluation, recomputed

@@ -7,8 +7,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +22,8 @@ from ssd_lightning.data.shapes import (
     make_detection_dataset,
     render_detection_image,
 )
+from tests.helpers import REPO_ROOT, run_script
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = {"num_train": 12, "num_val": 6, "seed": 5, "min_size": 64, "max_size": 160}
 EXPECTED_IDS = {3: "rectangle", 7: "ellipse", 11: "triangle", 20: "star"}
 
@@ -396,9 +394,8 @@ def test_interrupted_generation_leaves_nothing(tmp_path: Path, monkeypatch: pyte
 @pytest.mark.parametrize("kind", ["detection", "classification"])
 def test_cli(tmp_path: Path, kind: str) -> None:
     out = tmp_path / kind
-    cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "make_shapes_dataset.py"),
+    script = REPO_ROOT / "scripts" / "make_shapes_dataset.py"
+    args = [
         "--out",
         str(out),
         "--kind",
@@ -414,7 +411,7 @@ def test_cli(tmp_path: Path, kind: str) -> None:
         "--max-size",
         "64",
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    res = run_script(script, *args, timeout=120)
     assert res.returncode == 0, res.stderr
     assert str(out) in res.stdout
     if kind == "detection":
@@ -423,7 +420,7 @@ def test_cli(tmp_path: Path, kind: str) -> None:
     else:
         assert "12 train + 8 val images" in res.stdout
         assert len(list((out / "val").glob("*/*.jpg"))) == 8
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    again = run_script(script, *args, timeout=120)
     assert again.returncode != 0 and "already exists" in again.stderr
 
 

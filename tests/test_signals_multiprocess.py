@@ -17,8 +17,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,8 +24,7 @@ import pytest
 import torch
 
 from ssd_lightning.callbacks.interrupt import INTERRUPTED_FILE
-from tests.conftest import REPO_ROOT
-from tests.test_resume import _per_epoch
+from tests.helpers import ProcessGroup, last_checkpoint, launch_train_py, metric_by_epoch
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.no_dali]  # synthetic data
 
@@ -36,7 +33,6 @@ STEPS_PER_EPOCH, EPOCHS, PAUSE_STEP = 20, 2, 6
 TOTAL = STEPS_PER_EPOCH * EPOCHS
 
 TRAIN = [
-    "train.py",
     "data=synthetic_cls",
     "model=mobilenetv2",
     "callbacks=classification",
@@ -58,53 +54,35 @@ TRAIN = [
     "+trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
 ]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TORCHRUN = ["--standalone", "--nproc-per-node", "2"]
 
 
-def _start(launcher: str, run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    prefix = TORCHRUN if launcher == "torchrun" else [sys.executable]
-    return subprocess.Popen(
-        [*prefix, *TRAIN, f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group: a terminal's, and a hang can be killed whole
-    )
+def _start(launcher: str, run_dir: Path, *extra: str, env: dict | None = None) -> ProcessGroup:
+    """``train.py`` with :data:`TRAIN` under torchrun or Lightning's launcher, in a process group of its own
+    (as a terminal's foreground job: a hang can be killed whole)."""
+    torchrun = TORCHRUN if launcher == "torchrun" else None
+    return launch_train_py(*TRAIN, f"hydra.run.dir={run_dir}", *extra, torchrun=torchrun, env=env)
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    try:
-        return proc.communicate(timeout=TIMEOUT_S)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the run did not end within {TIMEOUT_S} s (hang?):\n{proc.communicate()[0][-4000:]}")
-
-
-def _processes_in_group(pgid: int) -> list[str]:
-    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True)
-    return [line for line in ps.stdout.splitlines() if line.split()[1][0] != "Z"]
-
-
-def _ckpt(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+def _finish(run: ProcessGroup) -> str:
+    """The run's output (stdout and stderr); a run still going after ``TIMEOUT_S`` fails the test."""
+    return run.finish(timeout=TIMEOUT_S).stdout
 
 
 @pytest.fixture(scope="module")
 def straight_dir(tmp_path_factory) -> Path:
     """The uninterrupted run's directory."""
     run_dir = tmp_path_factory.mktemp("straight")
-    proc = _start("torchrun", run_dir)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-4000:]
+    with _start("torchrun", run_dir) as run:
+        out = _finish(run)
+    assert run.proc.returncode == 0, out[-4000:]
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def straight(straight_dir) -> dict:
     """The uninterrupted run's final checkpoint."""
-    return _ckpt(straight_dir)
+    return last_checkpoint(straight_dir)
 
 
 EPOCH_MEANS = ("train/loss_epoch", "train/acc1_epoch")
@@ -114,11 +92,11 @@ def _assert_same_epoch_means(straight_dir: Path, *parts: Path) -> None:
     """The epoch means (over both ranks' batches) of the run in ``parts`` (interrupted, then resumed) are
     the uninterrupted run's: the mid-epoch checkpoint carried the running sums of both ranks."""
     for key in EPOCH_MEANS:
-        expected = _per_epoch(straight_dir, key)
+        expected = metric_by_epoch(straight_dir, key)
         got = {}
         for part in parts:  # a run stopped early in its first epoch may have written no CSV yet
             if (part / "csv" / "metrics.csv").is_file():
-                got.update(_per_epoch(part, key))
+                got.update(metric_by_epoch(part, key))
         assert sorted(got) == sorted(expected) == list(range(EPOCHS)), key
         for epoch, value in expected.items():
             assert got[epoch] == pytest.approx(value, rel=1e-5), (key, epoch)
@@ -129,32 +107,22 @@ def _interrupt(
 ):
     """Start a run, wait until rank 0 pauses mid-training, send ``signum``: (exit code, output, seconds)."""
     marks = run_dir / "marks"
-    proc = _start(
+    with _start(
         launcher,
         run_dir,
         "+callbacks.pause._target_=tests.ddp_probes.PauseForSignal",
         f"+callbacks.pause.directory={marks}",
         f"+callbacks.pause.step={PAUSE_STEP}",
         env=env,
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (marks / "paused").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"training did not reach step {PAUSE_STEP}:\n{proc.communicate()[0][-4000:]}")
-        time.sleep(0.1)
-    sent = time.monotonic()
-    if to_group:
-        os.killpg(proc.pid, signum)
-    else:
-        proc.send_signal(signum)
-    out = _finish(proc)
-    elapsed = time.monotonic() - sent
-    deadline = time.monotonic() + 20
-    while (left := _processes_in_group(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    ) as run:
+        run.wait_for(marks / "paused", timeout=TIMEOUT_S)  # rank 0 holds at PAUSE_STEP
+        sent = time.monotonic()
+        run.signal(signum, to_group=to_group)
+        out = _finish(run)
+        elapsed = time.monotonic() - sent
+        left = run.leftovers(within_s=20)
     assert left == [], left  # no rank left behind
-    return proc.returncode, out, elapsed
+    return run.proc.returncode, out, elapsed
 
 
 def _stopped_steps(out: str, name: str) -> dict[int, int]:
@@ -171,17 +139,17 @@ def _check_stop_and_resume(
     steps = _stopped_steps(out, name)
     assert sorted(steps) == [0, 1], out[-4000:]  # every rank saved ...
     assert steps[0] == steps[1], steps  # ... after the same step
-    saved = _ckpt(run_dir)
+    saved = last_checkpoint(run_dir)
     assert saved["global_step"] == steps[0]
     assert PAUSE_STEP < saved["global_step"] < TOTAL
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == []  # no temporary file of an interrupted write
 
     resumed = run_dir.parent / f"{run_dir.name}_resumed"
-    proc = _start(resume_with, resumed, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}")
-    resumed_out = _finish(proc)
-    assert proc.returncode == 0, resumed_out[-4000:]
-    final = _ckpt(resumed)
+    with _start(resume_with, resumed, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}") as run:
+        resumed_out = _finish(run)
+    assert run.proc.returncode == 0, resumed_out[-4000:]
+    final = last_checkpoint(resumed)
     assert final["global_step"] == straight["global_step"] == TOTAL
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(final["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -238,7 +206,7 @@ def test_time_limit_signal_to_every_rank_saves_and_the_restarted_job_continues(
     assert "Traceback" not in out, out[-6000:]
     steps = _stopped_steps(out, name)
     assert sorted(steps) == [0, 1] and steps[0] == steps[1], out[-4000:]
-    saved = _ckpt(run_dir)
+    saved = last_checkpoint(run_dir)
     assert saved["global_step"] == steps[0] and PAUSE_STEP < steps[0] < TOTAL
     record = json.loads((run_dir / "checkpoints" / INTERRUPTED_FILE).read_text())
     assert (record["signal"], record["step"], record["job_id"]) == (
@@ -248,14 +216,14 @@ def test_time_limit_signal_to_every_rank_saves_and_the_restarted_job_continues(
     )
 
     # the same command again, as the requeued job runs it: it continues in place, not from epoch 0
-    proc = _start("lightning", run_dir, env=job)
-    again = _finish(proc)
-    assert proc.returncode == 0, again[-4000:]
+    with _start("lightning", run_dir, env=job) as run:
+        again = _finish(run)
+    assert run.proc.returncode == 0, again[-4000:]
     assert (
         f"continuing {run_dir} from checkpoints/last.ckpt (stopped by {name} at epoch 0, step {steps[0]})"
         in again
     )
-    final = _ckpt(run_dir)
+    final = last_checkpoint(run_dir)
     assert final["global_step"] == straight["global_step"] == TOTAL
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(final["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)

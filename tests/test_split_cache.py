@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -16,8 +16,8 @@ import pytest
 from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split
 from ssd_lightning.errors import DataError
+from tests.helpers import REPO_ROOT, ProcessGroup
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.filterwarnings("ignore:.*extending slightly outside their image:UserWarning"),
@@ -26,7 +26,7 @@ pytestmark = [
 
 def _fixture_module():
     spec = importlib.util.spec_from_file_location(
-        "make_fixture", REPO / "scripts" / "make_coco_scale_fixture.py"
+        "make_fixture", REPO_ROOT / "benchmarks" / "make_coco_scale_fixture.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -249,18 +249,18 @@ _RANK = textwrap.dedent(
 def _run_ranks(
     image_dir: Path, ann: Path, cache: Path, counter: Path, n: int = 2
 ) -> list[tuple[int, str, str]]:
-    procs = []
-    for rank in range(n):
-        env = dict(os.environ, LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(n))
-        cmd = [sys.executable, "-c", _RANK, str(image_dir), str(ann), str(counter), str(cache)]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=240)
-        out.append((proc.returncode, stdout, stderr))
-    return out
+    cmd = [sys.executable, "-c", _RANK, str(image_dir), str(ann), str(counter), str(cache)]
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(
+                ProcessGroup(
+                    cmd, env={"LOCAL_RANK": str(r), "RANK": str(r), "WORLD_SIZE": str(n)}, merge_stderr=False
+                )
+            )
+            for r in range(n)
+        ]
+        done = [rank.finish(timeout=240) for rank in ranks]
+    return [(d.returncode, d.stdout, d.stderr) for d in done]
 
 
 @pytest.mark.slow

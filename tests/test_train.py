@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -10,28 +9,22 @@ import pytest
 
 from ssd_lightning.cli.train import train
 from ssd_lightning.evaluation import evaluate_coco
+from tests.helpers import csv_rows, load_checkpoint, train_config
 
 pytest.importorskip("nvidia.dali")
 
 
 def _logged_epochs(run_dir: Path, key: str) -> list[int]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return sorted({int(row["epoch"]) for row in csv.DictReader(f) if row.get(key)})
+    return sorted({int(row["epoch"]) for row in csv_rows(run_dir / "csv" / "metrics.csv") if row.get(key)})
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, shapes_coco):
     """Two tiny epochs of the demo experiment, evaluated after epoch 0 and after the last one."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from tests.conftest import compose_config  # composed here: make_cfg is function-scoped
-
     run_dir = tmp_path_factory.mktemp("demo_run")
-    cfg = compose_config(
+    cfg = train_config(  # not make_cfg: that fixture is function-scoped
         [
             "experiment=demo",
-            f"paths.output_dir={run_dir}",
             f"data.root={shapes_coco}",
             "data.batch_size=4",
             "data.eval_batch_size=5",
@@ -40,11 +33,9 @@ def demo_run(tmp_path_factory, shapes_coco):
             "eval_epochs=[0]",
             "logger=csv",
             "model.scheduler.warmup_steps=2",
-        ]
+        ],
+        output_dir=run_dir,
     )
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
     return cfg, train(cfg), run_dir
 
 
@@ -91,7 +82,7 @@ def _recompute_val_accuracy(cfg, checkpoint: Path) -> tuple[float, float, int, i
     import torch.nn.functional as F
 
     module = hydra.utils.instantiate(cfg.model)
-    module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"])
+    module.load_state_dict(load_checkpoint(checkpoint)["state_dict"])
     net = module.net.eval()
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("validate")

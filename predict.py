@@ -13,38 +13,29 @@ import logging
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ssd_lightning.inference.predict import collect_inputs, load_detector, load_onnx_detector, predict_images
+from ssd_lightning.inference.detector import load_detector
+from ssd_lightning.inference.predict import collect_inputs, predict_images
 
 log = logging.getLogger("predict")
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    device = cfg.device
-    decoder = OmegaConf.to_container(cfg.decoder) if cfg.decoder else None
-    if cfg.onnx is not None:
-        if cfg.ckpt_path is not None or cfg.nvidia_checkpoint is not None:
-            raise ValueError("give exactly one of ckpt_path=, nvidia_checkpoint= or onnx=")
-        detector = load_onnx_detector(cfg.onnx, decoder=decoder, device=device)
-        device = "onnxruntime " + detector.session.get_providers()[0]
-    else:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        detector = load_detector(
-            cfg.ckpt_path,
-            nvidia_checkpoint=cfg.nvidia_checkpoint,
-            run_config=cfg.run_config,
-            backbone=cfg.backbone,
-            num_classes=cfg.num_classes,
-            decoder=decoder,
-            device=device,
-            trust_checkpoint=cfg.trust_checkpoint,
-        )
+    detector = load_detector(
+        cfg.ckpt_path,
+        nvidia_checkpoint=cfg.nvidia_checkpoint,
+        onnx=cfg.onnx,
+        run_config=cfg.run_config,
+        backbone=cfg.backbone,
+        num_classes=cfg.num_classes,
+        decoder=OmegaConf.to_container(cfg.decoder),
+        device=cfg.device,
+        trust_checkpoint=cfg.trust_checkpoint,
+    )
     inputs = collect_inputs(cfg.input)
-    log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, device)
+    log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
     results, failures = predict_images(
         detector,
         inputs,

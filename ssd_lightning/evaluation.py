@@ -1,24 +1,14 @@
-"""COCO bbox evaluation (official protocol) and conversion of detections to COCO results.
+"""COCO bbox evaluation (official protocol) and the one conversion of detections to COCO results.
 
-``evaluate_coco`` runs faster-coco-eval's ``COCOeval_faster`` (C++; the default) or pycocotools' reference
-``COCOeval`` (the same 12 numbers, ~7x slower on COCO val: 5,000 images x 100 detections, see
-docs/benchmarks.md) against a dataset's own annotation file, so crowd regions and the small/medium/large area
-ranges count exactly as in the official evaluation.
+:func:`evaluate_coco` runs faster-coco-eval's ``COCOeval_faster`` (the default) or pycocotools' ``COCOeval``
+(the same 12 numbers, slower) against the dataset's own annotation file, so crowd regions and area ranges
+count as in the official evaluation. A stat is in ``[0, 1]``, or ``-1.0`` where COCOeval finds no ground
+truth to average over (its own convention); no detections at all give what COCOeval gives a detector that
+outputs nothing. Per-class AP (``AP/<name>`` AP@[.5:.95], ``AP50/<name>``) is read from the same run's
+``eval["precision"]``; a category without ground truth has none (NaN in :class:`ClassAP`, not in the dict).
 
-Meaning of the returned values (the 12 numbers of ``COCOeval.stats``, named by ``COCO_STAT_NAMES``):
-
-* a value in ``[0, 1]``: the AP / AR as COCOeval computes it;
-* ``-1.0``: undefined, i.e. COCOeval found no ground-truth box for that area range (or none at all) among the
-  evaluated images, so there is nothing to average (COCOeval's own convention, kept unchanged);
-* no detections at all: the same numbers COCOeval gives for a detector that outputs nothing, i.e. ``0.0``
-  wherever ground truth exists and ``-1.0`` where it does not (pycocotools' ``loadRes`` crashes on an empty
-  list, so this case is built without it).
-
-Per-class AP (``evaluate_coco(..., per_class=True)`` or :func:`evaluate_coco_per_class`) is read from the
-same evaluation, COCOeval's ``eval["precision"]`` array, not by evaluating again: ``AP/<name>`` is AP@[.5:.95]
-and ``AP50/<name>`` AP@.5 of one category (area all, 100 detections per image), equal to what COCOeval gives
-with ``params.catIds = [that category]``. A category without ground truth among the evaluated images has no
-AP: it is left out of the metrics dict, and its :class:`ClassAP` row holds NaN.
+Detections become COCO results one way: :func:`to_coco_array` (the only rounding: bbox to 3 decimals,
+score to 5) then :func:`coco_array_to_results` (or :func:`write_coco_results_json`, the same text).
 """
 
 from __future__ import annotations
@@ -122,10 +112,9 @@ def to_coco_array(
         labels: ``N`` tensors/arrays of shape ``(k_i,)``, contiguous training labels (1..K, 0 = background).
         category_map: object with ``label_to_category_id(labels)`` (e.g.
             ``ssd_lightning.data.categories.CategoryMap``) mapping contiguous labels to dataset category ids.
-        box_decimals: decimals kept for the ``[x, y, w, h]`` box (keeps the JSON small). 3 (1/1000 px) left
-            the stats unchanged in our tests; 2 already moved AP_75 by up to 0.01 on a 60-image set, because a
-            detection whose IoU sits right at a threshold can cross it.
-        score_decimals: decimals kept for the scores (ties may reorder detections; 5 left the stats as is).
+        box_decimals: decimals kept for the ``[x, y, w, h]`` box (keeps the JSON small; see docs/benchmarks.md
+            for why not fewer).
+        score_decimals: decimals kept for the scores.
 
     Returns:
         ``(M, 7)`` float64 array, one row per detection: ``[image_id, x, y, w, h, score, category_id]``
@@ -274,10 +263,7 @@ def _load_results(detections: Sequence[Mapping[str, Any]] | str | os.PathLike | 
     per box, which bbox evaluation never reads (~1 s per 500k detections).
     """
     if isinstance(detections, np.ndarray):
-        return [
-            {"image_id": i, "category_id": c, "bbox": [x, y, w, h], "score": s, "segmentation": []}
-            for i, c, x, y, w, h, s in zip(*_columns(_check_array(detections)), strict=True)
-        ]
+        return [{**r, "segmentation": []} for r in coco_array_to_results(detections)]
     if isinstance(detections, (str, os.PathLike)):
         path = Path(detections)
         if not path.is_file():
@@ -620,8 +606,7 @@ def evaluate_coco(
             to a JSON file holding one, or an ``(M, 7)`` array ``[image_id, x, y, w, h, score, category_id]``
             (see :func:`to_coco_array`).
         backend: ``"faster_coco_eval"`` (C++ ``COCOeval_faster``, the default) or ``"pycocotools"``
-            (the reference ``COCOeval``): the same 12 numbers (the tests compare them), pycocotools ~7x
-            slower at COCO-val size.
+            (the reference ``COCOeval``): the same 12 numbers (the tests compare them), slower.
         verbose: print COCOeval's standard 12-line summary (the loading/indexing chatter is always silenced).
         image_ids: evaluate only these images (default: every image of the annotation file, the official
             protocol). Images listed here without any detection count as misses. A warning says when this is a

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from importlib.util import module_from_spec, spec_from_file_location
 
 import numpy as np
 import pytest
 import torch
 
+from ssd_lightning.inference.export import export_network
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
 from tests.conftest import REPO_ROOT
 
@@ -17,18 +17,11 @@ ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
 
-def _script():
-    spec = spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
-    module = module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     torch.manual_seed(0)
     net = ssd300(backbone="resnet18", num_classes=5).eval()
-    path = _script().export_onnx(net, tmp_path_factory.mktemp("onnx") / "model.onnx")
+    path = export_network(net, tmp_path_factory.mktemp("onnx") / "model.onnx")
     return net, path
 
 

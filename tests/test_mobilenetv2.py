@@ -15,6 +15,7 @@ from ssd_lightning.models.mobilenetv2 import (
     mobilenet_v2,
     resolve_weights,
 )
+from ssd_lightning.modules.nets import build_mobilenet_v2
 
 
 def _num_params(module: torch.nn.Module) -> int:
@@ -65,7 +66,7 @@ def test_pretrained_path_with_ddp_prefix(tmp_path):
     reference = torchvision.models.mobilenet_v2(num_classes=7).eval()
     path = tmp_path / "ddp.pth"
     torch.save({"state_dict": {f"module.{k}": v for k, v in reference.state_dict().items()}}, path)
-    ours = mobilenet_v2(num_classes=7, pretrained_path=path).eval()
+    ours = build_mobilenet_v2(num_classes=7, pretrained_path=path).eval()
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), reference(x), rtol=0, atol=0)
@@ -81,7 +82,7 @@ def test_pretrained_path_lightning_checkpoint_picks_net_not_ema(tmp_path):
     path = tmp_path / "last.ckpt"
     # a class in the hyper-parameters: loads only when trusted
     torch.save({"state_dict": state, "hyper_parameters": {"optimizer": torch.optim.SGD}}, path)
-    ours = mobilenet_v2(width_mult=0.5, num_classes=4, pretrained_path=path, trust_checkpoint=True)
+    ours = build_mobilenet_v2(width_mult=0.5, num_classes=4, pretrained_path=path, trust_checkpoint=True)
     for key, value in net.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value), key
 
@@ -92,7 +93,7 @@ def test_pretrained_path_other_class_count_skips_classifier(tmp_path, caplog):
     path = tmp_path / "imagenet.pth"
     torch.save(reference.state_dict(), path)
     with caplog.at_level(logging.INFO, logger="ssd_lightning.models.mobilenetv2"):
-        ours = mobilenet_v2(width_mult=0.5, num_classes=10, pretrained_path=path)
+        ours = build_mobilenet_v2(width_mult=0.5, num_classes=10, pretrained_path=path)
     assert "1000-class classifier" in caplog.text and "10 classes" in caplog.text
     assert ours.classifier[1].out_features == 10
     for key, value in reference.features.state_dict().items():
@@ -106,7 +107,7 @@ def test_pretrained_path_mismatch_lists_keys(tmp_path):
     del state["features.0.0.weight"]
     torch.save(state, path)
     with pytest.raises(ValueError) as err:
-        mobilenet_v2(width_mult=1.0, pretrained_path=path)
+        build_mobilenet_v2(width_mult=1.0, pretrained_path=path)
     message = str(err.value)
     assert "missing (1): ['features.0.0.weight']" in message
     assert "unexpected (1): ['extra.weight']" in message
@@ -115,11 +116,11 @@ def test_pretrained_path_mismatch_lists_keys(tmp_path):
 
 def test_pretrained_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="pretrained_path="):
-        mobilenet_v2(pretrained_path=tmp_path / "nope.pth")
+        build_mobilenet_v2(pretrained_path=tmp_path / "nope.pth")
     bad = tmp_path / "bad.pth"
     torch.save({"epoch": 3}, bad)
     with pytest.raises(ValueError, match="holds no state dict"):
-        mobilenet_v2(pretrained_path=bad)
+        build_mobilenet_v2(pretrained_path=bad)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +175,7 @@ def test_weights_name_resolution_without_download(tmp_path):
     with pytest.raises(ValueError, match="width_mult=1.0"):
         mobilenet_v2(weights="IMAGENET1K_V1", width_mult=0.5)
     with pytest.raises(ValueError, match="not both"):
-        mobilenet_v2(weights="IMAGENET1K_V1", pretrained_path=tmp_path / "x.pth")
+        build_mobilenet_v2(weights="IMAGENET1K_V1", pretrained_path=tmp_path / "x.pth")
     with pytest.raises(ValueError, match="weights="):
         MobileNetV2SSDBackbone(weights="imagenet")
 
@@ -195,7 +196,7 @@ def test_ssd_backbone_matches_classifier_features(tmp_path):
     reference = torchvision.models.mobilenet_v2().eval()
     path = tmp_path / "tv.pth"
     torch.save(reference.state_dict(), path)
-    backbone = MobileNetV2SSDBackbone(pretrained_path=path).eval()
+    backbone = MobileNetV2SSDBackbone(classifier=build_mobilenet_v2(pretrained_path=path)).eval()
     x = torch.randn(1, 3, 300, 300)
     with torch.no_grad():
         f = reference.features

@@ -6,7 +6,8 @@ import pytest
 import torch
 from reference_ssd import RefResNet, RefSSD300, ref_unwrap_distributed
 
-from ssd_lightning.models import load_nvidia_checkpoint, ssd300
+from ssd_lightning.inference.detector import load_nvidia_checkpoint
+from ssd_lightning.models import ssd300
 
 
 def _randomised_reference(backbone: str) -> RefSSD300:
@@ -77,9 +78,12 @@ def test_round_trip_resnet50_hub_format():
 
 def test_mismatches_raise_clear_errors(reference_resnet18, tmp_path):
     ref = reference_resnet18[0]
-    with pytest.raises(ValueError, match=r"missing keys.*unexpected keys.*backbone"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit ssd300\(backbone='resnet50'.*missing \(\d+\).*unexpected \(\d+\).*backbone",
+    ):
         load_nvidia_checkpoint(ref.state_dict(), backbone="resnet50")
-    with pytest.raises(ValueError, match=r"shape mismatches.*conf\.0\.weight"):
+    with pytest.raises(ValueError, match=r"does not fit ssd300.*shape mismatch \(\d+\).*conf\.0\.weight"):
         load_nvidia_checkpoint(ref.state_dict(), backbone="resnet18", num_classes=21)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_nvidia_checkpoint(tmp_path / "missing.pt")

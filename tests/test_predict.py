@@ -14,15 +14,9 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from PIL import Image
 
-from ssd_lightning.inference.predict import (
-    COCO_CATEGORY_IDS,
-    COCO_CLASS_NAMES,
-    collect_inputs,
-    load_detector,
-    open_image,
-    predict_images,
-    preprocess,
-)
+from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
+from ssd_lightning.inference.detector import load_detector
+from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
 from ssd_lightning.models import ssd300
 from ssd_lightning.modules.ssd import SSDLitModule
 from tests.conftest import REPO_ROOT, compose_config
@@ -216,12 +210,11 @@ def _json_difference(got: list[dict], expected: list[dict], image_id: int) -> fl
 
 def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onnx_export, tmp_path):
     from ssd_lightning.inference.export import detection_difference
-    from ssd_lightning.inference.predict import OnnxDetector, load_onnx_detector
 
     run, _ = fake_run
     from_ckpt = load_detector(run / "checkpoints" / "last.ckpt")
-    from_onnx = load_onnx_detector(onnx_export)
-    assert isinstance(from_onnx, OnnxDetector)
+    from_onnx = load_detector(onnx=onnx_export)
+    assert from_onnx.session is not None and from_onnx.net is None
     assert from_onnx.class_names == from_ckpt.class_names and from_onnx.category_ids == from_ckpt.category_ids
     assert from_onnx.decoder == DECODER  # the checkpoint's decoder, stored in the file
     inputs = collect_inputs(images)
@@ -232,7 +225,7 @@ def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onn
     key = ("image_id", "file_name", "category_id", "category_name")
     assert sorted(tuple(e[k] for k in key) for e in got) == sorted(tuple(e[k] for k in key) for e in expected)
     for image_id in (1, 2):  # 0 is broken.jpg
-        assert _json_difference(got, expected, image_id) <= 0.02  # bbox rounded to 0.01 px, score to 1e-5
+        assert _json_difference(got, expected, image_id) <= 0.02  # bbox rounded to 0.001 px, score to 1e-5
     assert sorted(p.name for p in (tmp_path / "onnx").glob("*.jpg")) == ["tall.jpg", "wide.jpg"]
 
     # detect(): the checkpoint's boxes clipped to the image, same scores and labels
@@ -250,18 +243,16 @@ def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onn
 
 
 def test_onnx_loading_errors_say_what_to_do(onnx_export, tmp_path):
-    from ssd_lightning.inference.predict import load_onnx_detector
+    from ssd_lightning.inference.export import export_network
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_onnx_detector(tmp_path / "missing.onnx")
+        load_detector(onnx=tmp_path / "missing.onnx")
     with pytest.raises(ValueError, match=r"part of its graph.*decoder.max_detections=10"):
-        load_onnx_detector(onnx_export, decoder={"max_detections": 10})
-    assert load_onnx_detector(onnx_export, decoder={"max_detections": 30}).decoder == DECODER  # same: fine
-    network_only = _export_script().export_onnx(
-        ssd300(backbone="resnet18", num_classes=5), tmp_path / "net.onnx"
-    )
+        load_detector(onnx=onnx_export, decoder={"max_detections": 10})
+    assert load_detector(onnx=onnx_export, decoder={"max_detections": 30}).decoder == DECODER  # same: fine
+    network_only = export_network(ssd300(backbone="resnet18", num_classes=5), tmp_path / "net.onnx")
     with pytest.raises(ValueError, match="outputs locs, logits.*end_to_end=true"):
-        load_onnx_detector(network_only)
+        load_detector(onnx=network_only)
 
 
 def test_cli_runs_an_onnx_export(onnx_export, images, tmp_path):

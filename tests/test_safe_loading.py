@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ssd_lightning.inference.predict import load_detector
+from ssd_lightning.inference.detector import load_detector, load_nvidia_checkpoint
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.io.weights import (
     CheckpointNotFoundError,
@@ -26,7 +26,8 @@ from ssd_lightning.io.weights import (
     init_from_checkpoint,
     read_checkpoint,
 )
-from ssd_lightning.models import load_nvidia_checkpoint, mobilenet_v2, ssd300
+from ssd_lightning.models import mobilenet_v2, ssd300
+from ssd_lightning.modules.nets import build_mobilenet_v2
 from ssd_lightning.modules.ssd import SSDLitModule
 from tests.conftest import REPO_ROOT
 
@@ -135,10 +136,10 @@ def test_mobilenet_pretrained_path(tmp_path, small_mobilenet):
     layout = {"state_dict": {f"net.{k}": v for k, v in small_mobilenet.state_dict().items()}}
     path, marker = _malicious(tmp_path, layout)
     with pytest.raises(UntrustedCheckpointError) as error:
-        mobilenet_v2(width_mult=0.25, num_classes=4, pretrained_path=path)
+        build_mobilenet_v2(width_mult=0.25, num_classes=4, pretrained_path=path)
     _assert_refused(error, path, marker)
     assert "pretrained_path=" in str(error.value)
-    net = mobilenet_v2(
+    net = build_mobilenet_v2(
         width_mult=0.25, num_classes=4, pretrained_path=_harmless(tmp_path, layout), trust_checkpoint=True
     )
     assert torch.equal(net.classifier[1].weight, small_mobilenet.classifier[1].weight)

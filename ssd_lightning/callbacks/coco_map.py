@@ -98,44 +98,19 @@ def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
 
 
 class CocoMAPCallback(Callback):
-    """Official COCO bbox mAP of every validation pass (``trainer.fit`` validation and ``trainer.validate``).
+    """Official COCO bbox mAP of every validation pass, evaluated on rank 0 and logged on every rank.
 
-    Contract (docs/architecture.md): ``validation_step`` returns ``{"detections": [per-image dict]}`` with
-    ``image_id: int``, ``boxes: (k, 4)`` float ltrb in original-image pixels, ``scores: (k,)`` and
-    ``labels: (k,)`` int64 contiguous labels 1..K. The datamodule (``trainer.datamodule``) provides
-    ``category_map`` (contiguous label → dataset category id) and ``val_annotation_file`` (the dataset's COCO
-    instances JSON); ``annotation_file`` / ``category_map`` given here take precedence.
-
-    Every rank converts its detections to COCO result rows as the batches come (on CPU). At the end of the
-    pass each rank sends one ``(M, 7)`` array to rank 0, which deduplicates by image id (duplicates mean a
-    sampler/padding bug: warned).
-    Rank 0 evaluates them with :func:`ssd_lightning.evaluation.evaluate_coco` on the images that were seen (a
-    warning says when that is not the whole annotation file, e.g. with ``limit_val_batches``) and broadcasts
-    the 12 stats, so that every rank logs the same values: ``val/mAP``, ``val/mAP_50``, ... (names in
-    ``COCO_STAT_NAMES``) plus, while fitting, ``val/mAP_best`` and ``val/mAP_best_epoch``. Hence
-    ``ModelCheckpoint(monitor="val/mAP")`` works under DDP and ``trainer.validate`` returns the stats.
-    A stat of ``-1`` means "no ground truth in that area range".
-
-    With ``per_class`` (the default) it also logs ``val/AP/<name>`` (AP@[.5:.95]) and ``val/AP50/<name>``
-    (AP@.5) of every category that has ground truth among the evaluated images (the others have no AP and
-    are not logged), read from the same COCOeval run (cheap: see docs/benchmarks.md). ``<name>`` is the
-    annotation file's category name with ``/`` replaced by ``_`` (a ``/`` would nest the tag in TensorBoard),
-    spaces kept (``val/AP/traffic light``), ``_<category id>`` appended where names collide. Rank 0 writes
-    ``per_class_epoch_<epoch>.json`` next to the detections (one record per category, in id order:
-    ``category_id``, ``name``, ``metric_key``, ``AP``, ``AP50`` (null without ground truth), ``num_gt``
-    (non-crowd ground-truth boxes)) and, with ``verbose``, prints a per-class table, worst AP first.
-
-    The sanity-check pass (``num_sanity_val_steps``, on in the multi-GPU recipes) runs the whole path, the
-    gather and the evaluator included, on the images it saw, so that a broken one fails before training;
-    its number (a few batches: meaningless) is not logged. An error on one rank is raised on every rank.
-    The results are written (rank 0, atomically) to ``<output_dir>/detections_epoch_<epoch>.json`` in COCO
-    results format (and ``per_class_epoch_<epoch>.json``, see above); ``output_dir`` defaults to
-    ``trainer.log_dir`` (or ``trainer.default_root_dir`` without a logger). The best mAP and its epoch are
-    kept in the callback state, so they survive a resume.
+    Reads ``validation_step``'s ``{"detections": [per-image dict]}`` (docs/architecture.md) and the
+    datamodule's ``category_map`` and ``val_annotation_file``. Logs ``val/mAP``, ``val/mAP_50``, ... (names in
+    ``COCO_STAT_NAMES``; ``-1`` = no ground truth in that range), ``val/mAP_best`` and ``val/mAP_best_epoch``
+    while fitting, and with ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes
+    ``detections_epoch_<e>.json`` (COCO results) and ``per_class_epoch_<e>.json`` to ``output_dir``
+    (default ``trainer.log_dir``). The sanity-check pass runs the whole path but logs nothing; an error on
+    one rank is raised on every rank; the best mAP survives a resume (callback state).
 
     Args:
         backend: ``"faster_coco_eval"`` (C++, the default) or ``"pycocotools"`` (the reference; same
-            numbers, ~7x slower at COCO-val size).
+            numbers, slower).
         output_dir: where to write the detection JSON files.
         save_detections: write the JSON files at all.
         verbose: print the 12-line COCO summary (and the per-class table) on rank 0.

@@ -20,7 +20,28 @@ from torch import Tensor
 
 from ssd_lightning.errors import DataError
 
-__all__ = ["CategoryMap"]
+__all__ = ["COCO_CATEGORY_IDS", "COCO_CLASS_NAMES", "CategoryMap"]
+
+#: The 80 COCO detection categories, label k (1..80) at index k, "background" at 0: the order of the
+#: ``categories`` list of instances_val2017.json (ascending id), which is the NVIDIA reference's label order.
+COCO_CLASS_NAMES: tuple[str, ...] = (
+    "background",
+    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
+    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
+    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
+    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
+    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
+    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
+    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard",
+    "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase",
+    "scissors", "teddy bear", "hair drier", "toothbrush",
+)  # fmt: skip
+#: COCO category id of label k at index k - 1 (ids 1..90 with gaps).
+COCO_CATEGORY_IDS: tuple[int, ...] = (
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 31, 32,
+    33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59,
+    60, 61, 62, 63, 64, 65, 67, 70, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 84, 85, 86, 87, 88, 89, 90,
+)  # fmt: skip
 
 _T = TypeVar("_T", int, Tensor, np.ndarray)
 
@@ -82,6 +103,11 @@ class CategoryMap:
     def from_names(cls, names: Sequence[str]) -> CategoryMap:
         """Categories ``1..K`` named ``names`` (category id == label), for data without dataset ids."""
         return cls(tuple(range(1, len(names) + 1)), ("background", *names))
+
+    @classmethod
+    def coco(cls) -> CategoryMap:
+        """COCO 2017 detection: :data:`COCO_CATEGORY_IDS` named :data:`COCO_CLASS_NAMES` (81 classes)."""
+        return cls(COCO_CATEGORY_IDS, COCO_CLASS_NAMES)
 
     @property
     def num_classes(self) -> int:

@@ -1,11 +1,11 @@
-"""SSD300 with decoding and NMS inside the module, exportable to ONNX as one graph.
+"""ONNX export of a detector: the network alone (:func:`export_network`) or with decoding and NMS in the
+graph (:class:`EndToEndSSD`, :func:`export_end_to_end`); :func:`export_detector` does either.
 
 :class:`EndToEndSSD` maps images to fixed-size detection tensors and computes what
-:meth:`BoxCoder.decode <ssd_lightning.models.boxes.BoxCoder.decode>` computes (score > threshold, top-k
-candidates per class, greedy class-wise NMS with IoU >= ``nms_iou`` suppressing, best ``max_detections``
-per image), with only ops that export to ONNX: ``TopK``, ``Gather``, ``NonMaxSuppression`` (opset 10+),
-``ScatterND`` (opset 11+). :func:`export_end_to_end` writes it with a dynamic batch size and stores the
-class names and decoder settings in the file's metadata (:func:`read_metadata`).
+:meth:`BoxCoder.decode <ssd_lightning.models.boxes.BoxCoder.decode>` computes, from the same box decoding
+and class scores, with only ops that export to ONNX: ``TopK``, ``Gather``, ``NonMaxSuppression``,
+``ScatterND`` (opset 11+). The end-to-end file stores the class names and decoder settings in its metadata
+(:func:`read_metadata`). Both use the TorchScript-based exporter (``dynamo=False``).
 
 How the ONNX ``NonMaxSuppression`` operator is made to follow the decoder's rules:
 
@@ -25,24 +25,34 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ssd_lightning.models.boxes import BoxCoder, _batched_greedy_nms, _topk_rows
+from ssd_lightning.models.boxes import BoxCoder, DecoderSettings, _batched_greedy_nms, _topk_rows
+
+if TYPE_CHECKING:
+    from ssd_lightning.inference.detector import Detector
 
 __all__ = [
     "END_TO_END_OUTPUTS",
     "METADATA_KEYS",
+    "NETWORK_OUTPUTS",
     "EndToEndSSD",
     "compare_with_decoder",
     "detection_difference",
+    "export_detector",
     "export_end_to_end",
+    "export_network",
+    "network_difference",
     "read_metadata",
     "select_detections",
 ]
+
+#: Output names of the network-only graph, in order.
+NETWORK_OUTPUTS: tuple[str, ...] = ("locs", "logits")
 
 #: Output names of the end-to-end graph, in order.
 END_TO_END_OUTPUTS: tuple[str, ...] = ("boxes", "scores", "labels", "num_detections")
@@ -111,7 +121,7 @@ def select_detections(
     Args:
         boxes: (N, B, 4) float32 ltrb relative to the image (:meth:`BoxCoder.decode_boxes`).
         class_scores: (N, C - 1, B) float32 softmax scores of the foreground classes 1..C-1.
-        score_thresh, nms_iou, topk_per_class, max_detections: as in :meth:`BoxCoder.decode`.
+        score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
 
     Returns:
         ``boxes`` (N, K, 4) float32 ltrb clipped to [0, 1], ``scores`` (N, K) float32, ``labels`` (N, K)
@@ -159,7 +169,7 @@ class EndToEndSSD(nn.Module):
     Args:
         net: maps (N, 3, H, W) normalised images to ``(locs (N, 4, B), logits (N, C, B))``.
         box_coder: the :class:`BoxCoder` of ``net``'s default boxes.
-        score_thresh, nms_iou, topk_per_class, max_detections: as in :meth:`BoxCoder.decode`.
+        score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
 
     ``forward(images)`` returns ``boxes`` (N, K, 4) float32 ltrb in [0, 1] (relative to the image, clipped),
     ``scores`` (N, K) float32, ``labels`` (N, K) int64 in 1..C-1, ``num_detections`` (N,) int64, with
@@ -176,16 +186,16 @@ class EndToEndSSD(nn.Module):
         net: nn.Module,
         box_coder: BoxCoder,
         *,
-        score_thresh: float = 0.05,
-        nms_iou: float = 0.5,
-        topk_per_class: int = 200,
-        max_detections: int = 200,
+        score_thresh: float = DecoderSettings.score_thresh,
+        nms_iou: float = DecoderSettings.nms_iou,
+        topk_per_class: int = DecoderSettings.topk_per_class,
+        max_detections: int = DecoderSettings.max_detections,
     ) -> None:
         super().__init__()
-        if topk_per_class < 1 or max_detections < 1:
-            raise ValueError(
-                f"topk_per_class and max_detections must be >= 1, got {topk_per_class} and {max_detections}"
-            )
+        settings = DecoderSettings.from_mapping(
+            {"score_thresh": score_thresh, "nms_iou": nms_iou, "topk_per_class": topk_per_class,
+             "max_detections": max_detections}
+        )  # fmt: skip
         if not 0 < nms_iou <= 1:
             # at nms_iou <= 0 the decoder suppresses boxes that do not even touch; ONNX NMS never does
             raise ValueError(f"nms_iou must be in (0, 1] for the in-graph NMS, got {nms_iou}")
@@ -193,20 +203,7 @@ class EndToEndSSD(nn.Module):
             raise ValueError(f"score_thresh must be in [0, 1), got {score_thresh}")
         self.net = net
         self.box_coder = box_coder
-        self.score_thresh = float(score_thresh)
-        self.nms_iou = float(nms_iou)
-        self.topk_per_class = int(topk_per_class)
-        self.max_detections = int(max_detections)
-
-    @property
-    def decoder_settings(self) -> dict[str, Any]:
-        """The keyword arguments of :meth:`BoxCoder.decode` this module reproduces."""
-        return {
-            "score_thresh": self.score_thresh,
-            "nms_iou": self.nms_iou,
-            "topk_per_class": self.topk_per_class,
-            "max_detections": self.max_detections,
-        }
+        self.decoder_settings = settings  # what this module reproduces of BoxCoder.decode
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         locs, logits = self.net(images)
@@ -214,10 +211,8 @@ class EndToEndSSD(nn.Module):
 
     def decode(self, locs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Network outputs ``locs`` (N, 4, B), ``logits`` (N, C, B) -> the four outputs of ``forward``."""
-        boxes = self.box_coder.decode_boxes(locs)  # (N, B, 4)
-        # softmax over the last dim, as the decoder computes it (same rounding)
-        probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C)
-        class_scores = probs[:, :, 1:].permute(0, 2, 1)  # (N, C-1, B)
+        boxes = self.box_coder.decode_boxes(locs)  # (N, B, 4), as BoxCoder.decode
+        class_scores = self.box_coder.foreground_scores(logits)  # (N, C-1, B), as BoxCoder.decode
         return select_detections(boxes, class_scores, **self.decoder_settings)
 
 
@@ -232,19 +227,31 @@ def export_end_to_end(
     """Write ``model`` to ``output`` as ONNX: input ``images`` (N, 3, S, S) float32, outputs
     :data:`END_TO_END_OUTPUTS`, N dynamic. ``metadata`` (JSON-able values, e.g. ``class_names``,
     ``category_ids``) is stored with the decoder settings and ``image_size``; see :func:`read_metadata`.
-
-    Uses the TorchScript-based exporter (``dynamo=False``): the NMS node is emitted by a ``symbolic``
-    function, and the dynamo exporter would need ``onnxscript``.
     """
     if opset < 11:
         raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
     import onnx
 
+    output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
+    proto = onnx.load(str(output))
+    entries = {**dict(metadata or {}), "decoder": dict(model.decoder_settings), "image_size": image_size}
+    for key, value in entries.items():
+        prop = proto.metadata_props.add()
+        prop.key, prop.value = _METADATA_PREFIX + key, json.dumps(value)
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(output))
+    return output
+
+
+def _trace(
+    model: nn.Module, output: str | os.PathLike, outputs: tuple[str, ...], *, image_size: int, opset: int
+) -> Path:
+    """``torch.onnx.export`` of ``model`` (images (N, 3, S, S) -> ``outputs``), N dynamic, on the CPU."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval().float().cpu()
     example = torch.zeros(2, 3, image_size, image_size)
-    dynamic = {name: {0: "batch"} for name in ("images", *END_TO_END_OUTPUTS)}
+    dynamic = {name: {0: "batch"} for name in ("images", *outputs)}
     with torch.no_grad(), warnings.catch_warnings():
         # the legacy exporter's deprecation notice and tracer warnings about data-dependent shapes
         warnings.simplefilter("ignore")
@@ -253,20 +260,58 @@ def export_end_to_end(
             (example,),
             str(output),
             input_names=["images"],
-            output_names=list(END_TO_END_OUTPUTS),
+            output_names=list(outputs),
             dynamic_axes=dynamic,
             opset_version=opset,
             do_constant_folding=True,
             dynamo=False,
         )
-    proto = onnx.load(str(output))
-    entries = {**dict(metadata or {}), "decoder": model.decoder_settings, "image_size": image_size}
-    for key, value in entries.items():
-        prop = proto.metadata_props.add()
-        prop.key, prop.value = _METADATA_PREFIX + key, json.dumps(value)
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(output))
     return output
+
+
+def export_network(
+    net: nn.Module, output: str | os.PathLike, *, opset: int = 17, image_size: int = 300
+) -> Path:
+    """Write ``net`` as ONNX: input ``images`` (N, 3, S, S) float32, outputs ``locs`` (N, 4, B) and
+    ``logits`` (N, C, B) (:data:`NETWORK_OUTPUTS`), N dynamic; decoding stays outside the graph."""
+    import onnx
+
+    output = _trace(net, output, NETWORK_OUTPUTS, image_size=image_size, opset=opset)
+    onnx.checker.check_model(str(output))
+    return output
+
+
+def network_difference(
+    net: nn.Module, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0
+) -> float:
+    """Largest |PyTorch - onnxruntime (CPU)| over both outputs of a network-only export, random batch."""
+    import onnxruntime as ort
+
+    images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = net.eval()(images)
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    got = session.run(list(NETWORK_OUTPUTS), {"images": images.numpy()})
+    return max(float((torch.from_numpy(g) - e).abs().max()) for g, e in zip(got, expected, strict=True))
+
+
+def export_detector(
+    detector: Detector, output: str | os.PathLike, *, end_to_end: bool = False, opset: int = 17
+) -> tuple[Path, nn.Module]:
+    """Export the network of ``detector`` (a checkpoint's or NVIDIA's, not an ONNX one): network only, or
+    with its decoder settings in the graph (``end_to_end``) and its class names and ids as metadata.
+
+    Returns:
+        the file and the exported module (``detector.net`` or the :class:`EndToEndSSD` around it).
+    """
+    if detector.net is None:
+        raise ValueError(f"{detector.source} is already an ONNX export")
+    if not end_to_end:
+        return export_network(detector.net, output, opset=opset, image_size=detector.image_size), detector.net
+    model = EndToEndSSD(detector.net, detector.box_coder, **detector.settings)
+    metadata = {"class_names": list(detector.class_names), "category_ids": list(detector.category_ids)}
+    path = export_end_to_end(model, output, image_size=detector.image_size, metadata=metadata, opset=opset)
+    return path, model
 
 
 def detection_difference(

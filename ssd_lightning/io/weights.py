@@ -1,16 +1,13 @@
-"""Reading weight files from elsewhere without running their code, and starting a network from them.
+"""Weight files: reading them without running their code, their layouts, and partial initialisation.
 
 Every file this package reads weights from (``model.init_from``, ``model.nvidia_checkpoint``,
-``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints, ``ckpt_path`` through
+``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints; ``ckpt_path`` through
 :class:`~ssd_lightning.io.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
-``torch.load(weights_only=True)``, which rebuilds tensors, containers and plain values only, plus the
-allow-list :data:`SAFE_GLOBALS`. A file holding anything else is refused with
-:class:`UntrustedCheckpointError`, before any of its code runs; ``trust_checkpoint=True`` unpickles it
-fully, which can run arbitrary code from the file (a pickle names functions to call while loading).
-
-:func:`init_from_checkpoint` loads the tensors of such a file whose name and shape match a network
-(``model.init_from``): Lightning checkpoints of this project (``state_dict`` with ``net.`` keys), NVIDIA
-SSD300 checkpoints (``model`` with ``module.``/``module.1.`` keys) and plain state dicts.
+``torch.load(weights_only=True)`` plus the allow-list :data:`SAFE_GLOBALS`; anything else is refused with
+:class:`UntrustedCheckpointError` before any of its code runs, unless ``trust_checkpoint=True``.
+Layouts understood: Lightning checkpoints of this project (``state_dict``, ``net.`` keys), NVIDIA SSD300
+checkpoints (``model``, ``module.``/``module.1.`` keys) and plain state dicts. Nothing here knows a network
+class: checking a state dict against one is :mod:`ssd_lightning.models`' job.
 """
 
 from __future__ import annotations
@@ -40,7 +37,9 @@ __all__ = [
     "load_matching",
     "network_state_dict",
     "read_checkpoint",
+    "read_nvidia_state_dict",
     "untrusted_message",
+    "unwrap_distributed_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,11 +123,42 @@ def _unreadable_message(what: str, path: Path, error: BaseException) -> str:
     )
 
 
-# --------------------------------------------------------------------------- partial initialisation
-def _nvidia_key(key: str) -> str:
-    from ssd_lightning.models.nvidia import unwrap_distributed_key
+# --------------------------------------------------------------------------- layouts
+_DISTRIBUTED_PREFIXES = ("module.1.", "module.")
 
-    return unwrap_distributed_key(key)
+
+def unwrap_distributed_key(key: str) -> str:
+    """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the NVIDIA reference's
+    ``unwrap_distributed``, one key at a time)."""
+    for prefix in _DISTRIBUTED_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def read_nvidia_state_dict(
+    path_or_checkpoint: str | os.PathLike | Mapping[str, object],
+    *,
+    trust_checkpoint: bool = False,
+    what: str = "nvidia_checkpoint",
+) -> dict[str, Tensor]:
+    """The tensors of an NVIDIA SSD300 checkpoint (``main.py --save``, torch.hub ``nvidia_ssd``: the state
+    dict under ``model``) or of a bare state dict, a file or already loaded, DDP prefixes removed
+    (:func:`unwrap_distributed_key`). :func:`ssd_lightning.models.nvidia_state_dict` checks the result.
+
+    Raises:
+        CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see :func:`read_checkpoint`.
+        ValueError: not a dict of tensors or a checkpoint dict.
+    """
+    checkpoint = path_or_checkpoint
+    if isinstance(path_or_checkpoint, (str, os.PathLike)):
+        checkpoint = read_checkpoint(path_or_checkpoint, trust_checkpoint=trust_checkpoint, what=what)
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"expected a checkpoint dict or a state dict, got {type(checkpoint).__name__}")
+    state = checkpoint.get("model", checkpoint)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"checkpoint['model'] must be a state dict, got {type(state).__name__}")
+    return {unwrap_distributed_key(str(k)): v for k, v in state.items() if isinstance(v, Tensor)}
 
 
 def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Tensor], list[str]]:
@@ -158,7 +188,7 @@ def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Te
     state = {str(k): v for k, v in container.items() if isinstance(v, Tensor)}
     left_out = [str(k) for k, v in container.items() if not isinstance(v, Tensor)]
     if nvidia_layout:
-        state = {_nvidia_key(k): v for k, v in state.items()}
+        state = {unwrap_distributed_key(k): v for k, v in state.items()}
     stripped = True
     while stripped:  # "net._orig_mod.features.0" -> "features.0"
         stripped = False
@@ -176,6 +206,7 @@ def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Te
     return state, left_out
 
 
+# --------------------------------------------------------------------------- partial initialisation
 def _preview(keys: list[str], n: int = 3) -> str:
     if not keys:
         return ""

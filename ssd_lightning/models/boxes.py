@@ -13,12 +13,104 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-__all__ = ["BoxCoder", "DefaultBoxes", "dboxes300_coco", "xywh_to_ltrb", "ltrb_to_xywh", "box_iou"]
+__all__ = [
+    "BoxCoder",
+    "DecoderSettings",
+    "DefaultBoxes",
+    "box_iou",
+    "dboxes300_coco",
+    "ltrb_to_xywh",
+    "scale_to_pixels",
+    "xywh_to_ltrb",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderSettings(Mapping):
+    """Post-processing settings of :meth:`BoxCoder.decode`; the one place their defaults are written.
+
+    A read-only mapping, so ``coder.decode(locs, logits, **settings)`` works and it compares equal to a
+    dict with the same items.
+
+    Attributes:
+        score_thresh: keep class scores (softmax) strictly greater than this.
+        nms_iou: a candidate is suppressed by a kept box of the same class when IoU >= this.
+        topk_per_class: candidates per (image, class) entering NMS, highest scores first.
+        max_detections: detections kept per image, highest scores first.
+    """
+
+    score_thresh: float = 0.05
+    nms_iou: float = 0.5
+    topk_per_class: int = 200
+    max_detections: int = 200
+
+    def __post_init__(self) -> None:
+        if self.topk_per_class < 1 or self.max_detections < 1:
+            raise ValueError(
+                f"topk_per_class and max_detections must be >= 1, got {self.topk_per_class} and "
+                f"{self.max_detections}"
+            )
+
+    @classmethod
+    def from_mapping(cls, overrides: Mapping | None = None, base: Mapping | None = None) -> DecoderSettings:
+        """``base`` (default: the defaults) updated with ``overrides``; ``None`` values keep the base value.
+
+        Raises:
+            ValueError: a key that is not a setting (the message lists the accepted ones).
+        """
+        values = dict(base or cls())
+        for key, value in dict(overrides or {}).items():
+            if key not in values:
+                raise ValueError(f"unknown decoder setting {key!r}; accepted: {sorted(values)}")
+            if value is not None:
+                values[key] = value
+        return cls(
+            score_thresh=float(values["score_thresh"]),
+            nms_iou=float(values["nms_iou"]),
+            topk_per_class=int(values["topk_per_class"]),
+            max_detections=int(values["max_detections"]),
+        )
+
+    def __getitem__(self, key: str) -> float:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    @classmethod
+    def _keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def scale_to_pixels(
+    detections: Sequence[dict[str, Tensor]], image_sizes: Tensor | Sequence[Sequence[int]]
+) -> list[dict[str, Tensor]]:
+    """Relative ltrb boxes -> pixels of each image: ``boxes * (width, height, width, height)`` in float32.
+
+    Args:
+        detections: per image ``boxes`` (k, 4) ltrb in [0, 1] units, ``scores``, ``labels``.
+        image_sizes: (N, 2) ``(height, width)`` per image.
+
+    Returns:
+        the same dicts (``scores``, ``labels`` untouched) with boxes in pixels, not clipped.
+    """
+    device = detections[0]["boxes"].device if len(detections) else torch.device("cpu")
+    sizes = torch.as_tensor(image_sizes).to(device, torch.float32).reshape(-1, 2)
+    scale = torch.stack([sizes[:, 1], sizes[:, 0], sizes[:, 1], sizes[:, 0]], dim=1)  # (N, 4)
+    if len(scale) != len(detections):
+        raise ValueError(f"{len(detections)} images of detections but {len(scale)} image sizes")
+    return [{**det, "boxes": det["boxes"] * scale[i]} for i, det in enumerate(detections)]
 
 
 def xywh_to_ltrb(boxes: Tensor) -> Tensor:
@@ -238,25 +330,43 @@ class BoxCoder:
         bottom = boxes[:, :, 1] + 0.5 * boxes[:, :, 3]
         return torch.stack([left, top, right, bottom], dim=2)
 
+    @staticmethod
+    def foreground_scores(logits: Tensor) -> Tensor:
+        """Logits (N, C, B) -> softmax scores (N, C - 1, B) float32 of the foreground classes 1..C-1 (the
+        softmax over classes computed as the reference does)."""
+        probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C)
+        return probs[:, :, 1:].permute(0, 2, 1)
+
+    @torch.no_grad()
+    def detect(
+        self,
+        locs: Tensor,
+        logits: Tensor,
+        image_sizes: Tensor | Sequence[Sequence[int]],
+        settings: Mapping | None = None,
+    ) -> list[dict[str, Tensor]]:
+        """:meth:`decode` with ``settings`` (default :class:`DecoderSettings`), boxes in pixels of each
+        image (:func:`scale_to_pixels`, ``image_sizes`` (N, 2) as ``(height, width)``): the detection path
+        of validation, predict and the ONNX check."""
+        detections = self.decode(locs.float(), logits.float(), **(settings or DecoderSettings()))
+        return scale_to_pixels(detections, image_sizes)
+
     @torch.no_grad()
     def decode(
         self,
         locs: Tensor,
         logits: Tensor,
-        score_thresh: float = 0.05,
-        nms_iou: float = 0.5,
-        topk_per_class: int = 200,
-        max_detections: int = 200,
+        score_thresh: float = DecoderSettings.score_thresh,
+        nms_iou: float = DecoderSettings.nms_iou,
+        topk_per_class: int = DecoderSettings.topk_per_class,
+        max_detections: int = DecoderSettings.max_detections,
     ) -> list[dict[str, Tensor]]:
         """Network outputs -> detections per image.
 
         Args:
             locs: (N, 4, B) box offsets.
             logits: (N, C, B) class logits, class 0 = background.
-            score_thresh: keep class scores (softmax) strictly greater than this.
-            nms_iou: a candidate is suppressed by a kept box of the same class when IoU >= this.
-            topk_per_class: candidates per (image, class) entering NMS, highest scores first.
-            max_detections: detections kept per image, highest scores first.
+            score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
 
         Returns:
             one dict per image: ``boxes`` (k, 4) float32 ltrb relative to the image (not clamped),
@@ -268,18 +378,14 @@ class BoxCoder:
             raise ValueError(
                 f"logits must have shape ({locs.shape[0]}, C, {self.num_boxes}), got {tuple(logits.shape)}"
             )
-        if topk_per_class < 1 or max_detections < 1:
-            raise ValueError(
-                f"topk_per_class and max_detections must be >= 1, got {topk_per_class} and {max_detections}"
-            )
+        DecoderSettings(score_thresh, nms_iou, topk_per_class, max_detections)  # validates
         n_img, n_cls, n_box = logits.shape
         n_fg = n_cls - 1
         device = locs.device
         boxes = self.decode_boxes(locs)  # (N, B, 4)
-        probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C), as the reference
 
         # 1. One row per (image, foreground class): candidates are scores > thresh, top-k of them.
-        rows = probs[:, :, 1:].permute(0, 2, 1).reshape(n_img * n_fg, n_box)  # (G, B)
+        rows = self.foreground_scores(logits).reshape(n_img * n_fg, n_box)  # (G, B)
         candidate = rows > score_thresh
         k = min(topk_per_class, int(candidate.sum(dim=1).max())) if rows.numel() else 0
         if k == 0:

@@ -1,20 +1,19 @@
 """MobileNetV2 (Sandler et al., 2018) as a classifier and as an SSD300 backbone, built on torchvision.
 
-:func:`mobilenet_v2` returns a plain :class:`torchvision.models.MobileNetV2`, so its state dict is
-torchvision's key for key; what this module adds is argument validation, weight loading from local
-files (Lightning/DDP checkpoints included) and :class:`MobileNetV2SSDBackbone`.
+:func:`mobilenet_v2` returns a plain :class:`torchvision.models.MobileNetV2` (torchvision's state dict key
+for key) after validating its arguments; :class:`MobileNetV2SSDBackbone` cuts one into two feature taps.
+Weight files are read above this layer (:func:`ssd_lightning.modules.nets.build_mobilenet_v2`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from torch import Tensor, nn
 from torchvision.models import MobileNet_V2_Weights, MobileNetV2
 
-from ssd_lightning.io.weights import network_state_dict, read_checkpoint
+from ssd_lightning.models._loading import load_state_dict_strict
 
 __all__ = [
     "DEFAULT_INVERTED_RESIDUAL_SETTING",
@@ -89,44 +88,31 @@ def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_
 def load_mobilenet_v2_state_dict(
     model: MobileNetV2, state_dict: Mapping[str, Tensor], *, source: str = "state dict"
 ) -> None:
-    """Load ``state_dict`` into ``model`` strictly, except for the classifier when class counts differ.
+    """Load ``state_dict`` into ``model`` strictly, except for the classifier when class counts differ
+    (it keeps its initialisation; logged).
 
     Raises:
-        ValueError: listing missing, unexpected and shape-mismatched keys (at most 10 of each).
+        ValueError: keys or shapes differ (:func:`ssd_lightning.models._loading.check_state_dict`).
     """
-    state = dict(state_dict)
-    own = model.state_dict()
-    head_w = state.get(_CLASSIFIER_KEYS[0])
-    if head_w is not None and own[_CLASSIFIER_KEYS[0]].shape != head_w.shape:
-        same_width = head_w.shape[1:] == own[_CLASSIFIER_KEYS[0]].shape[1:]
-        if same_width:
-            log.info(
-                "%s has a %d-class classifier, the model %d classes: loading everything but the classifier",
-                source,
-                head_w.shape[0],
-                own[_CLASSIFIER_KEYS[0]].shape[0],
-            )
-            for key in _CLASSIFIER_KEYS:
-                state.pop(key, None)
-                own.pop(key)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    mismatched = sorted(
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in set(own) & set(state)
-        if state[k].shape != own[k].shape
-    )
-    if missing or unexpected or mismatched:
-        parts = []
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-            if keys:
-                more = f" ... (+{len(keys) - 10} more)" if len(keys) > 10 else ""
-                parts.append(f"{label} ({len(keys)}): {keys[:10]}{more}")
-        raise ValueError(
-            f"{source} does not fit this MobileNetV2 (check width_mult / inverted_residual_setting): "
-            + "; ".join(parts)
+    own = model.state_dict()[_CLASSIFIER_KEYS[0]]
+    head_w = state_dict.get(_CLASSIFIER_KEYS[0])
+    skip: tuple[str, ...] = ()
+    if head_w is not None and own.shape != head_w.shape and head_w.shape[1:] == own.shape[1:]:
+        log.info(
+            "%s has a %d-class classifier, the model %d classes: loading everything but the classifier",
+            source,
+            head_w.shape[0],
+            own.shape[0],
         )
-    model.load_state_dict(state, strict=False)  # strictness checked above, classifier possibly left out
+        skip = _CLASSIFIER_KEYS
+    load_state_dict_strict(
+        model,
+        state_dict,
+        source=source,
+        target="this MobileNetV2",
+        hint="Check width_mult / inverted_residual_setting",
+        skip=skip,
+    )
 
 
 def mobilenet_v2(
@@ -137,8 +123,6 @@ def mobilenet_v2(
     round_nearest: int = 8,
     dropout: float = 0.2,
     weights: str | MobileNet_V2_Weights | None = None,
-    pretrained_path: str | Path | None = None,
-    trust_checkpoint: bool = False,
 ) -> MobileNetV2:
     """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init).
 
@@ -155,12 +139,6 @@ def mobilenet_v2(
         dropout: dropout probability before the classifier.
         weights: torchvision ImageNet weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``),
             downloaded by torchvision on first use; needs width 1.0 and the default table.
-        pretrained_path: a local file with a state dict (plain, or under ``state_dict``/``model``, keys
-            possibly prefixed ``module.``/``model.``/``net.``), loaded strictly. With a different
-            class count the classifier is left at its initialisation (logged). Read with
-            ``torch.load(weights_only=True)`` (:func:`ssd_lightning.io.weights.read_checkpoint`).
-        trust_checkpoint: unpickle ``pretrained_path`` fully instead, which can run code from the file;
-            only for files from a source you trust.
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
@@ -172,10 +150,6 @@ def mobilenet_v2(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     setting = None if inverted_residual_setting is None else _validate_setting(inverted_residual_setting)
     resolved = resolve_weights(weights)
-    if resolved is not None and pretrained_path is not None:
-        raise ValueError(
-            "give either weights= (torchvision download) or pretrained_path= (local file), not both"
-        )
     if resolved is not None and (
         width_mult != 1.0
         or round_nearest != 8
@@ -196,13 +170,6 @@ def mobilenet_v2(
     if resolved is not None:
         state = resolved.get_state_dict(progress=True, check_hash=True)
         load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")
-    elif pretrained_path is not None:
-        path = Path(pretrained_path).expanduser()
-        checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what="pretrained_path")
-        state, left_out = network_state_dict(checkpoint, source=f"pretrained_path={path}")
-        if left_out:
-            log.info("%s: ignoring %d entries outside the network (e.g. EMA copies)", path, len(left_out))
-        load_mobilenet_v2_state_dict(model, state, source=str(path))
     return model
 
 
@@ -218,14 +185,14 @@ class MobileNetV2SSDBackbone(nn.Module):
       the expansion of ``features[14]``: (N, 6·c96, H/16, W/16), 576 channels at 19×19.
 
     Layers after the second tap (``features[14]``'s depthwise onwards and the 1280-channel head) are
-    dropped; SSD300's extra layers take over from 19×19. Weights (``weights``/``pretrained_path``) are
-    loaded into the whole classifier before it is cut, so torchvision checkpoints apply unchanged.
+    dropped; SSD300's extra layers take over from 19×19. Weights are loaded into the whole classifier before
+    it is cut, so torchvision checkpoints apply unchanged.
 
     Args:
         width_mult: as in :func:`mobilenet_v2`.
         weights: torchvision ImageNet weights name (width 1.0 only), or ``None``.
-        pretrained_path: local MobileNetV2 classifier checkpoint instead of ``weights``.
-        trust_checkpoint: unpickle ``pretrained_path`` fully (see :func:`mobilenet_v2`).
+        classifier: cut this MobileNetV2 (e.g. one with weights from a file) instead of building one;
+            ``width_mult`` and ``weights`` are then unused.
     """
 
     def __init__(
@@ -233,16 +200,10 @@ class MobileNetV2SSDBackbone(nn.Module):
         *,
         width_mult: float = 1.0,
         weights: str | MobileNet_V2_Weights | None = None,
-        pretrained_path: str | Path | None = None,
-        trust_checkpoint: bool = False,
+        classifier: MobileNetV2 | None = None,
     ) -> None:
         super().__init__()
-        net = mobilenet_v2(
-            width_mult=width_mult,
-            weights=weights,
-            pretrained_path=pretrained_path,
-            trust_checkpoint=trust_checkpoint,
-        )
+        net = classifier if classifier is not None else mobilenet_v2(width_mult=width_mult, weights=weights)
         features = net.features
         tap1, tap2 = features[7], features[14]
         if tap1.use_res_connect or tap2.use_res_connect or len(tap1.conv) != 4 or len(tap2.conv) != 4:

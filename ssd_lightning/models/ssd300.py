@@ -1,7 +1,7 @@
 """SSD300 v1.1: a backbone, extra feature blocks and per-level 3x3 prediction heads.
 
 Submodule names follow the NVIDIA reference (``feature_extractor``, ``additional_blocks``, ``loc``,
-``conf``) so that its checkpoints load key for key (see :mod:`ssd_lightning.models.nvidia`).
+``conf``) so that its checkpoints load key for key (:func:`ssd_lightning.models.nvidia.nvidia_state_dict`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ssd_lightning.errors import ConfigError
-from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, load_nvidia_checkpoint
+from ssd_lightning.io.weights import read_nvidia_state_dict
+from ssd_lightning.models import BoxCoder, DecoderSettings, SSDLoss, dboxes300_coco, nvidia_state_dict
 from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
@@ -20,8 +21,6 @@ from ssd_lightning.modules.common import (
     restore_train_loader_state,
     save_epoch_metric_states,
 )
-
-DEFAULT_DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 200}
 
 
 class SSDLitModule(pl.LightningModule):
@@ -34,7 +33,7 @@ class SSDLitModule(pl.LightningModule):
         lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": 32}``; evaluated at run time.
         scheduler: ``{"name": "multistep", "milestones": [43, 54], "gamma": 0.1, "warmup_steps": 300}``
             or any schedule of :func:`ssd_lightning.optim.lr_factor`; stepped every iteration.
-        decoder: post-processing settings of :meth:`BoxCoder.decode`.
+        decoder: overrides of :class:`~ssd_lightning.models.DecoderSettings` (``None`` values: the default).
         channels_last: run the network in NHWC memory format (the reference's GPU default).
         nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict), e.g. to
             evaluate it.
@@ -72,11 +71,11 @@ class SSDLitModule(pl.LightningModule):
                 "weight strictly (to evaluate it), init_from what matches (to fine-tune); keep one"
             )
         if nvidia_checkpoint is not None:
-            state = load_nvidia_checkpoint(
-                nvidia_checkpoint,
+            state = nvidia_state_dict(
+                read_nvidia_state_dict(nvidia_checkpoint, trust_checkpoint=trust_checkpoint),
                 backbone=getattr(net, "backbone_name", "resnet50"),
                 num_classes=getattr(net, "num_classes", 81),
-                trust_checkpoint=trust_checkpoint,
+                source=f"nvidia_checkpoint={nvidia_checkpoint}",
             )
             self.net.load_state_dict(state, strict=True)
         if channels_last:
@@ -84,7 +83,7 @@ class SSDLitModule(pl.LightningModule):
         default_boxes = dboxes300_coco()
         self.loss_fn = SSDLoss(default_boxes)
         self.box_coder = BoxCoder(default_boxes)
-        self.decoder_settings = {**DEFAULT_DECODER, **dict(decoder or {})}
+        self.decoder_settings = DecoderSettings.from_mapping(decoder)
         self.channels_last = channels_last
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
 
@@ -126,19 +125,9 @@ class SSDLitModule(pl.LightningModule):
     def _detect(self, batch: dict[str, torch.Tensor]) -> list[dict]:
         """Decoded detections per image, boxes mapped to original-image pixels (ltrb)."""
         locs, logits = self(batch["images"])
-        detections = self.box_coder.decode(locs.float(), logits.float(), **self.decoder_settings)
-        sizes = batch["image_sizes"].to(locs.device, torch.float32)  # (N, 2) as (height, width)
-        scale = torch.stack([sizes[:, 1], sizes[:, 0], sizes[:, 1], sizes[:, 0]], dim=1)  # (N, 4)
+        detections = self.box_coder.detect(locs, logits, batch["image_sizes"], self.decoder_settings)
         image_ids = batch["image_ids"].tolist()
-        return [
-            {
-                "image_id": int(image_id),
-                "boxes": det["boxes"] * scale[i],
-                "scores": det["scores"],
-                "labels": det["labels"],
-            }
-            for i, (image_id, det) in enumerate(zip(image_ids, detections, strict=True))
-        ]
+        return [{"image_id": int(i), **det} for i, det in zip(image_ids, detections, strict=True)]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
         return {"detections": self._detect(batch)}

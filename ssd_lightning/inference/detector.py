@@ -1,0 +1,345 @@
+"""One detector: a trained SSD300 (Lightning checkpoint, NVIDIA weights) or an end-to-end ONNX export.
+
+:meth:`Detector.detect` maps preprocessed images (N, 3, 300, 300) to detections in pixels of the original
+images, with :meth:`ssd_lightning.models.BoxCoder.detect` (the decode of validation) or the exported graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ssd_lightning.io.weights import read_checkpoint, read_nvidia_state_dict
+from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco, nvidia_state_dict, ssd300
+from ssd_lightning.models.boxes import scale_to_pixels
+
+if TYPE_CHECKING:  # imported where used: ssd_lightning.data's __init__ imports Lightning datamodules
+    from ssd_lightning.data.categories import CategoryMap
+
+__all__ = ["Detector", "load_detector", "load_nvidia_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def load_nvidia_checkpoint(
+    path_or_dict: str | os.PathLike | Mapping[str, object],
+    *,
+    backbone: str = "resnet50",
+    num_classes: int = 81,
+    trust_checkpoint: bool = False,
+) -> dict[str, Tensor]:
+    """An NVIDIA SSD300 checkpoint (file or loaded; ``main.py --save``, torch.hub) as a state dict that
+    ``ssd300(backbone=..., num_classes=...).load_state_dict(..., strict=True)`` takes.
+
+    Raises:
+        FileNotFoundError, pickle.UnpicklingError: see :func:`ssd_lightning.io.weights.read_checkpoint`.
+        ValueError: not a checkpoint dict, or keys/shapes that do not fit the model.
+    """
+    source = (
+        f"nvidia_checkpoint={path_or_dict}" if isinstance(path_or_dict, (str, os.PathLike)) else "checkpoint"
+    )
+    state = read_nvidia_state_dict(path_or_dict, trust_checkpoint=trust_checkpoint)
+    return nvidia_state_dict(state, backbone=backbone, num_classes=num_classes, source=source)
+
+
+@dataclass
+class Detector:
+    """A network (or an ONNX session) with what turns its outputs into named detections.
+
+    Attributes:
+        categories: label ``k`` -> name and dataset category id (``[0]`` = background).
+        settings: the decoder settings (part of the graph for an ONNX export).
+        net: maps (N, 3, 300, 300) normalised images to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
+        session: instead of ``net``, an onnxruntime session of an end-to-end export.
+        source: where the weights came from (for messages).
+    """
+
+    categories: CategoryMap
+    settings: DecoderSettings = field(default_factory=DecoderSettings)
+    net: nn.Module | None = None
+    session: Any = None
+    source: str = ""
+    image_size: int = 300
+
+    def __post_init__(self) -> None:
+        if (self.net is None) == (self.session is None):
+            raise ValueError("a Detector runs either a net or an onnxruntime session")
+        self.box_coder = BoxCoder(dboxes300_coco())
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.categories.names
+
+    @property
+    def category_ids(self) -> tuple[int, ...]:
+        return self.categories.category_ids
+
+    @property
+    def decoder(self) -> dict[str, Any]:
+        """The decoder settings as a dict (the keyword arguments of :meth:`BoxCoder.decode`)."""
+        return dict(self.settings)
+
+    @property
+    def runs_on(self) -> str:
+        """``cpu``, ``cuda:0``, ... or ``onnxruntime <provider>``."""
+        if self.session is not None:
+            return "onnxruntime " + self.session.get_providers()[0]
+        return str(next(self.net.parameters()).device)
+
+    @torch.inference_mode()
+    def detect(self, images: Tensor, sizes: Sequence[tuple[int, int]]) -> list[dict[str, Tensor]]:
+        """Detections per image, boxes in original pixels.
+
+        Args:
+            images: (N, 3, S, S) float32 from :func:`ssd_lightning.inference.predict.preprocess`.
+            sizes: original ``(height, width)`` of each image.
+
+        Returns:
+            per image ``boxes`` (k, 4) float32 ltrb in original-image pixels (a checkpoint's not clipped,
+            as ``SSDLitModule.validation_step``'s; an ONNX export's clipped to the image), ``scores`` (k,),
+            ``labels`` (k,) int64 in 1..C-1, by descending score.
+        """
+        if self.session is None:
+            locs, logits = self.net(images.to(next(self.net.parameters()).device))
+            return self.box_coder.detect(locs, logits, sizes, self.settings)
+        boxes, scores, labels, counts = self.session.run(
+            ["boxes", "scores", "labels", "num_detections"], {"images": images.float().cpu().numpy()}
+        )
+        detections = [
+            {
+                "boxes": torch.from_numpy(boxes[i, :n]),
+                "scores": torch.from_numpy(scores[i, :n]),
+                "labels": torch.from_numpy(labels[i, :n]),
+            }
+            for i, n in enumerate(int(c) for c in counts)
+        ]
+        return scale_to_pixels(detections, sizes)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _numbered(num_classes: int) -> CategoryMap:
+    from ssd_lightning.data.categories import CategoryMap
+
+    return CategoryMap.from_names([f"class_{k}" for k in range(1, num_classes)])
+
+
+def _run_config_path(ckpt_path: Path) -> Path:
+    """``<run>/checkpoints/<name>.ckpt`` -> ``<run>/.hydra/config.yaml``."""
+    return ckpt_path.resolve().parent.parent / ".hydra" / "config.yaml"
+
+
+def _load_run_config(config_path: Path):
+    """The run's composed config (unresolved), its ``paths`` set from ``.hydra/hydra.yaml``: outside the
+    training process the ``hydra:`` resolver knows nothing about that run. No project resolver is
+    registered: the keys read here (``model.net``, ``data.*`` annotation paths) use none."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(config_path)
+    hydra_file = config_path.parent / "hydra.yaml"
+    runtime = OmegaConf.load(hydra_file).hydra.runtime if hydra_file.is_file() else None
+    if "paths" in cfg:
+        if runtime is not None and "cwd" in runtime:
+            cfg.paths.root_dir = runtime.cwd
+        cfg.paths.output_dir = str(config_path.parent.parent)
+    return cfg
+
+
+def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
+    """Names and category ids from the run's annotation file; ``class_<k>`` if it is not readable."""
+    from omegaconf import OmegaConf
+
+    from ssd_lightning.data.categories import CategoryMap
+
+    candidates = []
+    for key, default_rel in (
+        ("val_annotations", "annotations/instances_val2017.json"),
+        ("train_annotations", "annotations/instances_train2017.json"),
+    ):
+        value = OmegaConf.select(cfg, f"data.{key}", throw_on_resolution_failure=False)
+        root = OmegaConf.select(cfg, "data.root", throw_on_resolution_failure=False)
+        if value:
+            candidates.append(Path(str(value)))
+        elif root:
+            candidates.append(Path(str(root)) / default_rel)
+    for path in candidates:
+        if not path.is_file():
+            continue
+        try:
+            cmap = CategoryMap.from_coco(path)
+        except (ValueError, OSError) as e:
+            log.warning("could not read class names from %s: %s", path, e)
+            continue
+        if cmap.num_classes == num_classes:
+            return cmap
+        log.warning(
+            "%s has %d classes but the network %d; not using its names", path, cmap.num_classes, num_classes
+        )
+    log.warning(
+        "no annotation file of the run found (looked at %s); classes are named class_<k>",
+        ", ".join(map(str, candidates)) or "nothing: the run config has no data.root",
+    )
+    return _numbered(num_classes)
+
+
+def _from_checkpoint(
+    ckpt: Path, run_config: str | os.PathLike | None, trust_checkpoint: bool
+) -> tuple[nn.Module, CategoryMap, Mapping]:
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt} does not exist")
+    config_path = Path(run_config) if run_config is not None else _run_config_path(ckpt)
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{config_path} not found: a Lightning checkpoint holds weights only, the network is rebuilt "
+            "from the run's .hydra/config.yaml. Keep the checkpoint inside its run directory "
+            "(<run>/checkpoints/*.ckpt) or pass run_config=<run>/.hydra/config.yaml"
+        )
+    import hydra
+
+    cfg = _load_run_config(config_path)
+    net_cfg = cfg.model.net.copy()
+    if "weights_backbone" in net_cfg:
+        net_cfg.weights_backbone = None  # the checkpoint has every weight; never download
+    net = hydra.utils.instantiate(net_cfg)
+    checkpoint = read_checkpoint(ckpt, trust_checkpoint=trust_checkpoint, what="ckpt_path")
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"{ckpt} has no 'state_dict': not a Lightning checkpoint (NVIDIA: nvidia_checkpoint=)"
+        )
+    net_state = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
+    if not net_state:
+        raise ValueError(f"{ckpt}: no 'net.*' weights in state_dict; is it an SSDLitModule checkpoint?")
+    net.load_state_dict(net_state, strict=True)
+    if getattr(net, "num_classes", None) is None:
+        raise ValueError(f"{config_path}: model.net builds a network without `num_classes`; not an SSD300")
+    saved = (checkpoint.get("hyper_parameters") or {}).get("decoder") or {}
+    return net, _categories_from_run(cfg, int(net.num_classes)), saved
+
+
+def _onnx_providers(device: str | torch.device) -> list[str]:
+    """onnxruntime execution providers for ``device`` (``auto``: CUDA when this onnxruntime has it)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    device = str(device)
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device.startswith("cuda") and "CUDAExecutionProvider" not in available:
+        raise ValueError(
+            f"device={device}: this onnxruntime has no CUDAExecutionProvider (it has "
+            f"{', '.join(available)}); install onnxruntime-gpu or use device=cpu"
+        )
+    if device == "auto" and "CUDAExecutionProvider" not in available:
+        return ["CPUExecutionProvider"]
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def _from_onnx(path: Path, decoder: Mapping | None, device: str | torch.device) -> Detector:
+    import onnxruntime as ort
+
+    from ssd_lightning.data.categories import CategoryMap
+    from ssd_lightning.inference.export import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
+
+    if not path.is_file():
+        raise FileNotFoundError(f"onnx={path} does not exist")
+    session = ort.InferenceSession(str(path), providers=_onnx_providers(device))
+    outputs = tuple(o.name for o in session.get_outputs())
+    if outputs != END_TO_END_OUTPUTS:
+        raise ValueError(
+            f"onnx={path} has outputs {', '.join(outputs)}, not {', '.join(END_TO_END_OUTPUTS)}: predict.py "
+            "runs end-to-end exports; write one with `python scripts/export_onnx.py ckpt_path=... "
+            "end_to_end=true`"
+        )
+    meta = read_metadata(session.get_modelmeta().custom_metadata_map)
+    missing = set(METADATA_KEYS) - set(meta)
+    if missing:
+        raise ValueError(
+            f"onnx={path} lacks the metadata {sorted(missing)} that scripts/export_onnx.py end_to_end=true "
+            "writes (class names, decoder settings); re-export it with that script"
+        )
+    settings = DecoderSettings.from_mapping(meta["decoder"])
+    for key, value in dict(decoder or {}).items():
+        if value is not None and settings.get(key) != value:
+            raise ValueError(
+                f"decoder.{key}={value}: the decoder of {path} is part of its graph ({key}="
+                f"{settings.get(key)}); re-export with `scripts/export_onnx.py ... end_to_end=true "
+                f"decoder.{key}={value}`"
+            )
+    return Detector(
+        categories=CategoryMap(tuple(meta["category_ids"]), tuple(meta["class_names"])),
+        settings=settings,
+        session=session,
+        source=str(path),
+        image_size=int(meta["image_size"]),
+    )
+
+
+def load_detector(
+    ckpt_path: str | os.PathLike | None = None,
+    *,
+    nvidia_checkpoint: str | os.PathLike | None = None,
+    onnx: str | os.PathLike | None = None,
+    run_config: str | os.PathLike | None = None,
+    backbone: str = "resnet50",
+    num_classes: int = 81,
+    decoder: Mapping[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+    trust_checkpoint: bool = False,
+) -> Detector:
+    """A :class:`Detector` from exactly one source, in ``eval()`` mode on ``device`` (``auto``: CUDA when
+    available; for ONNX when onnxruntime has it).
+
+    * ``ckpt_path``: a Lightning checkpoint of ``SSDLitModule``. The network is rebuilt from the run's
+      composed config (``run_config``, default ``<run>/.hydra/config.yaml``) with
+      ``hydra.utils.instantiate(cfg.model.net)`` (backbone weights never downloaded) and its ``net.*``
+      weights loaded strictly; names and ids from the run's annotation file if still there, else
+      ``class_<k>``; decoder settings from ``hyper_parameters["decoder"]``.
+    * ``nvidia_checkpoint``: ``ssd300(backbone, num_classes)`` with the NVIDIA reference's weights; COCO
+      names and ids when ``num_classes == 81``.
+    * ``onnx``: an end-to-end export (:func:`ssd_lightning.inference.export.export_detector`) run with
+      onnxruntime; names, ids and decoder settings from its metadata (``decoder`` may only repeat them).
+
+    ``decoder`` overrides the decoder settings (``None`` values are ignored). Checkpoints are read with
+    ``torch.load(weights_only=True)``; ``trust_checkpoint=True`` unpickles them fully (can run code).
+
+    Raises:
+        ValueError: none or several sources; a file of the wrong kind; an ONNX decoder override.
+        FileNotFoundError: a file or the run config missing (the message says what to pass).
+        UntrustedCheckpointError: the file holds more than tensors and plain values.
+    """
+    if sum(x is not None for x in (ckpt_path, nvidia_checkpoint, onnx)) != 1:
+        raise ValueError(
+            "give exactly one of ckpt_path=<Lightning .ckpt>, nvidia_checkpoint=<NVIDIA .pt> or onnx=<.onnx>"
+        )
+    if onnx is not None:
+        return _from_onnx(Path(onnx), decoder, device)
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if nvidia_checkpoint is not None:
+        net = ssd300(backbone=backbone, num_classes=num_classes)
+        net.load_state_dict(
+            load_nvidia_checkpoint(
+                nvidia_checkpoint,
+                backbone=backbone,
+                num_classes=num_classes,
+                trust_checkpoint=trust_checkpoint,
+            )
+        )
+        from ssd_lightning.data.categories import CategoryMap
+
+        coco = CategoryMap.coco()
+        categories = coco if num_classes == coco.num_classes else _numbered(num_classes)
+        saved: Mapping = {}
+        source = str(nvidia_checkpoint)
+    else:
+        net, categories, saved = _from_checkpoint(Path(ckpt_path), run_config, trust_checkpoint)
+        source = str(ckpt_path)
+    settings = DecoderSettings.from_mapping(decoder, base=DecoderSettings.from_mapping(saved))
+    return Detector(categories=categories, settings=settings, net=net.eval().to(device), source=source)

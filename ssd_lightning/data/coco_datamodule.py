@@ -9,21 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import CHECK_MODES, CocoSplitInfo, check_coco_split
 from ssd_lightning.data.dali_datamodule import (
     DALIDataModule,
-    check_loader_args,
     decode_error_reporter,
-    pipeline_device,
 )
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     coco_train_pipeline,
     coco_val_pipeline,
-    dali_output_dtype,
 )
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -108,11 +103,19 @@ class CocoDALIDataModule(DALIDataModule):
         size_check: str = "error",
     ) -> None:
         super().__init__()
-        check_loader_args(batch_size, eval_batch_size, num_threads, device)
+        self._set_loader_args(
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            num_threads=num_threads,
+            prefetch_queue_depth=prefetch_queue_depth,
+            seed=seed,
+            device=device,
+            output_dtype=output_dtype,
+            image_size=image_size,
+        )
         for name, value in (("exif_check", exif_check), ("size_check", size_check)):
             if value not in CHECK_MODES:  # at construction: a wrong value fails before anything is read
                 raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
-        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
         if image_size != 300:
             # box_encoder's anchors are dboxes300_coco(), in relative units; other sizes need other anchors
             raise ValueError(f"image_size must be 300 (SSD300 default boxes), got {image_size}")
@@ -124,14 +127,6 @@ class CocoDALIDataModule(DALIDataModule):
             Path(train_annotations) if train_annotations else ann / "instances_train2017.json"
         )
         self.val_annotations = Path(val_annotations) if val_annotations else ann / "instances_val2017.json"
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_threads = num_threads
-        self.prefetch_queue_depth = prefetch_queue_depth
-        self.seed = seed
-        self.device = device
-        self.output_dtype = output_dtype
-        self.image_size = image_size
         self.shuffle = shuffle
         self.augment = augment
         self.include_crowd = include_crowd
@@ -178,13 +173,6 @@ class CocoDALIDataModule(DALIDataModule):
     def num_classes(self) -> int:
         """K + 1 (includes background)."""
         return self.category_map.num_classes
-
-    # ----------------------------------------------------------------- Lightning hooks
-    def setup(self, stage: str | None = None) -> None:
-        if stage in (None, "fit"):
-            self._split("train")
-        if stage in (None, "fit", "validate", "test"):
-            self._split("val")
 
     # ----------------------------------------------------------------- building blocks
     def _split(self, split: Literal["train", "val"]) -> CocoSplitInfo:
@@ -235,22 +223,10 @@ class CocoDALIDataModule(DALIDataModule):
         info = self._split(split)
         if with_image_ids is None:
             with_image_ids = self.train_image_ids
-        device, cuda_index = pipeline_device(self, self.device)
-        rank_seed = self.seed + 1009 * shard_id  # different augmentation per rank
-        common = {
-            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
-            "num_threads": self.num_threads,
-            "device_id": cuda_index,
-            "prefetch_queue_depth": self.prefetch_queue_depth,
-            "seed": rank_seed,
-            "file_root": str(info.image_dir),
-            "annotations_file": str(info.reader_annotation_file),
-            "shard_id": shard_id,
-            "num_shards": num_shards,
-            "device": device,
-            "dtype": self._dali_dtype,
-            "image_size": self.image_size,
-        }
+        common = self._pipeline_kwargs(
+            split, shard_id=shard_id, num_shards=num_shards, file_root=info.image_dir
+        )
+        common["annotations_file"] = str(info.reader_annotation_file)
         on_error = _annotation_error_reporter(
             info, decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
         )
@@ -270,38 +246,28 @@ class CocoDALIDataModule(DALIDataModule):
                 )
 
             names = ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else [])
-            return DALILoader(
-                factory,
-                names,
-                mode="train",
-                shard_id=shard_id,
-                num_shards=num_shards,
-                postprocess=self._postprocess_train,
-                on_error=on_error,
-                dtypes=self._image_dtype(),
-            )
+            postprocess = self._postprocess_train
+        else:
 
-        def val_factory(**pipeline_kwargs):
-            return coco_val_pipeline(**common, **pipeline_kwargs, skip_empty=self.val_skip_empty)
+            def factory(**pipeline_kwargs):
+                return coco_val_pipeline(**common, **pipeline_kwargs, skip_empty=self.val_skip_empty)
 
+            names = ["images", "image_ids", "shapes"]
+            postprocess = self._postprocess_val
         return DALILoader(
-            val_factory,
-            ["images", "image_ids", "shapes"],
-            mode="eval",
+            factory,
+            names,
+            mode="train" if split == "train" else "eval",
             shard_id=shard_id,
             num_shards=num_shards,
-            postprocess=self._postprocess_val,
+            postprocess=postprocess,
             on_error=on_error,
-            dtypes=self._image_dtype(),
+            dtypes=self._loader_dtypes(),
         )
-
-    def _image_dtype(self) -> dict[str, torch.dtype]:
-        """Images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying."""
-        return {} if self._cast is None else {"images": self._cast}
 
     def _postprocess_train(self, batch: Batch) -> Batch:
         out = {
-            "images": batch["images"] if self._cast is None else batch["images"].to(self._cast),
+            "images": self._cast_images(batch["images"]),
             "boxes": batch["boxes"].float(),
             "labels": batch["labels"].long(),
         }
@@ -311,7 +277,7 @@ class CocoDALIDataModule(DALIDataModule):
 
     def _postprocess_val(self, batch: Batch) -> Batch:
         return {
-            "images": batch["images"] if self._cast is None else batch["images"].to(self._cast),
+            "images": self._cast_images(batch["images"]),
             "image_ids": batch["image_ids"].reshape(-1).long(),
             "image_sizes": batch["shapes"][:, :2].long(),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytorch_lightning as pl
@@ -9,6 +10,7 @@ import torch
 
 from ssd_lightning.data.coco_validation import find_undecodable_images
 from ssd_lightning.data.dali_iterator import DALILoader
+from ssd_lightning.data.dali_pipelines import dali_output_dtype
 from ssd_lightning.errors import DataError
 
 __all__ = ["DALIDataModule", "rank_info", "pipeline_device", "check_loader_args", "decode_error_reporter"]
@@ -85,8 +87,9 @@ def decode_error_reporter(paths_fn, what: str):
 class DALIDataModule(pl.LightningDataModule):
     """Base of the DALI datamodules: one sharded :class:`DALILoader` per split and rank.
 
-    Subclasses implement ``make_loader(split, *, shard_id, num_shards)``; the loaders are built when
-    Lightning asks for them (after ``setup``), sharded by the trainer's global rank and world size.
+    Subclasses call :meth:`_set_loader_args` in ``__init__`` and implement ``_split(split)`` (read and check
+    a split once; ``setup`` calls it) and ``make_loader(split, *, shard_id, num_shards)``; the loaders are
+    built when Lightning asks for them (after ``setup``), sharded by the trainer's global rank and world size.
     Testing runs on the validation split (COCO and ImageNet publish no test labels).
 
     Resuming: :meth:`state_dict` is the training loader's stream state (see
@@ -100,8 +103,67 @@ class DALIDataModule(pl.LightningDataModule):
     _train_loader: DALILoader | None = None
     _train_state: dict[str, Any] | None = None
 
+    def _set_loader_args(
+        self,
+        *,
+        batch_size: int,
+        eval_batch_size: int | None,
+        num_threads: int,
+        prefetch_queue_depth: int,
+        seed: int,
+        device: str,
+        output_dtype: str,
+        image_size: int,
+    ) -> None:
+        """Check (``ValueError``) and keep the arguments every DALI datamodule takes."""
+        check_loader_args(batch_size, eval_batch_size, num_threads, device)
+        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_threads = num_threads
+        self.prefetch_queue_depth = prefetch_queue_depth
+        self.seed = seed
+        self.device = device
+        self.output_dtype = output_dtype
+        self.image_size = image_size
+
+    def _pipeline_kwargs(
+        self, split: str, *, shard_id: int, num_shards: int, file_root: str | os.PathLike
+    ) -> dict[str, Any]:
+        """The ``@pipeline_def`` arguments of every graph, for one split and shard (seed offset per rank)."""
+        device, cuda_index = pipeline_device(self, self.device)
+        return {
+            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
+            "num_threads": self.num_threads,
+            "device_id": cuda_index,
+            "prefetch_queue_depth": self.prefetch_queue_depth,
+            "seed": self.seed + 1009 * shard_id,  # different augmentation per rank
+            "file_root": str(file_root),
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "device": device,
+            "dtype": self._dali_dtype,
+            "image_size": self.image_size,
+        }
+
+    def _loader_dtypes(self) -> dict[str, torch.dtype]:
+        """Images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying."""
+        return {} if self._cast is None else {"images": self._cast}
+
+    def _cast_images(self, images: torch.Tensor) -> torch.Tensor:
+        return images if self._cast is None else images.to(self._cast)
+
+    def _split(self, split: str) -> Any:
+        raise NotImplementedError
+
     def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
         raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if stage in (None, "fit"):
+            self._split("train")
+        if stage in (None, "fit", "validate", "test"):
+            self._split("val")
 
     def train_dataloader(self) -> DALILoader:
         rank, world = rank_info(self)

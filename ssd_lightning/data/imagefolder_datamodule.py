@@ -9,15 +9,12 @@ from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import check_image_headers
 from ssd_lightning.data.dali_datamodule import (
     DALIDataModule,
-    check_loader_args,
     decode_error_reporter,
-    pipeline_device,
 )
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import (
     classification_train_pipeline,
     classification_val_pipeline,
-    dali_output_dtype,
 )
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -87,21 +84,21 @@ class ImageFolderDALIDataModule(DALIDataModule):
         check_files: bool = True,
     ) -> None:
         super().__init__()
-        check_loader_args(batch_size, eval_batch_size, num_threads, device)
-        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
+        self._set_loader_args(
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            num_threads=num_threads,
+            prefetch_queue_depth=prefetch_queue_depth,
+            seed=seed,
+            device=device,
+            output_dtype=output_dtype,
+            image_size=image_size,
+        )
         if val_resize < image_size:
             raise ValueError(f"val_resize ({val_resize}) must be >= image_size ({image_size})")
         self.root = Path(root)
         self.train_dir = Path(train_dir) if train_dir else self.root / "train"
         self.val_dir = Path(val_dir) if val_dir else self.root / "val"
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_threads = num_threads
-        self.prefetch_queue_depth = prefetch_queue_depth
-        self.seed = seed
-        self.device = device
-        self.output_dtype = output_dtype
-        self.image_size = image_size
         self.val_resize = val_resize
         self.shuffle = shuffle
         self.check_files = check_files
@@ -121,12 +118,6 @@ class ImageFolderDALIDataModule(DALIDataModule):
         """Label k <-> class ``class_names[k]`` (no background: ids equal labels, offset by one)."""
         return CategoryMap.from_names(self.class_names)
 
-    def setup(self, stage: str | None = None) -> None:
-        if stage in (None, "fit"):
-            self._split("train")
-        if stage in (None, "fit", "validate", "test"):
-            self._split("val")
-
     def _split(self, split: str) -> tuple[list[str], list[tuple[Path, int]]]:
         if split not in self._listing:
             directory = self.train_dir if split == "train" else self.val_dir
@@ -145,21 +136,8 @@ class ImageFolderDALIDataModule(DALIDataModule):
     def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
         """The loader of ``"train"`` or ``"val"`` for one shard."""
         _, files = self._split(split)
-        device, cuda_index = pipeline_device(self, self.device)
         directory = self.train_dir if split == "train" else self.val_dir
-        common = {
-            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
-            "num_threads": self.num_threads,
-            "device_id": cuda_index,
-            "prefetch_queue_depth": self.prefetch_queue_depth,
-            "seed": self.seed + 1009 * shard_id,
-            "file_root": str(directory),
-            "shard_id": shard_id,
-            "num_shards": num_shards,
-            "device": device,
-            "dtype": self._dali_dtype,
-            "image_size": self.image_size,
-        }
+        common = self._pipeline_kwargs(split, shard_id=shard_id, num_shards=num_shards, file_root=directory)
         if split == "train":
 
             def factory(**pipeline_kwargs):
@@ -179,9 +157,8 @@ class ImageFolderDALIDataModule(DALIDataModule):
             num_shards=num_shards,
             postprocess=self._postprocess,
             on_error=decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}"),
-            dtypes={} if self._cast is None else {"images": self._cast},
+            dtypes=self._loader_dtypes(),
         )
 
     def _postprocess(self, batch: Batch) -> Batch:
-        images = batch["images"] if self._cast is None else batch["images"].to(self._cast)
-        return {"images": images, "labels": batch["labels"].reshape(-1).long()}
+        return {"images": self._cast_images(batch["images"]), "labels": batch["labels"].reshape(-1).long()}

@@ -1,9 +1,8 @@
 """Synthetic batches (no dataset, no DALI) for measuring model throughput.
 
-The batches follow docs/architecture.md exactly, so any LightningModule runs on them unchanged. The data is
-generated once (a handful of distinct batches, reused every step), so producing a batch costs nothing and
-the measured speed is the model's. Synthetic data is for benchmarking only: it has no annotation file, so
-``val_annotation_file`` is ``None`` and COCO mAP cannot be computed on it.
+Batches follow docs/architecture.md, so any LightningModule runs on them unchanged. A handful of distinct
+batches is generated once and cycled through, so a batch costs nothing and a measured speed is the model's.
+There is no annotation file: ``val_annotation_file`` is ``None`` and no COCO mAP can be computed.
 """
 
 from __future__ import annotations
@@ -85,7 +84,54 @@ def make_detection_targets(
     return torch.stack(all_boxes), torch.stack(all_labels)
 
 
-class SyntheticDetectionDataModule(pl.LightningDataModule):
+class _SyntheticDataModule(pl.LightningDataModule):
+    """Sizes, image dtype and seed of a synthetic datamodule; loaders of ``steps_per_epoch`` batches.
+
+    Subclasses give :meth:`_split_batches` (the distinct batches of ``"train"`` or ``"val"``) and
+    ``min_classes``. Raises ``ValueError`` for ``batch_size`` or ``steps_per_epoch`` < 1, ``num_classes`` <
+    ``min_classes`` or an unknown ``output_dtype``.
+    """
+
+    min_classes = 1
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        num_classes: int,
+        steps_per_epoch: int,
+        eval_batch_size: int | None,
+        output_dtype: str,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or steps_per_epoch < 1 or num_classes < self.min_classes:
+            raise ValueError(
+                f"need batch_size >= 1, steps_per_epoch >= 1, num_classes >= {self.min_classes}; got "
+                f"{batch_size}, {steps_per_epoch}, {num_classes}"
+            )
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.steps_per_epoch = steps_per_epoch
+        self._num_classes = num_classes
+        self.dtype = _image_dtype(output_dtype)
+        self.seed = seed
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> _RepeatBatches:
+        return _RepeatBatches(self._split_batches("train"), self.steps_per_epoch)
+
+    def val_dataloader(self) -> _RepeatBatches:
+        return _RepeatBatches(self._split_batches("val"), self.steps_per_epoch)
+
+
+class SyntheticDetectionDataModule(_SyntheticDataModule):
     """Random SSD300 batches: images (N, 3, 300, 300) ~ N(0, 1) and valid encoded targets.
 
     Args:
@@ -99,6 +145,8 @@ class SyntheticDetectionDataModule(pl.LightningDataModule):
     Validation batches: ``{"images", "image_ids" (N,) int64 (unique, from 1), "image_sizes" (N, 2) = 300}``.
     """
 
+    min_classes = 2
+
     def __init__(
         self,
         *,
@@ -109,25 +157,17 @@ class SyntheticDetectionDataModule(pl.LightningDataModule):
         output_dtype: str = "float32",
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        if batch_size < 1 or steps_per_epoch < 1 or num_classes < 2:
-            raise ValueError(
-                f"need batch_size >= 1, steps_per_epoch >= 1, num_classes >= 2; got {batch_size}, "
-                f"{steps_per_epoch}, {num_classes}"
-            )
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.steps_per_epoch = steps_per_epoch
-        self._num_classes = num_classes
-        self.dtype = _image_dtype(output_dtype)
-        self.seed = seed
+        super().__init__(
+            batch_size=batch_size,
+            num_classes=num_classes,
+            steps_per_epoch=steps_per_epoch,
+            eval_batch_size=eval_batch_size,
+            output_dtype=output_dtype,
+            seed=seed,
+        )
         self.val_annotation_file = None  # benchmarking only: no COCO evaluation
         self._train: list[dict[str, Tensor]] | None = None
         self._val: list[dict[str, Tensor]] | None = None
-
-    @property
-    def num_classes(self) -> int:
-        return self._num_classes
 
     @property
     def category_map(self) -> CategoryMap:
@@ -154,16 +194,12 @@ class SyntheticDetectionDataModule(pl.LightningDataModule):
         if self._train is None:
             self._make()
 
-    def train_dataloader(self) -> _RepeatBatches:
+    def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
         self.setup()
-        return _RepeatBatches(self._train, self.steps_per_epoch)
-
-    def val_dataloader(self) -> _RepeatBatches:
-        self.setup()
-        return _RepeatBatches(self._val, self.steps_per_epoch)
+        return self._train if split == "train" else self._val
 
 
-class SyntheticClassificationDataModule(pl.LightningDataModule):
+class SyntheticClassificationDataModule(_SyntheticDataModule):
     """Random classification batches: images (N, 3, S, S) ~ N(0, 1), labels (N,) int64 in [0, num_classes)."""
 
     def __init__(
@@ -177,22 +213,19 @@ class SyntheticClassificationDataModule(pl.LightningDataModule):
         image_size: int = 224,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        if batch_size < 1 or steps_per_epoch < 1 or num_classes < 1:
-            raise ValueError(
-                f"need batch_size, steps_per_epoch, num_classes >= 1; got {batch_size}, {steps_per_epoch}, "
-                f"{num_classes}"
-            )
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.steps_per_epoch = steps_per_epoch
-        self.num_classes = num_classes
+        super().__init__(
+            batch_size=batch_size,
+            num_classes=num_classes,
+            steps_per_epoch=steps_per_epoch,
+            eval_batch_size=eval_batch_size,
+            output_dtype=output_dtype,
+            seed=seed,
+        )
         self.class_names = [f"class{k}" for k in range(num_classes)]
         self.image_size = image_size
-        self.dtype = _image_dtype(output_dtype)
-        self.seed = seed
 
-    def _batches(self, n: int, offset: int) -> list[dict[str, Tensor]]:
+    def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
+        n, offset = (self.batch_size, 0) if split == "train" else (self.eval_batch_size, 1)
         g = torch.Generator().manual_seed(self.seed + offset)
         s = self.image_size
         return [
@@ -202,9 +235,3 @@ class SyntheticClassificationDataModule(pl.LightningDataModule):
             }
             for _ in range(_NUM_DISTINCT)
         ]
-
-    def train_dataloader(self) -> _RepeatBatches:
-        return _RepeatBatches(self._batches(self.batch_size, 0), self.steps_per_epoch)
-
-    def val_dataloader(self) -> _RepeatBatches:
-        return _RepeatBatches(self._batches(self.eval_batch_size, 1), self.steps_per_epoch)

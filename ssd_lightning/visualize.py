@@ -2,15 +2,14 @@
 
 * :func:`draw_detections` draws boxes (ltrb, in pixels of the given image) with class names and scores
   on a copy of a PIL image; ground truth, when given, is drawn underneath in :data:`GT_COLOUR`.
-* :func:`read_metrics_csv` / :func:`plot_curves` read the ``metrics.csv`` that Lightning's ``CSVLogger``
-  writes and draw training loss and learning rate over steps and the validation metric over epochs,
-  one line per run. Drawing uses matplotlib's object API (no pyplot, no GUI backend), so it is safe in
+* :func:`plot_curves` draws the ``metrics.csv`` of runs (read by :mod:`ssd_lightning.metrics_csv`, whose
+  :func:`read_metrics_csv` is re-exported here): training loss and learning rate over steps, the validation
+  metric over epochs, one line per run. matplotlib's object API (no pyplot, no GUI backend): safe in
   training processes and on machines without a display.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+
+from ssd_lightning.metrics_csv import read_metrics_csv
 
 __all__ = [
     "GT_COLOUR",
@@ -181,32 +182,6 @@ def draw_detections(
 
 
 # ---------------------------------------------------------------------------------------------- curves
-def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
-    """Rows of a Lightning ``CSVLogger`` ``metrics.csv`` as dicts of floats (empty cells left out).
-
-    Raises:
-        FileNotFoundError: no such file (the message says where CSVLogger writes it).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no metrics file at {path}; CSVLogger writes <run dir>/csv/metrics.csv (logger=default or csv)"
-        )
-    rows = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for raw in csv.DictReader(f):
-            row = {}
-            for key, value in raw.items():
-                if key is None or value in (None, ""):
-                    continue
-                try:
-                    row[key] = float(value)
-                except ValueError:
-                    continue
-            rows.append(row)
-    return rows
-
-
 def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(r[x], r[key]) for r in rows if key in r and x in r and math.isfinite(r[key])]
     if not pairs:

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ssd_lightning.io.atomic import atomic_write
+from ssd_lightning.tables import markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
 
 
 def format_table(results: Mapping[str, Any]) -> str:
-    """A small text table of one benchmark result (the ``benchmark.json`` content)."""
+    """One benchmark result (the ``benchmark.json`` content): a line saying what ran, then a two-column
+    markdown table of its statistics (``.2f``), padded to read aligned in a terminal."""
     s = results["statistics"]
     head = (
         f"{results['mode']} benchmark: {results.get('model')} ({results.get('backbone')}), "
@@ -194,10 +196,8 @@ def format_table(results: Mapping[str, Any]) -> str:
         ("latency ms p99", s["latency_ms_p99"]),
         (f"peak memory MiB ({results.get('peak_memory_kind')})", results["peak_memory_bytes"] / 2**20),
     ]
-    width = max(len(name) for name, _ in rows)
-    lines = [head, "-" * (width + 14)]
-    lines += [f"{name:<{width}}  {value:>12.2f}" for name, value in rows]
-    return "\n".join(lines)
+    table = markdown_table(("statistic", "value"), [(n, f"{v:.2f}") for n, v in rows], align="lr", pad=True)
+    return head + "\n" + table
 
 
 def _batch_size(batch: Any) -> int:

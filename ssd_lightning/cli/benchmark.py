@@ -1,10 +1,9 @@
 """The ``benchmark_training`` / ``benchmark_inference`` tasks: drive a configured Trainer for a timed run.
 
-``train(cfg)`` instantiates trainer, model and datamodule exactly as for ``fit`` and hands them to
+``train(cfg)`` hands trainer, model and datamodule (instantiated as for ``fit``) to
 :func:`run_benchmark_task`; :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark` measures.
-
-Sweep summary: ``python -m ssd_lightning.cli.benchmark multirun/<date>/<time>`` prints one row per
-``benchmark.json`` found below the directory (e.g. img/s per ``data.eval_batch_size``).
+``python -m ssd_lightning.cli.benchmark <run or multirun dir>`` prints one table row per ``benchmark.json``
+below the directory.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Checkpoint
 
 from ssd_lightning.callbacks.throughput import RESULTS_FILENAME, ThroughputBenchmark
+from ssd_lightning.tables import markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -143,22 +143,22 @@ def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
     return results
 
 
+SWEEP_COLUMNS = ("mode", "precision", "devices", "batch/device", "img/s median", "img/s mean", "img/s p90",
+                 "latency ms p90", "peak MiB")  # fmt: skip
+
+
 def format_sweep_table(results: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown table, one row per result: the reference's img/s-per-batch-size layout."""
-    header = (
-        "| mode | precision | devices | batch/device | img/s median | img/s mean | img/s p90 "
-        "| latency ms p90 | peak MiB |\n|---|---|---|---|---|---|---|---|---|"
-    )
+    """Markdown table, one row per ``benchmark.json`` content: the reference's img/s-per-batch-size layout."""
     rows = []
     for r in results:
         s = r["statistics"]
-        rows.append(
-            f"| {r['mode']} | {r['precision']} | {r['world_size']} | {r['batch_size_per_device']} | "
-            f"{s['images_per_second_median']:.1f} | {s['images_per_second_mean']:.1f} | "
-            f"{s['images_per_second_p90']:.1f} | {s['latency_ms_p90']:.1f} | "
-            f"{r['peak_memory_bytes'] / 2**20:.0f} |"
-        )
-    return "\n".join([header, *rows])
+        rows.append([
+            r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"],
+            f"{s['images_per_second_median']:.1f}", f"{s['images_per_second_mean']:.1f}",
+            f"{s['images_per_second_p90']:.1f}", f"{s['latency_ms_p90']:.1f}",
+            f"{r['peak_memory_bytes'] / 2**20:.0f}",
+        ])  # fmt: skip
+    return markdown_table(SWEEP_COLUMNS, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

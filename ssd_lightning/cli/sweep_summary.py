@@ -1,21 +1,11 @@
 """``summary.csv`` and ``summary.md`` of a Hydra multirun: one row per job, its overrides and final metrics.
 
-Registered in ``configs/hydra/default.yaml`` under ``hydra.callbacks``, so every ``python train.py -m ...``
-ends with a table in the sweep directory (``multirun/<date>/<time>/summary.{csv,md}``)::
-
-    | job | overrides              | status    | val/mAP | train/loss_epoch |
-    |   0 | model.optimizer.lr=1e-3 | COMPLETED |  0.1234 |           3.2100 |
-
-How it works, so that any launcher (in-process, joblib, SLURM) gives the same table:
-
-- ``on_job_end`` runs where the job ran. It writes ``<job dir>/.hydra/job_summary.json``: the job number,
-  its overrides, its status (and error), the value ``train.py`` returned (the ``optimized_metric``) and the
-  last logged value of every selected metric, read from the job's CSV log (``csv/metrics.csv``). Then it
-  refreshes the sweep's summary, so a sweep that stops at a failed job still leaves a table of what ran.
-- ``on_multirun_end`` (on the submitting machine) collects every ``job_summary.json`` under the sweep
-  directory and writes the final ``summary.csv`` and ``summary.md``.
-
-This module imports only the standard library, Hydra and OmegaConf: Hydra instantiates callbacks in every run.
+Registered in ``configs/hydra/default.yaml`` under ``hydra.callbacks``. ``on_job_end`` (where the job ran,
+rank 0 only) writes ``<job dir>/.hydra/job_summary.json`` (job number, overrides, status and error, the
+returned ``optimized_metric``, the last value of each selected metric of ``csv/metrics.csv``) and refreshes
+the sweep's tables, so a sweep stopped by a failed job still has them; ``on_multirun_end`` writes the
+final ones from every ``job_summary.json`` under the sweep directory. Any launcher gives the same table.
+Imports only the standard library, Hydra, OmegaConf and the package's stdlib-only leaves.
 """
 
 from __future__ import annotations
@@ -35,6 +25,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ssd_lightning.io.atomic import atomic_write_text
+from ssd_lightning.metrics_csv import read_last_metrics  # re-exported: the sweep's metric reader
+from ssd_lightning.tables import markdown_table
 
 __all__ = [
     "SweepSummary",
@@ -45,31 +37,6 @@ __all__ = [
 ]
 
 RECORD_NAME = "job_summary.json"
-
-
-def read_last_metrics(metrics_csv: str | Path, patterns: Iterable[str] = ("*",)) -> dict[str, float]:
-    """Last non-empty value of every column of a Lightning ``CSVLogger`` file whose name matches a pattern.
-
-    Columns ``epoch`` and ``step`` are bookkeeping and never returned. Patterns are ``fnmatch`` style
-    (``"val/*"``). A missing file gives ``{}`` (the job may have logged elsewhere, or failed early).
-    """
-    path = Path(metrics_csv)
-    if not path.is_file():
-        return {}
-    patterns = tuple(patterns)
-    last: dict[str, float] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key in (None, "epoch", "step") or value in (None, ""):
-                    continue
-                if not any(fnmatch.fnmatchcase(key, p) for p in patterns):
-                    continue
-                try:
-                    last[key] = float(value)
-                except ValueError:
-                    continue
-    return last
 
 
 def _to_float(value: Any) -> float | None:
@@ -182,12 +149,11 @@ def write_summary(
     patterns = tuple(table_metrics)
     shown = [i for i, n in enumerate(names) if n == first or any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     md_header = ["job", "overrides", "status", *[names[i] for i in shown]]
-    lines.append("| " + " | ".join(md_header) + " |")
-    lines.append("|" + "|".join("---:" if i == 0 or i >= 3 else "---" for i in range(len(md_header))) + "|")
-    for row in rows:
-        overrides = f"`{row[1]}`" if row[1] else ""
-        cells = [_fmt(row[0]), overrides, _fmt(row[2]), *[_fmt(row[3 + i]) for i in shown]]
-        lines.append("| " + " | ".join(cells) + " |")
+    md_rows = [
+        [_fmt(row[0]), f"`{row[1]}`" if row[1] else "", _fmt(row[2]), *[_fmt(row[3 + i]) for i in shown]]
+        for row in rows
+    ]
+    lines.append(markdown_table(md_header, md_rows, align="rll" + "r" * len(shown)))
     failed = [j for j in jobs if j.get("status") != JobStatus.COMPLETED.name]
     for job in failed:
         lines += ["", f"Job {job.get('num')} {job.get('status')}: {job.get('error') or ''}".rstrip()]

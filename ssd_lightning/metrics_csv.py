@@ -1,0 +1,63 @@
+"""Read the ``metrics.csv`` that Lightning's ``CSVLogger`` writes: the one reader of run metrics.
+
+Standard library only (Hydra callbacks import it in every job).
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["BOOKKEEPING", "last_values", "read_last_metrics", "read_metrics_csv"]
+
+BOOKKEEPING = ("epoch", "step")  # the x axes of every row: never a metric
+
+
+def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
+    """Rows of a ``metrics.csv`` in file order, each a dict of floats; empty and non-numeric cells left out.
+
+    Raises:
+        FileNotFoundError: no such file (the message says where CSVLogger writes it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no metrics file at {path}; CSVLogger writes <run dir>/csv/metrics.csv (logger=default or csv)"
+        )
+    rows = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for key, value in raw.items():
+                if key is None or value in (None, ""):
+                    continue
+                try:
+                    row[key] = float(value)
+                except ValueError:
+                    continue
+            rows.append(row)
+    return rows
+
+
+def last_values(rows: Sequence[Mapping[str, float]], patterns: Iterable[str] = ("*",)) -> dict[str, float]:
+    """Last value of every column matching one of the ``fnmatch`` ``patterns`` (``"val/*"``), ``epoch`` and
+    ``step`` excluded; columns in order of first appearance."""
+    patterns = tuple(patterns)
+    last: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in BOOKKEEPING and any(fnmatch.fnmatchcase(key, p) for p in patterns):
+                last[key] = value
+    return last
+
+
+def read_last_metrics(metrics_csv: str | os.PathLike, patterns: Iterable[str] = ("*",)) -> dict[str, float]:
+    """:func:`last_values` of a ``metrics.csv``; a missing file gives ``{}`` (the job may have logged
+    elsewhere, or failed before its first row)."""
+    path = Path(metrics_csv)
+    if not path.is_file():
+        return {}
+    return last_values(read_metrics_csv(path), patterns)

@@ -18,28 +18,15 @@ _NEVER = sys.maxsize
 
 
 class EvalSchedule(Callback):
-    """Run the validation loop (forward passes and metrics) only after the listed 0-based epochs.
+    """Run the validation loop only after the listed 0-based epochs (and the last one, with ``always_last``).
 
-    The reference SSD300 recipe (65 epochs) uses ``eval_epochs=[21, 31, 37, 42, 48, 53, 59, 64]``. With
-    ``always_last`` the last epoch (``max_epochs - 1``) is validated too. On every other epoch the validation
-    loop does not run at all (no dataloader iteration, no ``validation_step``).
-
-    Mechanism: Lightning 2.x decides per training batch whether to validate with
-    ``(current_epoch + 1) % trainer.check_val_every_n_epoch == 0`` (``_should_check_val_epoch``). Before each
-    epoch (``on_train_epoch_start``; also ``on_train_start``, for a run resumed mid-epoch, whose epoch-start
-    hook Lightning skips) this callback sets ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and
-    to a huge value otherwise. The decision depends only on ``trainer.current_epoch``, which Lightning
-    restores from a checkpoint, so a resumed run follows the same schedule. ``val_check_interval < 1`` keeps
-    working inside the scheduled epochs (several validations there, none elsewhere); the sanity check is
-    unaffected. The trainer's own ``check_val_every_n_epoch`` is restored at the end of ``fit``.
-
-    Requirements: epoch-based validation (``check_val_every_n_epoch`` not ``None``, ``val_check_interval``
-    not time-based).
-
-    Checkpointing: a ``ModelCheckpoint`` with the default ``save_on_train_epoch_end=None`` saves only at the
-    end of the epochs that validate (Lightning ties it to validation once ``check_val_every_n_epoch != 1``).
-    For a checkpoint after every epoch, use a separate ``ModelCheckpoint(save_on_train_epoch_end=True)``
-    without ``monitor``.
+    Before each epoch (and at ``on_train_start``, for a run resumed mid-epoch) it sets
+    ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and to a value no epoch reaches otherwise;
+    the decision depends only on ``trainer.current_epoch``, so a resumed run follows the same schedule. The
+    trainer's own value is restored at the end of ``fit``. ``val_check_interval < 1`` keeps working inside
+    scheduled epochs. Needs epoch-based validation (``check_val_every_n_epoch`` not None, no time-based
+    ``val_check_interval``). A ``ModelCheckpoint`` with ``save_on_train_epoch_end=None`` then saves only
+    after validated epochs; add one with ``save_on_train_epoch_end=True`` for a checkpoint every epoch.
 
     Args:
         eval_epochs: 0-based epochs after which to validate, strictly increasing and non-negative.

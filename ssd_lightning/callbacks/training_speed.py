@@ -1,40 +1,13 @@
 """Training speed of a real run, logged at the logging interval: ``train/images_per_second`` and
 ``train/data_wait_fraction``.
 
-What is measured
-----------------
-* Wall time on the host (``time.perf_counter``) while training batches run: from the start of a training
-  epoch to its last batch, with validation (run inside an epoch or at its end) and everything between two
-  epochs (epoch-end hooks, checkpoint saving) left out. The first ``warmup_steps`` batches after every start
-  of ``fit`` (fresh or resumed) are left out too: they pay for allocation, cuDNN autotuning, compilation.
-* Data wait: the time spent in the training loader's ``__next__``, as Lightning's own profiler sees it (the
-  ``train_dataloader_next`` action, which wraps exactly the fetch): the part of data loading that does not
-  overlap the step (DALI prefetches). The host-to-device copy after it is not counted.
-* Images: the leading dimension of each batch (``batch["images"]``).
-
-Every ``trainer.log_every_n_steps`` batches (when Lightning writes step metrics to the loggers) the interval
-since the previous logging step is closed and, through ``LightningModule.log`` (so every logger gets it, with
-Lightning's step), logged: ``train/images_per_second`` = images / elapsed and ``train/data_wait_fraction`` =
-wait / elapsed, in [0, 1]. Consecutive intervals tile the measured time, so ``images_per_second * elapsed``
-of each interval adds up to the images trained on. A logging step that falls inside the warm-up logs nothing.
-
-No device synchronisation
--------------------------
-Nothing here waits for the device on an ordinary step: the hooks only read the host clock and a tensor's
-shape. With asynchronous execution (CUDA) a step's host time is when its kernels were queued, not when they
-ran; but the host can run ahead of the device by a bounded queue only (CUDA's launch queue, Lightning's
-reading of the logged loss at each logging step), so over an interval of N steps the host wall time equals
-the device's to within about one step: the rate is right on average over the interval, not per step. The
-only device work is at the logging steps, where Lightning itself reads the logged metrics back anyway: the
-two Python floats become tensors in ``LightningModule.log`` and, under DDP, one all-gather of three numbers.
-
-DDP
----
-Each rank measures its own interval. At the logging step the ranks all-gather ``(images, elapsed, wait)``
-once (never on other steps; every rank reaches the same logging steps) and log the same global numbers:
-``images_per_second`` = images summed over the ranks / the longest elapsed time, and
-``data_wait_fraction`` = the largest fraction over the ranks (the most data-starved rank sets the pace: the
-others wait for it inside the gradient all-reduce, which counts as step time).
+Every ``trainer.log_every_n_steps`` batches the interval since the previous logging step is closed and logged
+through ``LightningModule.log``: images (leading dimension of ``batch["images"]``, summed over the ranks) per
+second of host wall time spent in training batches (the longest over the ranks), and the fraction of that
+time spent in the training loader's ``__next__`` (Lightning's profiler action :data:`FETCH_ACTION`; the
+largest over the ranks). Validation, the time between epochs and the first ``warmup_steps`` batches of every
+``fit`` are left out; consecutive intervals tile the measured time. No device sync on ordinary steps; under
+DDP one all-gather of three numbers per logging step. What is measured and why: docs/internals.md.
 """
 
 from __future__ import annotations

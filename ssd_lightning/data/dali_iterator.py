@@ -1,68 +1,23 @@
-"""A small Lightning-safe, resumable iterable over a DALI pipeline.
+"""A resumable iterable over a DALI pipeline, safe under Lightning (:class:`DALILoader`).
 
-It runs the pipeline directly (no ``DALIGenericIterator``) and pins the pitfalls of DALI under Lightning:
+Contract:
 
-* ``len()`` is known up front, equal every epoch, and (in training) equal on every rank;
-* every ``iter()`` starts a complete epoch, also after an epoch was abandoned part-way (sanity-check
-  validation, ``limit_*_batches``, ``trainer.validate`` after ``fit``);
-* a yielded batch is never overwritten while anyone still holds it (see *Output buffers*);
-* reader epochs stay aligned with the shard, so no sample is lost or repeated across epochs;
-* training loaders are resumable: Lightning saves :meth:`DALILoader.state_dict` in every checkpoint and
-  restores it before the first ``iter()`` of a resumed ``fit`` (see *Resuming*).
+* ``len()`` is known up front and equal every epoch (in training, on every rank); every ``iter()`` starts a
+  complete epoch, also after one was abandoned part-way.
+* Readers use ``pad_last_batch=True`` and a fixed shard. ``mode="train"`` drops: an epoch is
+  ``floor(floor(N/n) / B)`` full batches on every rank, and the rest of the reader epoch is run and
+  discarded, so each epoch starts a fresh reader epoch. ``mode="eval"`` pads and trims: every sample of the
+  shard is yielded exactly once (ranks may differ by one batch: gather at epoch end, no per-step
+  collectives in validation).
+* Training loaders are resumable: :meth:`DALILoader.state_dict` holds the position in the epoch and DALI
+  checkpoints (this process's, and every shard's at the start of the reader epoch, exchanged once per
+  reader epoch); :meth:`DALILoader.load_state_dict` continues with the same samples and augmentations. A
+  state from another shard count or dataset is ignored with a warning.
+* A yielded batch is never overwritten while anyone holds it: CPU outputs are DALI's own fresh buffers or
+  copies into pooled buffers reused only when nothing outside the pool shares their storage; GPU outputs
+  are copied into fresh CUDA memory on the current stream.
 
-Last-batch policy. Every reader is built with ``pad_last_batch=True`` and a fixed shard, so one reader epoch
-on shard ``s`` of ``n`` holds ``shard_size = floor((s+1)N/n) - floor(sN/n)`` real samples in
-``ceil(shard_size / B)`` batches, the last one padded with copies of the shard's last sample; DALI then
-adds whole padding batches so that every shard runs ``ceil(ceil(N/n) / B)`` batches per reader epoch.
-
-* ``mode="train"``: DROP. An epoch is ``floor(floor(N/n) / B)`` full batches on every rank (the smallest
-  shard decides, so DDP ranks step together); the remaining (at most two) batches of the reader epoch are
-  run and discarded before the last batch of the epoch is yielded, so every epoch starts at the start of a
-  fresh reader epoch (a fresh global permutation when shuffling). If an epoch is abandoned (e.g.
-  ``limit_train_batches``), the next one continues the stream.
-* ``mode="eval"``: PAD-AND-TRIM. An epoch is ``ceil(shard_size / B)`` batches; the padding is cut from the
-  last batch (so N can be smaller there) and every sample of the shard is yielded exactly once. Ranks may
-  differ by one batch: validation steps must not use per-step collectives (``sync_dist`` logging in the
-  step); gather at epoch end. If an epoch is abandoned, the pipeline is rebuilt (evaluation has no state).
-
-Resuming (training). Training pipelines are built with DALI's ``enable_checkpointing=True``: a DALI
-checkpoint (``Pipeline.checkpoint()``, under 1 KB) holds the reader's epoch and position and the state of
-every random generator, and a pipeline built from it continues exactly (sample order *and* augmentation)
-at the cost of a pipeline build, without decoding anything. With checkpointing enabled, DALI shuffles
-reader epoch ``k`` as a function of ``(seed, k)`` only, identically on every rank (DALI 1.34: a built-in
-seed).
-:meth:`DALILoader.state_dict` holds
-
-* ``epoch_batches``: batches yielded in the current epoch (Lightning's position), and ``reader_batches``:
-  pipeline runs since the start of the current reader epoch;
-* ``current``: this process's DALI checkpoint ``{shard_id: bytes}``;
-* ``anchor``: the DALI checkpoints of *every* shard at the start of the current reader epoch (``None``
-  while the first reader epoch of a fresh pipeline runs). Under DDP the ranks exchange them with one
-  ``all_gather_object`` of a few hundred bytes per rank at each reader-epoch boundary, which every rank
-  reaches at the same batch; so the state Lightning saves from rank 0 can restore every rank.
-
-:meth:`DALILoader.load_state_dict` rebuilds the pipeline from ``current`` when it was written by this
-shard (single-process runs; rank 0), else from this shard's ``anchor`` followed by ``reader_batches``
-pipeline runs whose outputs are discarded. At an epoch boundary ``reader_batches`` is 0 (the tail was
-discarded before the epoch's last batch), so resuming from an end-of-epoch checkpoint costs one pipeline
-build on every rank and yields exactly the batches of the uninterrupted run. A mid-epoch checkpoint
-(``ModelCheckpoint(every_n_train_steps=...)``) resumes at the next batch of the same epoch: exact and
-cheap on rank 0, and on other ranks exact after re-running the epoch's earlier batches through DALI (the
-cost of loading them once, no training). A state written with a different number of shards or a different
-dataset cannot place the readers: it is ignored with a warning and the epoch starts from a fresh pipeline.
-
-Output buffers. DALI's default (dynamic) executor allocates every iteration's outputs afresh and frees
-them only when the last reference is dropped, so on the CPU a batch is handed out without copying
-(``torch.from_dlpack``, as DALI's own PyTorch iterator does); holding it keeps DALI from reusing its memory.
-Outputs whose dtype changes (int32 -> int64, float32 -> bfloat16), and all outputs of a pipeline built with
-``exec_dynamic=False`` (which reuses its buffers), are copied once into a buffer from a small per-output
-pool; a pooled buffer is refilled only when no tensor outside the pool still shares its storage (its
-storage use count), and the batch holds views of it. Either way a batch is safe to hold for as long as
-anyone likes; ``pool_size`` (default 4: the batch being filled, the one in the training step, one Lightning
-or a callback may keep, one spare) only bounds how many buffers are kept for reuse. On a GPU each output is
-copied into fresh CUDA memory (the caching allocator makes that cheap) on the current stream, to which DALI
-2.x binds its outputs, so no step waits on the host for the data (see
-:func:`~ssd_lightning.data.dali_compat.run_pipeline`).
+How (reader epochs, anchors, buffer pool): docs/internals.md.
 """
 
 from __future__ import annotations
@@ -133,7 +88,7 @@ class DALILoader:
         reader_name: name of the reader operator.
         dtypes: torch dtype of an output when it differs from DALI's (converted during the single copy);
             int32 outputs not named here become int64.
-        pool_size: CPU buffers kept for reuse per output (see *Output buffers* in the module docstring).
+        pool_size: CPU buffers kept for reuse per output (docs/internals.md, "Output buffers").
     """
 
     def __init__(
@@ -231,7 +186,7 @@ class DALILoader:
         return {name: self._to_torch(name, out) for name, out in zip(self.output_names, outputs, strict=True)}
 
     def _to_torch(self, name: str, tensor_list) -> Tensor:
-        """A torch tensor of one output that stays valid after later runs (see *Output buffers*)."""
+        """A torch tensor of one output that stays valid after later runs (see the module docstring)."""
         dense = tensor_list.as_tensor()  # zero-copy for the dense batches these pipelines produce
         src = to_torch_type[dense.dtype]
         dst = self._dtypes.get(name, torch.int64 if src == torch.int32 else src)
@@ -307,7 +262,7 @@ class DALILoader:
         return {self.shard_id: own}
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the stream is (see *Resuming* in the module docstring); ``{}`` for evaluation loaders."""
+        """Where the stream is (docs/internals.md, "Resuming"); ``{}`` for evaluation loaders."""
         if self.mode != "train":
             return {}
         return {

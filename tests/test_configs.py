@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from pathlib import Path
 
 import hydra
 import pytest
 import pytorch_lightning as pl
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import OmegaConf, open_dict
 
 from ssd_lightning.cli.train import instantiate_group, validate_config
-from tests.conftest import CONFIG_DIR
+from tests.conftest import CONFIG_DIR, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+EXPERIMENTS_AND_BASES = sorted(
+    p.relative_to(CONFIG_DIR / "experiment").with_suffix("").as_posix()
+    for p in (CONFIG_DIR / "experiment").rglob("*.yaml")
+)
 # Tiny overrides so any experiment instantiates on a 2-core CPU box.
 CPU_OVERRIDES = [
     "trainer.accelerator=cpu",
@@ -152,3 +159,112 @@ def test_imagenet_eval_resize_follows_the_weights(make_cfg, weights, expected):
     assert cfg.data.image_size == 224
     cfg = make_cfg(["experiment=mobilenetv2_imagenet_8gpu", "data.val_resize=240"])
     assert cfg.data.val_resize == 240
+
+
+# --- configs/ state each value once ---------------------------------------------------------------------
+# Keys an experiment sets that its group does not declare yet (a model/*.yaml change, not this folder's)
+UNDECLARED_MODEL_KEYS = {"model.scheduler.warmup_epochs"}
+
+
+@cache
+def _raw(overrides: tuple[str, ...]) -> tuple[dict, dict]:
+    """The composed config of ``overrides`` (interpolations kept) and its config group choices."""
+    cfg = compose_config(list(overrides))
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=False), choices
+
+
+def _leaves(node: dict, prefix: str = "") -> dict[str, object]:
+    """``{"a.b.c": value}`` of every leaf of a nested dict (a null or a list is a leaf)."""
+    out = {}
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out.update(_leaves(value, f"{path}.") if isinstance(value, dict) and value else {path: value})
+    return out
+
+
+def _lookup(cfg: dict, path: str) -> tuple[bool, object]:
+    node = cfg
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _experiment_layers(name: str) -> tuple[tuple[str, ...], list[tuple[str, str]], dict]:
+    """What ``experiment/<name>.yaml`` builds on (its parent experiments as overrides), its group overrides
+    and its own body."""
+    raw = yaml.safe_load((CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()) or {}
+    parents, groups = [], []
+    for entry in raw.pop("defaults", []):
+        if isinstance(entry, str):
+            if entry != "_self_":
+                parents.append(f"experiment={entry}")
+        else:
+            ((key, value),) = entry.items()
+            groups.append((key.removeprefix("override /"), None if value is None else str(value)))
+    return tuple(parents), groups, raw
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS_AND_BASES)
+def test_experiments_state_only_their_differences(experiment):
+    """Every value an experiment sets differs from what it builds on (groups, defaults, parent experiment),
+    every group it picks differs from the one it would get, and every key it sets is declared below it."""
+    parents, groups, body = _experiment_layers(experiment)
+    _, inherited_choices = _raw(parents)
+    for group, choice in groups:
+        assert inherited_choices.get(group) != choice, f"{experiment}: {group}={choice} is inherited"
+    below, _ = _raw((*parents, *(f"~{g}" if c is None else f"{g}={c}" for g, c in groups)))
+    trainer_args = inspect.signature(pl.Trainer.__init__).parameters
+    for path, value in _leaves(body).items():
+        declared, inherited = _lookup(below, path)
+        # trainer/*.yaml declares what the recipes choose; Lightning's signature declares the other arguments
+        lightning_arg = path.startswith("trainer.") and path.split(".")[1] in trainer_args
+        assert declared or lightning_arg or path in UNDECLARED_MODEL_KEYS, f"{experiment}: {path} undeclared"
+        assert not declared or inherited != value, f"{experiment}: {path}={value!r} restates what it inherits"
+
+
+def test_logger_choices(make_cfg):
+    """logger=default is CSV + TensorBoard, logger=csv the CSV logger alone, with the same settings."""
+    both, csv = make_cfg(["logger=default"]).logger, make_cfg(["logger=csv"]).logger
+    assert list(both) == ["csv", "tensorboard"] and list(csv) == ["csv"]
+    assert both.csv == csv.csv and csv.csv._target_ == "ssd_lightning.io.loggers.ContinuingCSVLogger"
+    assert both.tensorboard.default_hp_metric is False
+
+
+def test_callback_sets_bring_their_own_run_settings(make_cfg):
+    """callbacks=classification: the training set, validation every epoch, top-1 returned and monitored;
+    callbacks=benchmark: the throughput callback alone, its iteration counts at the top level."""
+    training, classification = make_cfg(["callbacks=training"]), make_cfg(["callbacks=classification"])
+    assert OmegaConf.to_container(classification.callbacks) == OmegaConf.to_container(training.callbacks)
+    assert {"coco_map", "eval_schedule"} <= set(make_cfg([]).callbacks) - set(classification.callbacks)
+    assert classification.optimized_metric == "val/acc1" and classification.eval_epochs is None
+    assert classification.callbacks.best_checkpoint.monitor == "val/acc1"
+    own_metric = make_cfg(["callbacks=classification", "optimized_metric=val/loss"])
+    assert own_metric.callbacks.best_checkpoint.monitor == "val/loss"
+    bench = make_cfg(["callbacks=benchmark", "benchmark_warmup=3", "include_data_loading=true"])
+    assert list(bench.callbacks) == ["throughput"] and bench.optimized_metric == "images_per_second_median"
+    assert (bench.callbacks.throughput.warmup, bench.callbacks.throughput.iterations) == (3, 200)
+    assert bench.callbacks.throughput.include_data_loading is True
+
+
+@pytest.mark.parametrize(
+    ("group", "keys"),
+    [
+        ("coco", {"augment": True, "shuffle": True, "include_crowd": True, "check_files": True}),
+        ("shapes", {"augment": True, "shuffle": True}),
+        ("imagenet", {"train_dir": None, "val_dir": None, "shuffle": True, "check_files": True}),
+    ],
+)
+def test_data_options_are_declared_with_the_datamodules_defaults(group, keys, make_cfg):
+    """What a user may override is in the data group (no `+`), with the value the datamodule would use."""
+    data = make_cfg([f"data={group}"]).data
+    signature = inspect.signature(hydra.utils.get_class(data._target_).__init__).parameters
+    for key, value in keys.items():
+        assert data[key] == value, key
+        if key in signature:
+            assert signature[key].default == value, key
+    assert make_cfg([f"data={group}", "data.shuffle=false"]).data.shuffle is False

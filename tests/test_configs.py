@@ -1,4 +1,5 @@
-"""Every experiment composes and instantiates; the precision switch sets Trainer and data together."""
+"""Every experiment composes, instantiates and states only its differences; the precision switch sets
+Trainer and data together; every key a user may override is declared in its group."""
 
 from __future__ import annotations
 

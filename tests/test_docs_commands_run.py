@@ -49,19 +49,19 @@ NOT_RUN: dict[str, str] = {
     "make test-fast": SUITE,
     "make test-dali-lines": SUITE,
     "make test TEST_DALI_LINES=": SUITE,
-    "python scripts/stress_tests.py --repeat 20 --load 2 -m multiprocess": SUITE + ", repeatedly",
-    "python scripts/stress_tests.py --repeat 20 --load 2 -- -m multiprocess tests/test_split_cache.py "
+    "python benchmarks/stress_tests.py --repeat 20 --load 2 -m multiprocess": SUITE + ", repeatedly",
+    "python benchmarks/stress_tests.py --repeat 20 --load 2 -- -m multiprocess tests/test_split_cache.py "
     "tests/test_throughput.py tests/test_ddp_faults.py": SUITE + ", repeatedly",
-    "python scripts/stress_tests.py --repeat 3 --load 2 -- -m multiprocess tests/test_coco_map_callback.py "
-    "tests/test_data_ddp.py tests/test_distributed.py tests/test_no_host_sync.py "
-    "tests/test_signals_multiprocess.py": SUITE + ", repeatedly",
+    "python benchmarks/stress_tests.py --repeat 3 --load 2 -- -m multiprocess "
+    "tests/test_coco_map_callback.py tests/test_data_ddp.py tests/test_distributed.py "
+    "tests/test_no_host_sync.py tests/test_signals_multiprocess.py": SUITE + ", repeatedly",
     "make setup EXTRAS=dev,cuda130": INSTALLS,
     "make setup EXTRAS=dev,cuda110": INSTALLS,
     'pip install -e ".[dev,cuda130]"': INSTALLS,
     'pip install -e ".[sweeps]"': INSTALLS,
     'pip install -e ".[dev,sweeps]"': INSTALLS,
-    "bash scripts/gpu_benchmark.sh prepare": INSTALLS + " (downloads wheels for the GPU machine)",
-    "PACK_RUNS=1 bash scripts/gpu_benchmark.sh": "needs a CUDA GPU",
+    "bash benchmarks/gpu_benchmark.sh": "needs a CUDA GPU; test_gpu_benchmark_script runs its CPU smoke plan",
+    "OUT=/tmp/gpu_results bash benchmarks/gpu_benchmark.sh --no-compile": "needs a CUDA GPU",
     "scripts/download_coco.sh /coco": "downloads 20 GB from COCO's servers; test_download_coco.py runs it "
     "against a local server",
     "scripts/torchrun_example.sh": "starts 8 ranks of a GPU recipe; test_readme_commands composes it",
@@ -78,25 +78,27 @@ SIZE: dict[str, list[str]] = {
     "benchmark_training": ["benchmark_warmup=0", "benchmark_iterations=1", "data.batch_size=2"],
     "benchmark_inference": ["benchmark_warmup=0", "benchmark_iterations=1"],
 }
-# Appended to scripts/<name>.py (argparse: the last value of an option wins): sizes only.
+# Appended to scripts/<name>.py and benchmarks/<name>.py (argparse: the last value of an option wins): sizes
+# only.
 SCRIPT_SIZE: dict[str, list[str]] = {
     "scripts/plot_run.py": [],
-    "scripts/benchmark_decoder.py": ["--batch-size", "2", "--repeats", "1", "--ref-repeats", "1"],
-    "scripts/benchmark_loader.py": [
+    "scripts/export_onnx.py": [],
+    "benchmarks/benchmark_decoder.py": ["--batch-size", "2", "--repeats", "1", "--ref-repeats", "1"],
+    "benchmarks/benchmark_loader.py": [
         *("--num-images", "48", "--batches", "2", "--warmup", "1", "--repeats", "1"),
     ],
-    "scripts/make_coco_scale_fixture.py": ["--train-images", "40", "--val-images", "8"],
-    "scripts/benchmark_startup.py": ["--ranks", "1", "--repeats", "1"],
-    "scripts/benchmark_eval.py": ["--images", "16", "--repeats", "1"],
-    "scripts/benchmark_training.py": [
+    "benchmarks/make_coco_scale_fixture.py": ["--train-images", "40", "--val-images", "8"],
+    "benchmarks/benchmark_startup.py": ["--ranks", "1", "--repeats", "1"],
+    "benchmarks/benchmark_eval.py": ["--images", "16", "--repeats", "1"],
+    "benchmarks/benchmark_training.py": [
         *("--batch-size", "2", "--warmup", "1", "--iterations", "1", "--repeats", "1", "--skip-variants"),
     ],
-    "scripts/benchmark_finetune.py": [
+    "benchmarks/benchmark_finetune.py": [
         *("--source-epochs", "1", "--epochs", "1", "--num-train", "24", "--num-val", "8"),
         *("--override", "data.num_train=24", "--override", "data.num_val=8"),
     ],
-    "scripts/benchmark_onnx.py": ["--batch-sizes", "1", "--repeats", "1", "--warmup", "0"],
-    "scripts/export_onnx.py": [],
+    "benchmarks/benchmark_onnx.py": ["--batch-sizes", "1", "--repeats", "1", "--warmup", "0"],
+    "benchmarks/gpu_benchmark.py": [],  # documented with --dry-run: prints the plan, runs nothing
 }
 # Datamodules that read a dataset this machine does not have (the shapes ones generate theirs).
 REAL_DATASETS = (
@@ -360,6 +362,7 @@ def test_every_documented_kind_is_exercised():
     [
         ("tensorboard --logdir outputs", "no rule"),
         ("python scripts/no_such_benchmark.py --fast", "SCRIPT_SIZE"),
+        ("python benchmarks/no_such_benchmark.py --fast", "SCRIPT_SIZE"),
         (
             "python train.py experiment=ssd300_benchmark_training_new",
             "experiment/ssd300_benchmark_training_new",

@@ -1,16 +1,11 @@
-"""scripts/gpu_benchmark.sh + scripts/gpu_benchmark.py: the one-shot GPU throughput table, checked on CPU."""
+"""benchmarks/gpu_benchmark.sh and gpu_benchmark.py: the one-shot GPU throughput table, checked on CPU."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
-import zipfile
-from importlib import metadata
 from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 
@@ -22,11 +17,11 @@ from tests.conftest import compose_config
 pytestmark = pytest.mark.no_dali
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = REPO_ROOT / "scripts" / "gpu_benchmark.sh"
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu_benchmark.sh"
 
 
 def _load():
-    spec = spec_from_file_location("gpu_benchmark", REPO_ROOT / "scripts" / "gpu_benchmark.py")
+    spec = spec_from_file_location("gpu_benchmark", REPO_ROOT / "benchmarks" / "gpu_benchmark.py")
     module = module_from_spec(spec)
     sys.modules["gpu_benchmark"] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
@@ -178,7 +173,7 @@ def test_smoke_run_of_the_shell_script_writes_the_table_and_every_benchmark_json
 
 
 def _hide_hydra(tmp_path: Path) -> dict[str, str]:
-    """Environment in which ``import hydra`` fails, as on the GPU machine (a stub shadows the real one)."""
+    """Environment in which ``import hydra`` fails (a stub shadows the real one)."""
     stub = tmp_path / "hide" / "hydra"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
@@ -186,53 +181,26 @@ def _hide_hydra(tmp_path: Path) -> dict[str, str]:
     return {**env, "OUT": str(tmp_path / "out")}
 
 
-def test_without_hydra_and_without_wheels_the_script_says_how_to_get_them(tmp_path):
-    env = {**_hide_hydra(tmp_path), "GPU_BENCH_WHEELS": str(tmp_path / "no_wheels")}
+def test_without_the_installed_package_the_script_says_how_to_get_it_and_installs_nothing(tmp_path):
+    env = {**_hide_hydra(tmp_path), "PIP_NO_INDEX": "1"}
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "scripts/gpu_benchmark.sh prepare" in proc.stderr and "no_wheels" in proc.stderr
+    assert "pip install -e ." in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing run, nothing written
 
 
-def _wheel_of_installed(distribution: str, wheel_dir: Path) -> Path:
-    """A pure-Python wheel of an installed distribution, built offline from its installed files (what
-    `scripts/gpu_benchmark.sh prepare` downloads where PyPI is reachable)."""
-    dist = metadata.distribution(distribution)
-    name, version = re.sub(r"[-.]+", "_", dist.metadata["Name"]), dist.version
-    info = f"{name}-{version}.dist-info"
-    files = {
-        str(f): f.locate().read_bytes()
-        for f in dist.files
-        if not str(f).startswith("..") and "__pycache__" not in str(f) and ".dist-info/" not in str(f)
-    }
-    files[f"{info}/METADATA"] = dist.read_text("METADATA").encode()
-    files[f"{info}/WHEEL"] = (
-        b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-    )
-    record = [
-        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
-        for path, data in files.items()
-    ]
-    files[f"{info}/RECORD"] = ("\n".join([*record, f"{info}/RECORD,,"]) + "\n").encode()
-    wheel = wheel_dir / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path, data in files.items():
-            zf.writestr(path, data)
-    return wheel
-
-
-def test_without_hydra_the_carried_wheels_are_installed_offline_and_used(tmp_path):
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for distribution in ("hydra-core", "omegaconf", "antlr4-python3-runtime"):
-        _wheel_of_installed(distribution, wheels)
-    site = tmp_path / "site"
-    env = {**_hide_hydra(tmp_path), "GPU_BENCH_SITE": str(site), "GPU_BENCH_WHEELS": str(wheels)}
-    env["PIP_NO_INDEX"] = "1"
+def test_the_script_needs_only_the_installed_package_and_runs_from_any_directory(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     command = ["bash", str(SCRIPT), "--dry-run", "--no-compile"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"from {site / 'hydra'}" in proc.stdout  # the wheel's hydra, not the project's
-    assert (site / "omegaconf").is_dir() and (site / "antlr4").is_dir()
     assert len([line for line in proc.stdout.splitlines() if ": python train.py " in line]) == len(
         gb.plan(False, compile_runs=False)
     )
+    assert (tmp_path / "out" / "gpu_benchmark.log").read_text() == proc.stdout
+
+
+def test_the_script_carries_no_wheels_and_names_no_tool():
+    text = SCRIPT.read_text() + (REPO_ROOT / "benchmarks" / "gpu_benchmark.py").read_text()
+    for word in ("wheel", "pip install --", "--target", "device tool", "PACK_RUNS", "carry"):
+        assert word not in text, word

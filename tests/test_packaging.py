@@ -100,6 +100,8 @@ def test_shellcheck_in_lint_covers_every_shell_script():
     patterns = line.split("shellcheck", 1)[1].split()
     linted = {p for pattern in patterns for p in REPO_ROOT.glob(pattern)}
     scripts = {*REPO_ROOT.glob("scripts/**/*.sh"), *REPO_ROOT.glob("scripts/**/*.sbatch")}
+    scripts |= set(REPO_ROOT.glob("benchmarks/**/*.sh"))
+    assert REPO_ROOT / "benchmarks" / "gpu_benchmark.sh" in scripts
     assert scripts and scripts <= linted, sorted(str(s) for s in scripts - linted)
     assert REPO_ROOT / ".ci" / "run" in linted
 

@@ -8,10 +8,11 @@ the default config or, for keys of another model or dataset, against one of the 
 * ``python train.py`` / ``python predict.py``: the overrides are composed by Hydra's compose API against
   ``configs/`` (``--cfg job`` without a subprocess), so a renamed experiment, group or key fails here.
   Multirun commands are expanded into their jobs, ready-made sweeps (``sweep=...``) included.
-* ``python scripts/<x>.py``: the script exists and ``--help`` works and lists the options used; the
-  ``key=value`` scripts (no ``--help``) have every key checked against their ``DEFAULTS``.
-* ``scripts/<x>.sh``: exists, is executable, parses (``bash -n``); the options used are in its ``--help``
-  where it has one.
+* ``python scripts/<x>.py`` / ``python benchmarks/<x>.py``: the script exists and ``--help`` works and
+  lists the options used; the ``key=value`` scripts (no ``--help``) have every key checked against their
+  ``DEFAULTS``.
+* ``scripts/<x>.sh`` / ``benchmarks/<x>.sh``: exists, is executable, parses (``bash -n``); the options used
+  are in its ``--help`` where it has one.
 * ``make <target>``: the target exists; ``ARGS=...`` given to a target that runs ``train.py`` is composed.
 * ``sbatch``/``srun``/``torchrun``/``docker``: the files they name exist (``docker build .``: the
   Dockerfile); a ``train.py`` among their arguments gets its overrides composed.
@@ -48,7 +49,11 @@ README = REPO_ROOT / "README.md"
 DOCUMENTS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # first words that make a line of inline code or of an untagged block a command
-COMMAND_WORDS = ("python", "make", "scripts/", "sbatch", "srun", "torchrun", "docker", "pip", "bash", "conda")
+COMMAND_WORDS = (
+    *("python", "make", "scripts/", "benchmarks/", "sbatch", "srun", "torchrun", "docker", "pip", "bash"),
+    "conda",
+)
+SHELL_SCRIPT = re.compile(r"(scripts|benchmarks)/\S+\.sh\b")  # a user command or a measurement harness
 # `key=value` scripts without --help: module attribute holding the accepted keys
 KEY_VALUE_SCRIPTS = {"scripts/export_onnx.py": "DEFAULTS"}
 # Commands that cannot be checked here (exact text as extracted), with the reason.
@@ -111,9 +116,7 @@ def _inline_spans(text: str) -> list[tuple[str, int]]:
 
 
 def _is_command(span: str) -> bool:
-    return span.startswith(tuple(w + " " for w in COMMAND_WORDS)) or bool(
-        re.match(r"scripts/\S+\.sh\b", span)
-    )
+    return span.startswith(tuple(w + " " for w in COMMAND_WORDS)) or bool(SHELL_SCRIPT.match(span))
 
 
 def documented_commands(document: Path) -> list[Command]:
@@ -166,7 +169,7 @@ def _tokens(command: str) -> list[str]:
         words.pop(0)
     if words[:1] == [".venv/bin/python"]:
         words[0] = "python"
-    if words[:1] == ["bash"] and len(words) > 1 and words[1].startswith("scripts/"):
+    if words[:1] == ["bash"] and len(words) > 1 and SHELL_SCRIPT.match(words[1]):
         words.pop(0)  # bash scripts/x.sh: the script is checked
     return [word for word in words if word != "..."]  # `train.py ...`: the user's own overrides
 
@@ -343,7 +346,7 @@ def check_command(command: str) -> str:
             _help_text("predict.py")
             return _check_hydra_app(args, "predict")
         return _check_python_script(script, args)
-    if head.startswith("scripts/") and head.endswith(".sh"):
+    if SHELL_SCRIPT.fullmatch(head):
         return _check_shell_script(head, words[1:])
     if head == "make":
         return _check_make(words[1:])
@@ -447,6 +450,9 @@ def test_prose_overrides_are_found_and_a_stale_key_would_fail():
         ("sbatch scripts/slurm/no_such.sbatch", "does not exist"),
         ("scripts/no_such.sh", "does not exist"),
         ("scripts/download_coco.sh --no-such-option /coco", "does not list"),
+        ("python benchmarks/no_such_benchmark.py --help", "does not exist"),
+        ("bash benchmarks/no_such.sh", "does not exist"),
+        ("python benchmarks/benchmark_decoder.py --no-such-option", "does not list"),
         ('pip install -e ".[cuda99]"', "cuda99"),
         ("tensorboard --logdir outputs", "NOT_CHECKED"),  # a new kind of command needs a check
     ],

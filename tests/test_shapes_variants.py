@@ -1,4 +1,4 @@
-"""Shapes datasets of another class set (``categories=``) and scripts/benchmark_finetune.py's arguments."""
+"""Shapes datasets of another class set (``categories=``) and benchmarks/benchmark_finetune.py's arguments."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_datamodule_and_config_pass_the_class_set(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ benchmark script
 def _script():
-    spec = spec_from_file_location("benchmark_finetune", REPO / "scripts" / "benchmark_finetune.py")
+    spec = spec_from_file_location("benchmark_finetune", REPO / "benchmarks" / "benchmark_finetune.py")
     module = module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)

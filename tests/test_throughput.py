@@ -13,6 +13,7 @@ from torch import nn
 from ssd_lightning.callbacks.throughput import (
     RESULTS_FILENAME,
     ThroughputBenchmark,
+    format_table,
     percentile,
     throughput_statistics,
 )
@@ -307,6 +308,12 @@ def test_benchmark_json_schema(tmp_path):
         assert isinstance(stats[key], float) and math.isfinite(stats[key]), key
     assert stats["images_per_second_median"] == pytest.approx(6.0)  # times 0.5, 1.0 with batch 4 -> 8, 4
     assert stats["images_per_second_average"] == pytest.approx(8 / 1.5)
+    table = format_table(data).splitlines()
+    assert table[0].startswith("training benchmark: TinyModule (tiny), 1 x 4 images, bf16-mixed")
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
+    assert cells[0] == ["statistic", "value"] and cells[1][1].endswith("-:")  # values right-aligned
+    assert cells[2] == ["img/s median", "6.00"] and cells[7] == ["img/s all images/time", f"{8 / 1.5:.2f}"]
+    assert len(table) == 3 + 10 and len({len(line) for line in table[1:]}) == 1  # padded: aligned as text
 
 
 # --------------------------------------------------------------------------------------------------------

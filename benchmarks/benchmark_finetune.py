@@ -1,28 +1,19 @@
 """Fine-tuning vs from scratch at equal steps: does ``model.init_from`` pay off on a new class set?
 
-Three runs of ``python train.py experiment=demo`` (SSD300-MobileNetV2 on the CPU, DALI, COCO evaluation):
+Three runs of ``python train.py experiment=demo``: (a) the demo on its own data, ``--source-epochs``
+epochs (skipped with ``--source-ckpt``); (b) a shapes variant of other classes (``--categories``) with
+``model.init_from=<(a)'s last.ckpt>``; (c) (b)'s command without ``model.init_from``. Prints the commands
+and a side-by-side table: steps (from each ``last.ckpt``), the last COCO AP@0.5 and AP@[.5:.95] (from
+each ``csv/metrics.csv``) and the ratio (b) / (c). Figures: docs/benchmarks.md.
 
-  (a) source:      the demo on its own data (``data/shapes``: rectangles, ellipses, triangles, stars),
-                   ``--source-epochs`` epochs; skipped with ``--source-ckpt``;
-  (b) fine-tuned:  a shapes variant of another class set (``--categories``, default crosses, hexagons
-                   and arrows: 3 classes, none of them the source's), ``model.init_from=<(a)'s last.ckpt>``;
-  (c) from scratch: (b)'s command without ``model.init_from``: same data, steps, seed, LR and schedule.
-
-It prints the exact commands and a side-by-side table (COCO AP@0.5 and AP@[.5:.95] on the variant's
-held-out images, steps, the ratio fine-tuned / from scratch). Steps are read from each run's
-``last.ckpt``, the APs from its ``csv/metrics.csv`` (the COCO evaluation after the last epoch).
-
-Examples::
-
-    python scripts/benchmark_finetune.py --parallel           # all three runs (~15 minutes on 2 idle cores)
-    python scripts/benchmark_finetune.py --source-ckpt outputs/demo/<run>/checkpoints/last.ckpt
-    python scripts/benchmark_finetune.py --dry-run            # print the commands only
+    python benchmarks/benchmark_finetune.py --parallel
+    python benchmarks/benchmark_finetune.py --source-ckpt outputs/demo/<run>/checkpoints/last.ckpt
+    python benchmarks/benchmark_finetune.py --dry-run            # print the commands only
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import shlex
@@ -31,6 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ssd_lightning.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CATEGORIES = ("cross", "hexagon", "arrow")
@@ -69,9 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a Lightning checkpoint of the demo to fine-tune from (skips run (a))",
     )
-    parser.add_argument(
-        "--source-epochs", type=int, default=1, help="epochs of run (a), 213 steps each (default 1)"
-    )
+    parser.add_argument("--source-epochs", type=int, default=1, help="epochs of run (a) (default 1)")
     parser.add_argument(
         "--categories",
         nargs="+",
@@ -156,16 +147,13 @@ def build_runs(args: argparse.Namespace, stamp: str | None = None) -> tuple[Run 
 def read_result(run_dir: Path, minutes: float = math.nan) -> Result:
     """Steps from ``<run_dir>/checkpoints/last.ckpt``; the last COCO AP@0.5 and AP of ``csv/metrics.csv``."""
     from ssd_lightning.io.weights import read_checkpoint
+    from ssd_lightning.metrics_csv import read_last_metrics
 
     steps = int(read_checkpoint(run_dir / "checkpoints" / "last.ckpt")["global_step"])
-    ap50 = ap = None
-    with open(run_dir / "csv" / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("val/mAP"):  # rows of other steps leave the column empty
-                ap, ap50 = float(row["val/mAP"]), float(row["val/mAP_50"])
-    if ap is None or ap50 is None:
+    metrics = read_last_metrics(run_dir / "csv" / "metrics.csv", ["val/mAP", "val/mAP_50"])
+    if "val/mAP" not in metrics or "val/mAP_50" not in metrics:
         raise RuntimeError(f"{run_dir / 'csv' / 'metrics.csv'} has no val/mAP: the run was not evaluated")
-    return Result(steps, ap50, ap, minutes)
+    return Result(steps, metrics["val/mAP_50"], metrics["val/mAP"], minutes)
 
 
 def execute(runs: list[Run], env: dict[str, str] | None = None) -> list[Result]:
@@ -204,25 +192,24 @@ def _finish(run: Run, proc: subprocess.Popen, log_path: Path, start: float) -> R
 
 
 def format_table(source: Result | None, finetune: Result, scratch: Result, source_ckpt: Path) -> str:
-    def row(name: str, r: Result) -> str:
+    """Markdown table: (a), (b), (c) and the ratio (b) / (c) of each AP."""
+
+    def row(name: str, r: Result) -> list[str]:
         minutes = "" if math.isnan(r.minutes) else f"{r.minutes:.1f}"
-        return f"| {name} | {r.steps} | {r.ap50:.3f} | {r.ap:.3f} | {minutes} |"
+        return [name, str(r.steps), f"{r.ap50:.3f}", f"{r.ap:.3f}", minutes]
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if b > 0 else "n/a (from scratch at 0)"
 
-    lines = [
-        "| run | steps | AP@0.5 | AP@[.5:.95] | minutes (run) |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     if source is not None:
-        lines.append(row("(a) source: the demo on data/shapes (4 classes; its own val split)", source))
-    lines += [
+        rows.append(row("(a) source: the demo on data/shapes (4 classes; its own val split)", source))
+    rows += [
         row(f"(b) fine-tuned from {source_ckpt.name} (`model.init_from`)", finetune),
         row("(c) from scratch, same command otherwise", scratch),
-        f"| (b) / (c) | | {ratio(finetune.ap50, scratch.ap50)} | {ratio(finetune.ap, scratch.ap)} | |",
+        ["(b) / (c)", "", ratio(finetune.ap50, scratch.ap50), ratio(finetune.ap, scratch.ap), ""],
     ]
-    return "\n".join(lines)
+    return markdown_table(("run", "steps", "AP@0.5", "AP@[.5:.95]", "minutes (run)"), rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,8 @@ with license/url/date fields, and per image 0-20 boxes (about 7.2 on average, ~1
 a polygon ``segmentation`` (22 points by default), ``area``, ``iscrowd`` (~1 % crowd boxes with an
 RLE ``segmentation``). At the default size the train file is about 435 MB with ~847k boxes.
 
-    .venv/bin/python scripts/make_coco_scale_fixture.py --out /tmp/coco_scale            # full size
-    .venv/bin/python scripts/make_coco_scale_fixture.py --out /tmp/coco_small \
+    .venv/bin/python benchmarks/make_coco_scale_fixture.py --out /tmp/coco_scale            # full size
+    .venv/bin/python benchmarks/make_coco_scale_fixture.py --out /tmp/coco_small \
         --train-images 500 --val-images 50
 
 Boxes lie inside their image unless ``--outside N`` asks for N train boxes that extend 1 px past the

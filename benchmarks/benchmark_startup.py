@@ -12,10 +12,10 @@ hand" and its peak RSS (``VmHWM``, imports included). Rows:
 
 Each row gives the slowest rank's time and the largest peak RSS over ranks (median over ``--repeats``), and
 the RSS right after the imports (torch, DALI, Lightning: the same for every row).
-Make a COCO-sized dataset first (about 1 GB under /tmp):
+Make a COCO-sized dataset first:
 
-    .venv/bin/python scripts/make_coco_scale_fixture.py --out /tmp/coco_scale
-    .venv/bin/python scripts/benchmark_startup.py --root /tmp/coco_scale --ranks 1,2,4 --repeats 3
+    .venv/bin/python benchmarks/make_coco_scale_fixture.py --out /tmp/coco_scale
+    .venv/bin/python benchmarks/benchmark_startup.py --root /tmp/coco_scale --ranks 1,2,4 --repeats 3
 """
 
 from __future__ import annotations
@@ -149,18 +149,17 @@ def main() -> None:
         f"\n{ann} ({ann.stat().st_size / 1e6:.0f} MB); batch {args.batch_size}, {args.threads} DALI threads "
         f"per rank, {os.cpu_count()} CPUs; median of {args.repeats} repeat(s)"
     )
-    print(
-        "| ranks | start-up path | s to first batch (slowest rank) | vs bare | peak RSS GiB (largest rank) "
-        "| RSS after imports |"
-    )
-    print("|---:|---|---:|---:|---:|---:|")
+    from ssd_lightning.tables import markdown_table
+
+    table = []
     for (ranks, mode), values in rows.items():
         seconds, peak, imports = (statistics.median(v[k] for v in values) for k in range(3))
         bare = statistics.median(v[0] for v in rows[(ranks, "bare")])
-        print(
-            f"| {ranks} | {MODES[mode]} | {seconds:.2f} | {seconds / bare:.2f}x | {peak:.2f} "
-            f"| {imports:.2f} |"
-        )
+        cells = [ranks, MODES[mode], f"{seconds:.2f}", f"{seconds / bare:.2f}x", f"{peak:.2f}"]
+        table.append([*cells, f"{imports:.2f}"])
+    columns = ["ranks", "start-up path", "s to first batch (slowest rank)", "vs bare"]
+    columns += ["peak RSS GiB (largest rank)", "RSS after imports"]
+    print(markdown_table(columns, table, align="rlrrrr"))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,17 @@
-"""One-shot throughput table: SSD300-ResNet50 and MobileNetV2, training and inference, several batches.
+"""The GPU throughput matrix: SSD300-ResNet50 and MobileNetV2, training and inference, several batches.
 
-Every row is the ``benchmark_training`` / ``benchmark_inference`` task of ``train.py`` (same configs, same
-``ThroughputBenchmark`` callback), composed with Hydra's compose API and run in this one process, so the
-~10 s of imports are paid once instead of per row. Each row prints the equivalent ``python train.py ...``
-command. Rows run in priority order under a time budget: once the budget would be exceeded, the remaining
-rows are listed as skipped, and results written so far stay valid (``results.json`` and ``summary.md`` are
-rewritten after every row).
+Each row is the ``benchmark_training`` / ``benchmark_inference`` task of ``train.py`` (same configs, same
+``ThroughputBenchmark``), composed with Hydra's compose API and run in this process (imports paid once);
+its equivalent ``python train.py ...`` command is printed. Rows run in priority order under a time budget:
+rows past it are listed as skipped; ``results.json`` and ``summary.md`` are rewritten after every row.
+Columns: median img/s; the NVIDIA reference figure (SSD300-ResNet50 only); the compute bound
+``peak FLOP/s / FLOP per image`` (forward FLOPs counted on the meta device, training = 3 x forward) and the
+fraction of it reached. Figures and the bound's assumptions: docs/benchmarks.md. Needs ``pip install -e .``.
 
-Columns: median img/s over the timed iterations; the NVIDIA reference figure (1xA100 AMP: 724 img/s training
-at batch 128, 1,057 img/s inference at batch 64; SSD300-ResNet50 rows only); the compute bound
-``peak FLOP/s / FLOP per image`` (forward FLOPs counted by ``torch.utils.flop_counter`` on the meta device,
-training = 3 x forward) and the fraction of it reached. SSD300-ResNet50 forward: 40.3 GFLOP per 300x300
-image, so an H200 at 790 TFLOP/s (bf16 dense, measured) bounds training near 6,500 img/s and inference near
-19,600 img/s.
-
-    bash scripts/gpu_benchmark.sh                     # what the GPU session runs (installs hydra if needed)
-    python scripts/gpu_benchmark.py --out gpu_results # same, where hydra-core is installed
-    python scripts/gpu_benchmark.py --smoke           # CPU: ResNet-18, batch 2, 1 + 3 iterations
-    python scripts/gpu_benchmark.py --dry-run         # the plan and its train.py commands, nothing run
+    bash benchmarks/gpu_benchmark.sh                     # this, with a log and a hard stop
+    python benchmarks/gpu_benchmark.py --out gpu_results
+    python benchmarks/gpu_benchmark.py --smoke           # CPU: ResNet-18, batch 2, 1 + 3 iterations
+    python benchmarks/gpu_benchmark.py --dry-run         # the plan and its train.py commands, nothing run
 """
 
 from __future__ import annotations
@@ -37,17 +31,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # runs from a checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO_ROOT))
+import torch
 
-import torch  # noqa: E402
+from ssd_lightning.tables import markdown_table
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 REFERENCE_IMG_S = {"training": 724.0, "inference": 1057.0}  # NVIDIA SSD300 v1.1, 1xA100 AMP (bs128 / bs64)
 REFERENCE_NOTE = {"training": "1xA100 AMP bs128", "inference": "1xA100 AMP bs64"}
 GOAL_IMG_S = {"training": 2500.0, "inference": 6000.0}  # issue #8, SSD300-ResNet50 on one H200
 TRAINING_FLOP_FACTOR = 3.0  # forward + backward (2x forward)
-DEFAULT_PEAK_TFLOPS = 790.0  # H200 bf16 dense, 8192^3 matmul measured on the device machine
+DEFAULT_PEAK_TFLOPS = 790.0  # H200 bf16 dense: an assumed achievable rate (docs/benchmarks.md)
 EXPERIMENTS = {
     ("ssd300", "training"): "ssd300_benchmark_training",
     ("ssd300", "inference"): "ssd300_benchmark_inference",
@@ -150,7 +144,7 @@ def command_line(run: Run, *, warmup: int, iterations: int) -> str:
 # FLOPs and bounds
 # --------------------------------------------------------------------------------------------------------
 def forward_gflop(model: str, backbone: str | None) -> float:
-    """Forward GFLOP of one image (2 FLOP per multiply-add), counted on the meta device (no memory, ~1 s)."""
+    """Forward GFLOP of one image (2 FLOP per multiply-add), counted on the meta device (no memory)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from ssd_lightning.models import mobilenet_v2, ssd300
@@ -270,26 +264,26 @@ def enrich(record: dict[str, Any], gflop: dict[str, float], peak_tflops: float) 
     return record
 
 
+TABLE_COLUMNS = (
+    *("model", "mode", "precision", "batch", "channels_last", "compile", "img/s median", "img/s p90"),
+    *("vs reference", "bound img/s", "of bound", "TFLOP/s", "peak GiB", "status"),
+)
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
-    """Markdown table, one row per planned run (skipped and failed rows included)."""
-    header = (
-        "| model | mode | precision | batch | channels_last | compile | img/s median | img/s p90 "
-        "| vs reference | bound img/s | of bound | TFLOP/s | peak GiB | status |\n"
-        "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
-    )
+    """Markdown table, one row per planned run (skipped and failed rows included, ``–`` for no value)."""
     rows = []
     for r in records:
         run = r["run"]
-        label = Run(**run).label
-        cells = [label, run["mode"], run["precision"], str(run["batch"]), str(run["channels_last"]).lower()]
-        cells.append(str(run["compile"]).lower())
+        cells = [Run(**run).label, run["mode"], run["precision"], run["batch"]]
+        cells += [str(run["channels_last"]).lower(), str(run["compile"]).lower()]
         if r.get("status") == "ok":
             s, d = r["benchmark"]["statistics"], r["derived"]
             ref = d["reference_images_per_second"]
             cells += [
                 _fmt(d["images_per_second_median"]),
                 _fmt(s["images_per_second_p90"]),
-                f"{d['vs_reference']:.2f}x of {ref:,.0f}" if ref else "–",
+                f"{d['vs_reference']:.2f}x of {ref:,.0f}" if ref else None,
                 _fmt(d["bound_images_per_second"]),
                 f"{100 * d['fraction_of_bound']:.1f}%",
                 _fmt(d["achieved_tflops"], ".1f"),
@@ -297,9 +291,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                 "ok",
             ]
         else:
-            cells += ["–"] * 7 + [r.get("status", "?") + (f": {r['error']}" if r.get("error") else "")]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join([header, *rows])
+            cells += [None] * 7 + [r.get("status", "?") + (f": {r['error']}" if r.get("error") else "")]
+        rows.append(cells)
+    return markdown_table(TABLE_COLUMNS, rows, align="lllrll" + "r" * 7 + "l", missing="–")
 
 
 def goal_lines(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -361,7 +355,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", 420)))
     p.add_argument("--compile-estimate-s", type=float, default=150.0, help="assumed cost of a compiled row")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
-    p.add_argument("--peak-tflops", type=float, default=float(os.environ.get("GPU_BENCH_PEAK_TFLOPS", 790)))
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=float(os.environ.get("GPU_BENCH_PEAK_TFLOPS", DEFAULT_PEAK_TFLOPS)),
+    )
     p.add_argument("--only", default=None, help="run only rows whose name contains this text")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its commands; run nothing")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Images/s of the end-to-end ONNX export in onnxruntime vs the same model in PyTorch, CPU, side by side.
 
-    python scripts/benchmark_onnx.py --backbone resnet50 --batch-sizes 1 8 --threads 2
+    python benchmarks/benchmark_onnx.py --backbone resnet50 --batch-sizes 1 8 --threads 2
 
 Three ways to get detections from the same weights and the same input batch:
 
@@ -35,6 +35,9 @@ import torch
 
 from ssd_lightning.inference.export import EndToEndSSD, detection_difference, export_end_to_end
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
+from ssd_lightning.tables import markdown_row, markdown_rule
+
+EXPORT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_onnx.py"  # network-only export
 
 
 def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
@@ -69,10 +72,9 @@ def _set_batchnorm_statistics(net: torch.nn.Module, images: torch.Tensor) -> Non
 
 
 def _export_network(net: torch.nn.Module, path: Path) -> Path:
-    spec_path = Path(__file__).with_name("export_onnx.py")
     from importlib.util import module_from_spec, spec_from_file_location
 
-    spec = spec_from_file_location("export_onnx", spec_path)
+    spec = spec_from_file_location("export_onnx", EXPORT_SCRIPT)
     script = module_from_spec(spec)
     spec.loader.exec_module(script)
     return script.export_onnx(net, path)
@@ -142,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         f"decoder {settings}, {'checkpoint' if decoder else 'random'} weights, N(0, 1) images; "
         f"median of {args.repeats} runs"
     )
-    print("| batch | way | detections / image | ms / batch | images/s | vs PyTorch | images as PyTorch |")
-    print("|---:|---|---:|---:|---:|---:|---|")
+    columns = ["batch", "way", "detections / image", "ms / batch", "images/s", "vs PyTorch"]
+    columns.append("images as PyTorch")
+    print(markdown_row(columns) + "\n" + markdown_rule("rlrrrrl"), flush=True)  # rows follow as measured
     for batch_size in args.batch_sizes:
         images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(batch_size))
         reference = pytorch(images)
@@ -166,10 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 detection_difference(*a, *b) <= 1e-4 for a, b in zip(outputs[name], reference, strict=True)
             )
             dets = sum(len(d[1]) for d in outputs[name]) / batch_size
-            print(
-                f"| {batch_size} | {name} | {dets:.0f} | {median * 1e3:.0f} | {batch_size / median:.2f} "
-                f"| {base / median:.2f}x | {same}/{batch_size} |"
-            )
+            cells = [batch_size, name, f"{dets:.0f}", f"{median * 1e3:.0f}", f"{batch_size / median:.2f}"]
+            print(markdown_row([*cells, f"{base / median:.2f}x", f"{same}/{batch_size}"]), flush=True)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Run tests many times while other processes load every core, and count the outcomes per test.
 
-    python scripts/stress_tests.py --repeat 20 --load 2 -m multiprocess
+    python benchmarks/stress_tests.py --repeat 20 --load 2 -m multiprocess
 
 Multi-process tests must pass on a loaded machine (CI shares its cores), not only on a quiet one. Each
 repeat is one pytest run of the selected tests, with ``--load`` busy-loop processes beside it; the table at
@@ -17,6 +17,8 @@ import time
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from ssd_lightning.tables import markdown_table
 
 BUSY_LOOP = "while True: pass"
 
@@ -66,10 +68,11 @@ def main() -> int:
             proc.kill()
     minutes = (time.perf_counter() - started) / 60
     print(f"\n{args.repeat} repeats with {args.load} busy-loop processes, {minutes:.1f} min\n")
-    print("| test | passed | failed | skipped | failed in repeats |\n|---|---|---|---|---|")
-    for name in sorted(counts):
-        c = counts[name]
-        print(f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} | {failed_in[name] or ''} |")
+    rows = [
+        [name, counts[name]["passed"], counts[name]["failed"], counts[name]["skipped"], failed_in[name] or ""]
+        for name in sorted(counts)
+    ]
+    print(markdown_table(["test", "passed", "failed", "skipped", "failed in repeats"], rows))
     return 1 if failed_in else 0
 
 

@@ -1,32 +1,18 @@
 """Time the COCO evaluation step of a validation pass at COCO-val scale, under real multi-process DDP.
 
-Generates a COCO-val-sized ground truth (5,000 images, ~36k boxes, the 80 COCO category ids, all area
-ranges, ~1 % crowd) and runs ``trainer.validate`` with ``CocoMAPCallback`` in a real Lightning DDP job on the
-CPU (gloo, ``strategy="ddp"``: this script is started again for ranks 1..N-1). A stand-in model emits 100
-detections per image (jittered copies of the ground truth plus background false positives), so each of the 2
-ranks holds 250k detections. What is timed is the callback itself, phase by phase:
-
-* accumulate: ``on_validation_batch_end`` summed over the pass (slowest rank);
-* gather: the rows of every rank to rank 0 (``_gather_to_rank_zero``, rank 0's wait included);
-* write JSON: ``detections_epoch_<e>.json`` (COCO results format);
-* evaluate: ``evaluate_coco`` (annotation file loaded, results built, COCOeval evaluate/accumulate/summarize);
-* per-class rows: the part of evaluate that reads the per-class AP out of the precision array and counts the
-  ground truth per category (``per_class=True``, the default);
-* per-class report: ``per_class_epoch_<e>.json`` written (and the table printed: not here, verbose is off);
-* other: deduplication by image id, conversion, the broadcast of the stats, logging;
-* epoch end: the whole ``on_validation_epoch_end`` on rank 0, i.e. what a validation pass pays after the
-  last batch.
-
+Generates a COCO-val-sized ground truth (5,000 images by default, the 80 COCO category ids, all area ranges,
+some crowd boxes) and runs ``trainer.validate`` with ``CocoMAPCallback`` in a Lightning ``strategy="ddp"``
+job on the CPU (gloo; this script is started again for ranks 1..N-1), with a stand-in model emitting
+``--detections`` per image. It prints the callback's seconds per phase (accumulate, gather, write JSON,
+evaluate, per-class rows, per-class report, other, epoch end) on rank 0, median over ``--repeats``.
 Both backends run in the same job; ``--baseline-rev REV`` adds the callback and ``evaluation.py`` of a git
-revision (loaded with ``git show``), so old and new paths are measured side by side, interleaved, on the same
-machine; ``--per-class both`` times the new path with ``per_class=False`` as well (the difference of the two
-"epoch end" columns is what per-class AP costs). The 12 stats of every configuration must be identical (the
-script exits with 1 otherwise), and so must the written JSON files and the per-class APs of the two backends.
+revision (``git show``), interleaved with today's; ``--per-class both`` also times ``per_class=False``.
+Exit 1 if the 12 stats, the per-class APs or the written JSON files differ between configurations.
 
-    python scripts/benchmark_eval.py                              # 2 ranks, both backends
-    python scripts/benchmark_eval.py --baseline-rev e636053       # + the pre-#15 callback and evaluation
-    python scripts/benchmark_eval.py --images 500 --backends faster_coco_eval   # a quick look
-    python scripts/benchmark_eval.py --backends faster_coco_eval --per-class both --repeats 3
+    python benchmarks/benchmark_eval.py                              # 2 ranks, both backends
+    python benchmarks/benchmark_eval.py --baseline-rev e636053       # + the pre-#15 callback and evaluation
+    python benchmarks/benchmark_eval.py --images 500 --backends faster_coco_eval   # a quick look
+    python benchmarks/benchmark_eval.py --backends faster_coco_eval --per-class both --repeats 3
 """
 
 from __future__ import annotations
@@ -55,6 +41,7 @@ from pytorch_lightning.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset
 
 from ssd_lightning.evaluation import COCO_STAT_NAMES
+from ssd_lightning.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 WORKDIR_ENV = "SSD_BENCHMARK_EVAL_DIR"  # rank 0 creates the work dir, the other ranks inherit its path
@@ -357,11 +344,7 @@ def main() -> int:
         + [f"{medians[path, backend]['epoch end'] / reference:.1f}x"]
         for path, backend in configs
     ]
-    widths = [max(len(str(r[j])) for r in [header, *rows]) for j in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) + " |")
+    print(markdown_table(header, rows, pad=True))
 
     # the same backend must give exactly the same numbers on both paths; the two backends agree to 1e-12
     # (pycocotools and faster-coco-eval sum in a different order, like the tests allow)

@@ -8,7 +8,7 @@ Each repeat builds every loader afresh and times it, rotating the order from rep
 drift on a shared machine hits every loader alike; the table reports the median and the range over repeats,
 and the ratio to the bare pipeline is computed within each repeat before taking its median.
 
-    .venv/bin/python scripts/benchmark_loader.py --batches 30 --warmup 3 --repeats 7
+    .venv/bin/python benchmarks/benchmark_loader.py --batches 30 --warmup 3 --repeats 7
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from ssd_lightning.tables import markdown_table
 
 
 def _timed(batches: Iterator, warmup: int, count: int, batch_size: int) -> tuple[float, float]:
@@ -232,19 +234,19 @@ def main() -> None:
         f"batches, {args.threads} threads/workers, root={root}"
     )
     columns = ["loader", "images/s median (min-max)", "vs bare DALI (min-max)", "CPU ms/image", "CPU vs bare"]
-    print("| " + " | ".join([*columns, "vs torchvision"]) + " |\n|---|---:|---:|---:|---:|---:|")
     bare_ms = statistics.median(cpu["bare DALI pipeline"])
+    rows = []
     for name, ips in runs.items():
         ratio = [a / b for a, b in zip(ips, bare, strict=True)]
         vs_tv = f"{statistics.median(ips) / statistics.median(tv):.2f}x" if tv else "-"
         ms, vs_ms = f"{statistics.median(cpu[name]):.2f}", f"{bare_ms / statistics.median(cpu[name]):.3f}x"
         if name == "torchvision v2 + DataLoader":
             ms, vs_ms = "(workers not counted)", "-"
-        print(
-            f"| {name} | {statistics.median(ips):.1f} ({min(ips):.1f}-{max(ips):.1f}) | "
-            f"{statistics.median(ratio):.3f}x ({min(ratio):.3f}-{max(ratio):.3f}) | {ms} | {vs_ms} | "
-            f"{vs_tv} |"
-        )
+        rows.append([
+            name, f"{statistics.median(ips):.1f} ({min(ips):.1f}-{max(ips):.1f})",
+            f"{statistics.median(ratio):.3f}x ({min(ratio):.3f}-{max(ratio):.3f})", ms, vs_ms, vs_tv,
+        ])  # fmt: skip
+    print(markdown_table([*columns, "vs torchvision"], rows, align="lrrrrr"))
 
 
 if __name__ == "__main__":

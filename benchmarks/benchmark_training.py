@@ -9,8 +9,8 @@ Rows:
 Both sides time the same region (batch already in memory; clock read at iteration start and end) and run
 alternately (L, B, B, L, ...) ``--repeats`` times; the medians pool every timed iteration of a variant.
 
-    .venv/bin/python scripts/benchmark_training.py                      # resnet18, batch 8, bf16, 5 + 20
-    .venv/bin/python scripts/benchmark_training.py --backbone mobilenet_v2 --iterations 50 --repeats 3
+    .venv/bin/python benchmarks/benchmark_training.py                      # resnet18, batch 8, bf16, 5 + 20
+    .venv/bin/python benchmarks/benchmark_training.py --backbone mobilenet_v2 --iterations 50 --repeats 3
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from ssd_lightning.callbacks.throughput import ThroughputBenchmark, device_name,
 from ssd_lightning.cli.benchmark import run_benchmark_task
 from ssd_lightning.data.synthetic import SyntheticDetectionDataModule
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, ssd300
-from ssd_lightning.modules.ssd import DEFAULT_DECODER, SSDLitModule
+from ssd_lightning.modules.ssd import SSDLitModule
 from ssd_lightning.optim import build_optimizer
+from ssd_lightning.tables import markdown_table
 
 PRECISIONS = {"bf16": ("bf16-mixed", "bfloat16"), "fp32": ("32-true", "float32")}
 
@@ -156,7 +157,7 @@ def bare_inference(args: argparse.Namespace, precision: str) -> list[float]:
             start = time.perf_counter()
             with _autocast(precision):
                 locs, logits = net(batch["images"])
-            detections = coder.decode(locs.float(), logits.float(), **DEFAULT_DECODER)
+            detections = coder.decode(locs.float(), logits.float())  # the default settings, as the module
             sizes = batch["image_sizes"].float()
             scale = torch.stack([sizes[:, 1], sizes[:, 0], sizes[:, 1], sizes[:, 0]], dim=1)
             _ = [d["boxes"] * scale[k] for k, d in enumerate(detections)]
@@ -228,29 +229,25 @@ def main(argv: list[str] | None = None) -> dict:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, Lightning {pl.__version__}, "
         f"Python {platform.python_version()}"
     )
-    lines = [
-        head,
-        "",
-        "| measurement | Lightning img/s (median) | bare PyTorch img/s (median) | ratio "
-        "| Lightning / bare mean |",
-        "|---|---|---|---|---|",
-    ]
+    table_rows = []
     for row in rows:
         o, b = row["lightning"], row["bare"]
         ratio = o["images_per_second_median"] / b["images_per_second_median"]
         mean_ratio = o["images_per_second_mean"] / b["images_per_second_mean"]
         row["ratio"] = ratio
-        lines.append(
-            f"| {row['name']} | {o['images_per_second_median']:.2f} | {b['images_per_second_median']:.2f} | "
-            f"{ratio:.3f} | {mean_ratio:.3f} |"
-        )
+        table_rows.append([
+            row["name"], f"{o['images_per_second_median']:.2f}", f"{b['images_per_second_median']:.2f}",
+            f"{ratio:.3f}", f"{mean_ratio:.3f}",
+        ])  # fmt: skip
+    columns = ["measurement", "Lightning img/s (median)", "bare PyTorch img/s (median)", "ratio"]
+    lines = [head, "", markdown_table([*columns, "Lightning / bare mean"], table_rows)]
     if variants:
         base = rows[0]["lightning"]["images_per_second_median"]
-        lines += ["", f"| Lightning training | img/s (median) | vs training {p} |", "|---|---|---|"]
-        lines.append(f"| training {p} | {base:.2f} | 1.000 |")
+        table = [[f"training {p}", f"{base:.2f}", "1.000"]]
         for v in variants:
             m = v["lightning"]["images_per_second_median"]
-            lines.append(f"| {v['name']} | {m:.2f} | {m / base:.3f} |")
+            table.append([v["name"], f"{m:.2f}", f"{m / base:.3f}"])
+        lines += ["", markdown_table(["Lightning training", "img/s (median)", f"vs training {p}"], table)]
     print("\n".join(lines), flush=True)
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},

@@ -1,0 +1,58 @@
+"""Every measurement harness in benchmarks/ starts: ``--help`` exits 0 with its usage line, from anywhere."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+# --help runs no DALI pipeline: not repeated per DALI line
+pytestmark = pytest.mark.no_dali
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+HARNESSES = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+# what docs/benchmarks.md and the harnesses' own docstrings name: none may go missing unnoticed
+EXPECTED = {
+    "benchmark_decoder.py",
+    "benchmark_eval.py",
+    "benchmark_finetune.py",
+    "benchmark_loader.py",
+    "benchmark_onnx.py",
+    "benchmark_startup.py",
+    "benchmark_training.py",
+    "gpu_benchmark.py",
+    "make_coco_scale_fixture.py",
+    "stress_tests.py",
+}
+
+
+def test_the_harnesses_live_in_benchmarks_and_not_in_scripts():
+    assert set(HARNESSES) == EXPECTED
+    assert not {p.name for p in (REPO_ROOT / "scripts").glob("*")} & (EXPECTED | {"gpu_benchmark.sh"})
+
+
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_harness_help(harness: str, tmp_path):
+    # from another directory: a harness finds the package (installed) and the repository files it reads
+    # (tests/reference_ssd.py, scripts/export_onnx.py, configs/) from its own location, not the cwd
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / harness), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"usage: {harness} "), proc.stdout[:300]
+    assert "Traceback" not in proc.stderr
+
+
+def test_files_the_harnesses_read_by_path_exist():
+    """benchmark_decoder.py imports tests/reference_ssd.py, benchmark_onnx.py loads scripts/export_onnx.py."""
+    assert (REPO_ROOT / "tests" / "reference_ssd.py").is_file()
+    source = (BENCHMARKS / "benchmark_onnx.py").read_text()
+    assert 'EXPORT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_onnx.py"' in source
+    assert (REPO_ROOT / "scripts" / "export_onnx.py").is_file()

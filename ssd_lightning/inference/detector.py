@@ -11,17 +11,16 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
 from ssd_lightning.io.weights import read_checkpoint, read_nvidia_state_dict
 from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco, nvidia_state_dict, ssd300
 from ssd_lightning.models.boxes import scale_to_pixels
-
-if TYPE_CHECKING:  # imported where used: ssd_lightning.data's __init__ imports Lightning datamodules
-    from ssd_lightning.data.categories import CategoryMap
 
 __all__ = ["Detector", "load_detector", "load_nvidia_checkpoint"]
 
@@ -125,8 +124,6 @@ class Detector:
 
 # ------------------------------------------------------------------------------------------ loading
 def _numbered(num_classes: int) -> CategoryMap:
-    from ssd_lightning.data.categories import CategoryMap
-
     return CategoryMap.from_names([f"class_{k}" for k in range(1, num_classes)])
 
 
@@ -154,8 +151,6 @@ def _load_run_config(config_path: Path):
 def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
     """Names and category ids from the run's annotation file; ``class_<k>`` if it is not readable."""
     from omegaconf import OmegaConf
-
-    from ssd_lightning.data.categories import CategoryMap
 
     candidates = []
     for key, default_rel in (
@@ -244,9 +239,6 @@ def _onnx_providers(device: str | torch.device) -> list[str]:
 def _from_onnx(path: Path, decoder: Mapping | None, device: str | torch.device) -> Detector:
     import onnxruntime as ort
 
-    from ssd_lightning.data.categories import CategoryMap
-    from ssd_lightning.inference.export import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
-
     if not path.is_file():
         raise FileNotFoundError(f"onnx={path} does not exist")
     session = ort.InferenceSession(str(path), providers=_onnx_providers(device))
@@ -332,8 +324,6 @@ def load_detector(
                 trust_checkpoint=trust_checkpoint,
             )
         )
-        from ssd_lightning.data.categories import CategoryMap
-
         coco = CategoryMap.coco()
         categories = coco if num_classes == coco.num_classes else _numbered(num_classes)
         saved: Mapping = {}

@@ -20,21 +20,25 @@ How the ONNX ``NonMaxSuppression`` operator is made to follow the decoder's rule
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ssd_lightning.inference.detector import Detector
+from ssd_lightning.inference.onnx_format import (
+    END_TO_END_OUTPUTS,
+    METADATA_KEYS,
+    NETWORK_OUTPUTS,
+    metadata_entry,
+    read_metadata,
+)
 from ssd_lightning.models.boxes import BoxCoder, DecoderSettings, _batched_greedy_nms, _topk_rows
-
-if TYPE_CHECKING:
-    from ssd_lightning.inference.detector import Detector
 
 __all__ = [
     "END_TO_END_OUTPUTS",
@@ -50,15 +54,6 @@ __all__ = [
     "read_metadata",
     "select_detections",
 ]
-
-#: Output names of the network-only graph, in order.
-NETWORK_OUTPUTS: tuple[str, ...] = ("locs", "logits")
-
-#: Output names of the end-to-end graph, in order.
-END_TO_END_OUTPUTS: tuple[str, ...] = ("boxes", "scores", "labels", "num_detections")
-#: Metadata entries (JSON strings) written by :func:`export_end_to_end`.
-METADATA_KEYS: tuple[str, ...] = ("class_names", "category_ids", "decoder", "image_size")
-_METADATA_PREFIX = "ssd_lightning."
 
 
 class _ClasswiseNMS(torch.autograd.Function):
@@ -237,7 +232,7 @@ def export_end_to_end(
     entries = {**dict(metadata or {}), "decoder": dict(model.decoder_settings), "image_size": image_size}
     for key, value in entries.items():
         prop = proto.metadata_props.add()
-        prop.key, prop.value = _METADATA_PREFIX + key, json.dumps(value)
+        prop.key, prop.value = metadata_entry(key, value)
     onnx.checker.check_model(proto)
     onnx.save(proto, str(output))
     return output
@@ -378,13 +373,3 @@ def compare_with_decoder(
         )  # fmt: skip
         for i, ref in enumerate(reference)
     )
-
-
-def read_metadata(custom_metadata: Mapping[str, str]) -> dict[str, Any]:
-    """Decode the entries written by :func:`export_end_to_end` from an ``onnxruntime`` session's
-    ``get_modelmeta().custom_metadata_map`` (or the file's ``metadata_props`` as a dict)."""
-    return {
-        key[len(_METADATA_PREFIX) :]: json.loads(value)
-        for key, value in custom_metadata.items()
-        if key.startswith(_METADATA_PREFIX)
-    }

@@ -5,7 +5,7 @@
 Three ways to get detections from the same weights and the same input batch:
 
 * ``PyTorch``: ``net(images)`` + ``BoxCoder.decode`` (fp32, ``torch.inference_mode``);
-* ``onnxruntime, network only``: the ``scripts/export_onnx.py`` graph + ``BoxCoder.decode`` in PyTorch;
+* ``onnxruntime, network only``: the network-only export (``scripts/export_onnx.py``) + ``BoxCoder.decode``;
 * ``onnxruntime, end-to-end``: the ``end_to_end=true`` graph (decoding and NMS inside).
 
 Weights are random (``ssd300(backbone=..., num_classes=...)``, seed 0, BatchNorm statistics measured on
@@ -33,16 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ssd_lightning.inference.export import EndToEndSSD, detection_difference, export_end_to_end
+from ssd_lightning.inference.export import (
+    EndToEndSSD,
+    detection_difference,
+    export_end_to_end,
+    export_network,
+)
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
 from ssd_lightning.tables import markdown_row, markdown_rule
-
-EXPORT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_onnx.py"  # network-only export
 
 
 def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     if args.ckpt_path or args.nvidia_checkpoint:
-        from ssd_lightning.inference.predict import load_detector
+        from ssd_lightning.inference.detector import load_detector
 
         detector = load_detector(
             args.ckpt_path,
@@ -50,7 +53,7 @@ def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
             backbone=args.backbone,
             num_classes=args.num_classes,
         )
-        return detector.net, detector.decoder
+        return detector.net, dict(detector.settings)
     torch.manual_seed(0)
     net = ssd300(backbone=args.backbone, num_classes=args.num_classes, weights_backbone=None)
     _set_batchnorm_statistics(net, torch.randn(8, 3, 300, 300))
@@ -69,15 +72,6 @@ def _set_batchnorm_statistics(net: torch.nn.Module, images: torch.Tensor) -> Non
     net.train()
     net(images)
     net.eval()
-
-
-def _export_network(net: torch.nn.Module, path: Path) -> Path:
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("export_onnx", EXPORT_SCRIPT)
-    script = module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.export_onnx(net, path)
 
 
 def _session(path: Path, threads: int):
@@ -119,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = model.decoder_settings
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        network_only = _session(_export_network(net, Path(tmp) / "net.onnx"), args.threads)
+        network_only = _session(export_network(net, Path(tmp) / "net.onnx"), args.threads)
         end_to_end = _session(export_end_to_end(model, Path(tmp) / "e2e.onnx"), args.threads)
 
     def pytorch(images: torch.Tensor):

@@ -40,7 +40,7 @@ _CHUNK = 20_000  # annotations encoded per json.dumps call (bounds the generator
 
 def coco_categories() -> list[dict]:
     """COCO 2017's category list (ids 1..90 with gaps), as in instances_val2017.json."""
-    from ssd_lightning.inference.predict import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
+    from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
 
     cats = []
     for cid, name in zip(COCO_CATEGORY_IDS, COCO_CLASS_NAMES[1:], strict=True):

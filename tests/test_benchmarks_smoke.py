@@ -37,7 +37,7 @@ def test_the_harnesses_live_in_benchmarks_and_not_in_scripts():
 @pytest.mark.parametrize("harness", HARNESSES)
 def test_harness_help(harness: str, tmp_path):
     # from another directory: a harness finds the package (installed) and the repository files it reads
-    # (tests/reference_ssd.py, scripts/export_onnx.py, configs/) from its own location, not the cwd
+    # (tests/reference_ssd.py, configs/) from its own location, not the cwd
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / harness), "--help"],
         cwd=tmp_path,
@@ -51,8 +51,6 @@ def test_harness_help(harness: str, tmp_path):
 
 
 def test_files_the_harnesses_read_by_path_exist():
-    """benchmark_decoder.py imports tests/reference_ssd.py, benchmark_onnx.py loads scripts/export_onnx.py."""
+    """benchmark_decoder.py imports tests/reference_ssd.py by path (sys.path)."""
     assert (REPO_ROOT / "tests" / "reference_ssd.py").is_file()
-    source = (BENCHMARKS / "benchmark_onnx.py").read_text()
-    assert 'EXPORT_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_onnx.py"' in source
-    assert (REPO_ROOT / "scripts" / "export_onnx.py").is_file()
+    assert 'parents[1] / "tests"' in (BENCHMARKS / "benchmark_decoder.py").read_text()

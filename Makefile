@@ -39,7 +39,7 @@ lint: setup  ## ruff; hadolint (Dockerfile) and shellcheck (shell scripts) come 
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint Dockerfile
-	$(VENV)/bin/shellcheck scripts/*.sh scripts/slurm/*.sbatch .ci/run
+	$(VENV)/bin/shellcheck scripts/*.sh scripts/slurm/*.sbatch benchmarks/*.sh .ci/run
 
 format: setup
 	$(PY) -m ruff format .

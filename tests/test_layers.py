@@ -106,3 +106,32 @@ def test_nothing_in_the_package_imports_an_entry_point():
                 assert not {a.name for a in node.names} & {"train", "predict"}, path
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert node.module not in ("train", "predict"), path
+
+
+def _module_map() -> set[str]:
+    """Paths named in docs/architecture.md's module map (folders by indentation, two spaces a level)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    paths, folders = set(), []
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if not name:
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        paths.add("/".join([*folders, name.rstrip("/")]))
+    return paths
+
+
+def test_the_module_map_names_every_module_and_nothing_else():
+    named = {p for p in _module_map() if p.endswith(".py")}
+    tree = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "ssd_lightning").rglob("*.py")
+        if p.name != "__init__.py" and "__pycache__" not in p.parts
+    }
+    tree |= {"train.py", "predict.py"}
+    assert not tree - named, f"modules missing from docs/architecture.md's module map: {sorted(tree - named)}"
+    assert not named - tree, f"the module map names files that do not exist: {sorted(named - tree)}"

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from ssd_lightning import compat
 from ssd_lightning.errors import ConfigError
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
@@ -99,7 +100,7 @@ def param_groups(
     SSD300 recipe is ``weight_decay=5e-4`` with 0 on BatchNorm and biases. Frozen parameters are left out.
     Empty groups are dropped.
     """
-    norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+    norm_types = (compat.norm_base_class(), nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
     decays = {
         "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
         "bias": weight_decay if bias_weight_decay is None else bias_weight_decay,

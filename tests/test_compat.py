@@ -333,15 +333,6 @@ FOREIGN_PACKAGES = (
 )
 
 
-# Uses whose compat accessor exists, in files another change rewrites (compat.is_compiled_in_place,
-# compat.job_return_value, compat.norm_base_class); delete each entry with its replacement.
-PENDING = {
-    ("ssd_lightning/callbacks/throughput.py", "getattr('_compiled_call_impl')"),
-    ("ssd_lightning/cli/sweep_summary.py", "._return_value"),
-    ("ssd_lightning/optim.py", "._NormBase"),
-}
-
-
 def _is_private(name: str) -> bool:
     return (
         name.startswith("_")
@@ -424,7 +415,6 @@ def test_no_private_attribute_of_another_library_outside_compat():
     assert {"_signal_connector", "_batches_that_stepped", "_storage_Use_Count", "_return_value"} <= foreign
     own = _own_private_names(trees, foreign)
     found = [v for path, tree in trees.items() for v in _violations(path, tree, own)]
-    found = [v for v in found if (v[0], v[2]) not in PENDING]
     assert found == [], "private attributes of Lightning/Hydra/torch belong in ssd_lightning/compat.py"
 
 

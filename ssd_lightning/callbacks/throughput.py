@@ -42,6 +42,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
+from ssd_lightning import compat
 from ssd_lightning.io.atomic import atomic_write
 from ssd_lightning.tables import markdown_table
 
@@ -498,7 +499,7 @@ class ThroughputBenchmark(pl.Callback):
 
 def _is_compiled(module: torch.nn.Module) -> bool:
     """Compiled in place (``module.compile()``) or wrapped (``torch.compile(module)``)."""
-    in_place = getattr(module, "_compiled_call_impl", None) is not None
+    in_place = compat.is_compiled_in_place(module)
     return in_place or type(module).__name__ == "OptimizedModule"
 
 

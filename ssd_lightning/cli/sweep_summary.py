@@ -24,6 +24,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ssd_lightning import compat
 from ssd_lightning.io.atomic import atomic_write_text
 from ssd_lightning.metrics_csv import read_last_metrics  # re-exported: the sweep's metric reader
 from ssd_lightning.tables import markdown_table
@@ -199,7 +200,7 @@ class SweepSummary(Callback):
             if optimized and returned is not None:
                 metrics[optimized] = returned  # what train() returned is the reference value
         else:
-            exc = job_return._return_value  # the property re-raises for failed jobs
+            exc = compat.job_return_value(job_return)  # the property re-raises for failed jobs
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         record = {
             "num": int(hydra_cfg.job.num),

@@ -204,29 +204,10 @@ def write_coco_results_json(file: str | os.PathLike | IO[str], array: np.ndarray
         file.write(text)
 
 
-def to_coco_results(
-    image_ids: Sequence[int] | torch.Tensor | np.ndarray,
-    boxes: Sequence[torch.Tensor | np.ndarray],
-    scores: Sequence[torch.Tensor | np.ndarray],
-    labels: Sequence[torch.Tensor | np.ndarray],
-    category_map: _LabelMapper,
-    *,
-    box_decimals: int = 3,
-    score_decimals: int = 5,
-) -> list[dict[str, Any]]:
-    """Same as :func:`to_coco_array` but returns the COCO results list
+def to_coco_results(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`to_coco_array` (same arguments) as the COCO results list
     ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}, ...]`` (pixels, top-left corner)."""
-    return coco_array_to_results(
-        to_coco_array(
-            image_ids,
-            boxes,
-            scores,
-            labels,
-            category_map,
-            box_decimals=box_decimals,
-            score_decimals=score_decimals,
-        )
-    )
+    return coco_array_to_results(to_coco_array(*args, **kwargs))
 
 
 def detections_to_coco_array(

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import TRAIN_PY, ProcessGroup, last_checkpoint, metric_by_epoch, metric_by_step
 from tests.test_resume import COMMON as RESUME_COMMON
-from tests.test_resume import _ckpt, _per_epoch, _per_step
 from tests.test_resume import _run as run_with_resume_settings
 
 # synthetic batches only: nothing here depends on the DALI line
@@ -60,23 +57,23 @@ def test_sigterm_saves_the_step_and_resuming_gives_the_uninterrupted_run(kill_st
     with pytest.raises(SystemExit) as info:
         _run(killed, *_signal_at(kill_step, signal.SIGTERM))
     assert info.value.code == 143
-    saved = _ckpt(killed)
+    saved = last_checkpoint(killed)
     assert saved["global_step"] == kill_step  # the step in flight finished; nothing after it ran
 
     _run(resumed, f"ckpt_path={killed / 'checkpoints' / 'last.ckpt'}")
-    expected_loss = _per_step(straight, "train/loss_step")
-    got_loss = {**_per_step(killed, "train/loss_step"), **_per_step(resumed, "train/loss_step")}
+    expected_loss = metric_by_step(straight, "train/loss_step")
+    got_loss = {**metric_by_step(killed, "train/loss_step"), **metric_by_step(resumed, "train/loss_step")}
     assert sorted(got_loss) == list(range(TOTAL))
     for step in range(TOTAL):  # same batches, same LR, same optimizer state at every step
         assert got_loss[step] == pytest.approx(expected_loss[step], rel=1e-5, abs=1e-6), step
     # the epoch's running mean went into last.ckpt: the resumed epoch averages all its batches, not only
     # those after the resume
-    expected_mean = _per_epoch(straight, "train/loss_epoch")
-    got_mean = {**_per_epoch(killed, "train/loss_epoch"), **_per_epoch(resumed, "train/loss_epoch")}
+    expected_mean = metric_by_epoch(straight, "train/loss_epoch")
+    got_mean = {**metric_by_epoch(killed, "train/loss_epoch"), **metric_by_epoch(resumed, "train/loss_epoch")}
     assert sorted(got_mean) == sorted(expected_mean) == [0, 1]
     for epoch, value in expected_mean.items():
         assert got_mean[epoch] == pytest.approx(value, rel=1e-5), epoch
-    a, b = _ckpt(straight), _ckpt(resumed)
+    a, b = last_checkpoint(straight), last_checkpoint(resumed)
     assert a["global_step"] == b["global_step"] == TOTAL
     for key, value in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -88,7 +85,7 @@ def test_first_ctrl_c_saves_and_exits_130(tmp_path):
     with pytest.raises(SystemExit) as info:
         _run(tmp_path, *_signal_at(2, signal.SIGINT))
     assert info.value.code == 130
-    assert _ckpt(tmp_path)["global_step"] == 2
+    assert last_checkpoint(tmp_path)["global_step"] == 2
     # the handler is gone after the run: Ctrl-C is Python's again
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -98,32 +95,22 @@ def test_first_ctrl_c_saves_and_exits_130(tmp_path):
 def test_cli_sigterm_from_outside(tmp_path):
     """`kill <pid>` on `python train.py`: one message, exit 143, a last.ckpt to resume from."""
     marks = tmp_path / "marks"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            *COMMON,
-            "data.steps_per_epoch=1000",
-            f"paths.output_dir={tmp_path / 'run'}",
-            "+callbacks.marks._target_=tests.fault_injection.TouchEachStep",
-            f"+callbacks.marks.directory={marks}",
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while not (marks / "step_2").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, stderr
+    argv = [
+        sys.executable,
+        TRAIN_PY,
+        *COMMON,
+        "data.steps_per_epoch=1000",
+        f"paths.output_dir={tmp_path / 'run'}",
+        "+callbacks.marks._target_=tests.fault_injection.TouchEachStep",
+        f"+callbacks.marks.directory={marks}",
+    ]
+    with ProcessGroup(argv, merge_stderr=False) as run:
+        run.wait_for(marks / "step_2", timeout=240)
+        run.signal(signal.SIGTERM)
+        result = run.finish(timeout=120)
+    stdout, stderr = result.stdout, result.stderr
+    assert result.returncode == 143, stderr
     assert "Traceback" not in stderr
     assert "SIGTERM: stopped at epoch 0" in stdout and "ckpt_path=" in stdout  # Hydra logs to stdout
-    saved = _ckpt(tmp_path / "run")
+    saved = last_checkpoint(tmp_path / "run")
     assert 2 <= saved["global_step"] < 1000

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ssd_lightning.cli.train import train
-from tests.helpers import last_checkpoint, metric_by_epoch, metric_by_step, train_config
+from tests.helpers import last_checkpoint, metric_by_step, train_config
 
 # synthetic batches only: nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali
@@ -51,10 +51,6 @@ COMMON = [
 def _run(out_dir: Path, *extra: str, common: list[str] = COMMON) -> dict[str, float]:
     """``train()`` on ``common`` + ``extra`` overrides, writing into ``out_dir``."""
     return train(train_config([*common, *extra], output_dir=out_dir))
-
-
-# the names tests/test_interrupt.py imports from here
-_ckpt, _per_step, _per_epoch = last_checkpoint, metric_by_step, metric_by_epoch
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,17 @@ initialisation. The end-to-end tests go through ``train(cfg)`` and read the modu
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 
 from ssd_lightning.cli.train import train
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.weights import CheckpointNotFoundError, init_from_checkpoint
 from ssd_lightning.models import mobilenet_v2, ssd300
-from tests.conftest import compose_config
+from tests.helpers import compose_config, last_checkpoint, load_checkpoint, train_config
 
 HEAD_KEYS = {f"conf.{i}.{p}" for i in range(6) for p in ("weight", "bias")}
 
@@ -174,51 +171,41 @@ SSD_RUN = [
 ]
 
 
-def _train(out_dir: Path, *overrides: str) -> dict[str, float]:
-    cfg = compose_config([f"paths.output_dir={out_dir}", *overrides])
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return train(cfg)
-
-
 def _net(state: dict[str, torch.Tensor], prefix: str = "net.") -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.slow
 def test_fit_starts_from_the_file_and_a_resume_ignores_it(tmp_path):
     WeightsAtTrainStart.seen.clear()
     # 1. a real checkpoint of this project: 5 classes, one step
-    _train(tmp_path / "source", *SSD_RUN, "model.net.num_classes=5", "trainer.max_epochs=1")
+    source_run = [*SSD_RUN, "model.net.num_classes=5", "trainer.max_epochs=1"]
+    train(train_config(source_run, output_dir=tmp_path / "source"))
     source_file = tmp_path / "source" / "checkpoints" / "last.ckpt"
-    source = _net(_load(source_file)["state_dict"])
+    source = _net(load_checkpoint(source_file)["state_dict"])
 
     # 2. fine-tune it on 3 classes: the first step starts from the file's weights, heads re-initialised
     finetune = tmp_path / "finetune"
     init = [*SSD_RUN, "model.net.num_classes=3", f"model.init_from={source_file}", PROBE]
-    _train(finetune, *init, "trainer.max_epochs=1")
+    train(train_config([*init, "trainer.max_epochs=1"], output_dir=finetune))
     at_start = _net(WeightsAtTrainStart.seen[-1])
     for key, value in at_start.items():
         if key in HEAD_KEYS:
             assert value.shape[0] == source[key].shape[0] // 5 * 3, key
         else:
             assert torch.equal(value, source[key]), key
-    saved = _load(finetune / "checkpoints" / "last.ckpt")
+    saved = last_checkpoint(finetune)
     assert saved["epoch"] == 0 and saved["global_step"] == 1  # no epoch/step state taken from the file
     assert saved["hyper_parameters"]["init_from"] == str(source_file)
 
     # 3. resume the fine-tuning run with the init file gone: the checkpoint's weights, not the file's
     source_file.unlink()
-    _train(finetune, *init, "trainer.max_epochs=2", f"ckpt_path={finetune / 'checkpoints' / 'last.ckpt'}")
+    resume = f"ckpt_path={finetune / 'checkpoints' / 'last.ckpt'}"
+    train(train_config([*init, "trainer.max_epochs=2", resume], output_dir=finetune))
     resumed = _net(WeightsAtTrainStart.seen[-1])
     for key, value in _net(saved["state_dict"]).items():
         assert torch.equal(resumed[key], value), key
-    assert _load(finetune / "checkpoints" / "last.ckpt")["global_step"] == 2
+    assert last_checkpoint(finetune)["global_step"] == 2
 
 
 def test_classifier_fit_starts_from_a_state_dict_and_ema_follows(tmp_path):
@@ -226,8 +213,7 @@ def test_classifier_fit_starts_from_a_state_dict_and_ema_follows(tmp_path):
     source = _randomised(mobilenet_v2(width_mult=0.25, num_classes=10), seed=5)
     path = tmp_path / "imagenet_like.pth"
     torch.save({f"module.{k}": v for k, v in source.state_dict().items()}, path)  # a DDP state dict
-    _train(
-        tmp_path / "run",
+    overrides = [
         "data=synthetic_cls",
         "model=mobilenetv2",
         "callbacks=classification",
@@ -247,7 +233,8 @@ def test_classifier_fit_starts_from_a_state_dict_and_ema_follows(tmp_path):
         "logger=csv",
         "seed=0",
         PROBE,
-    )
+    ]
+    train(train_config(overrides, output_dir=tmp_path / "run"))
     at_start = WeightsAtTrainStart.seen[-1]
     net, ema = _net(at_start), _net(at_start, "ema.module.")
     for key, value in source.state_dict().items():

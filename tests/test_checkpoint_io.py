@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import errno
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -16,7 +14,7 @@ import torch
 from ssd_lightning.cli.train import train
 from ssd_lightning.errors import CheckpointWriteError
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
-from tests.conftest import REPO_ROOT
+from tests.helpers import ProcessGroup, last_checkpoint, load_checkpoint
 
 
 def _state(value: float) -> dict:
@@ -74,18 +72,15 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         io.save_checkpoint({{"w": torch.zeros(256, 256)}}, {str(path)!r})
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "writing"
+    with ProcessGroup([sys.executable, "-c", script], merge_stderr=False) as run:
+        assert run.proc.stdout.readline().strip() == "writing"
         time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-    loaded = torch.load(path, weights_only=True)
+        run.signal(signal.SIGKILL)
+        run.finish(timeout=30)
+    loaded = load_checkpoint(path)
     assert torch.equal(loaded["w"], torch.ones(256, 256))
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "last.ckpt"]
-    assert leftovers == [f".last.ckpt.{proc.pid}.tmp"]  # only a kill -9 leaves this, never a .ckpt
+    assert leftovers == [f".last.ckpt.{run.proc.pid}.tmp"]  # only a kill -9 leaves this, never a .ckpt
 
 
 @pytest.mark.slow
@@ -122,5 +117,5 @@ def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path,
         train(cfg)
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch_0.ckpt", "last.ckpt"]
-    saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = last_checkpoint(tmp_path)
     assert saved["epoch"] == 0 and saved["global_step"] == 2

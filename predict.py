@@ -15,7 +15,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ssd_lightning.inference.detector import load_detector
+from ssd_lightning.inference.detector import load_detector_from_settings
 from ssd_lightning.inference.predict import collect_inputs, predict_images
 
 log = logging.getLogger("predict")
@@ -23,17 +23,7 @@ log = logging.getLogger("predict")
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    detector = load_detector(
-        cfg.ckpt_path,
-        nvidia_checkpoint=cfg.nvidia_checkpoint,
-        onnx=cfg.onnx,
-        run_config=cfg.run_config,
-        backbone=cfg.backbone,
-        num_classes=cfg.num_classes,
-        decoder=OmegaConf.to_container(cfg.decoder),
-        device=cfg.device,
-        trust_checkpoint=cfg.trust_checkpoint,
-    )
+    detector = load_detector_from_settings(OmegaConf.to_container(cfg))
     inputs = collect_inputs(cfg.input)
     log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
     results, failures = predict_images(

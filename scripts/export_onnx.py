@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.decoder and not cfg.end_to_end:
         print("decoder.* settings are part of end_to_end=true exports only", file=sys.stderr)
         return 2
-    from ssd_lightning.inference.detector import load_detector
+    from ssd_lightning.inference.detector import load_detector_from_settings
     from ssd_lightning.inference.export import compare_with_decoder, export_detector, network_difference
     from ssd_lightning.models import DecoderSettings
 
@@ -62,15 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown decoder key(s) {unknown}; accepted: {sorted(DecoderSettings())}", file=sys.stderr)
         return 2
-    detector = load_detector(
-        cfg.ckpt_path,
-        nvidia_checkpoint=cfg.nvidia_checkpoint,
-        run_config=cfg.run_config,
-        backbone=cfg.backbone,
-        num_classes=cfg.num_classes,
-        trust_checkpoint=cfg.trust_checkpoint,
-        decoder=OmegaConf.to_container(cfg.decoder),
-    )
+    detector = load_detector_from_settings(OmegaConf.to_container(cfg))
     path, model = export_detector(detector, cfg.output, end_to_end=cfg.end_to_end, opset=cfg.opset)
     size = f"{path.stat().st_size / 2**20:.1f} MiB"
     if not cfg.end_to_end:

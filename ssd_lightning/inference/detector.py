@@ -6,6 +6,7 @@ images, with :meth:`ssd_lightning.models.BoxCoder.detect` (the decode of validat
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ from ssd_lightning.io.weights import read_checkpoint, read_nvidia_state_dict
 from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco, nvidia_state_dict, ssd300
 from ssd_lightning.models.boxes import scale_to_pixels
 
-__all__ = ["Detector", "load_detector", "load_nvidia_checkpoint"]
+__all__ = ["Detector", "load_detector", "load_detector_from_settings", "load_nvidia_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -333,3 +334,10 @@ def load_detector(
         source = str(ckpt_path)
     settings = DecoderSettings.from_mapping(decoder, base=DecoderSettings.from_mapping(saved))
     return Detector(categories=categories, settings=settings, net=net.eval().to(device), source=source)
+
+
+def load_detector_from_settings(settings: Mapping[str, Any]) -> Detector:
+    """:func:`load_detector` called with the keys of ``settings`` it takes (``configs/predict.yaml``, the
+    export command's keys); other keys (``input``, ``output``, ...) are left out."""
+    names = inspect.signature(load_detector).parameters
+    return load_detector(**{key: value for key, value in settings.items() if key in names})

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
-
-
-def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
-    )
+from tests.helpers import run_script, run_train_py
 
 
 def test_cfg_job_prints_the_composed_config():
-    result = _run("experiment=ssd300_fp16_8gpu", "--cfg", "job")
+    result = run_train_py("experiment=ssd300_fp16_8gpu", "--cfg", "job", timeout=600)
     assert result.returncode == 0, result.stderr
     cfg = yaml.safe_load(result.stdout)
     assert cfg["trainer"]["devices"] == 8 and cfg["trainer"]["precision"] == "16-mixed"
@@ -35,14 +26,14 @@ def test_composing_a_config_loads_neither_torch_nor_lightning():
         "heavy = sorted(m for m in ('torch', 'pytorch_lightning', 'nvidia.dali') if m in sys.modules)\n"
         "print('HEAVY', heavy)"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = run_script("-c", code)
     assert result.returncode == 0, result.stderr
     assert "task_name: demo" in result.stdout
     assert result.stdout.strip().endswith("HEAVY []"), result.stdout[-500:]
 
 
 def test_unknown_experiment_fails_with_the_accepted_names():
-    result = _run("experiment=ssd300_fp17")
+    result = run_train_py("experiment=ssd300_fp17", timeout=600)
     assert result.returncode == 1  # Hydra's composition error (README: 1 for anything but our config checks)
     assert "ssd300_fp16_8gpu" in result.stderr  # Hydra lists the available options
 
@@ -51,12 +42,13 @@ def test_unknown_experiment_fails_with_the_accepted_names():
 @pytest.mark.slow
 def test_demo_run_writes_the_documented_run_directory(shapes_coco, tmp_path):
     run_dir = tmp_path / "run"
-    result = _run(
+    result = run_train_py(
         "experiment=demo",
         "debug=fast",
         f"data.root={shapes_coco}",
         "data.batch_size=4",
         f"hydra.run.dir={run_dir}",
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for path in (

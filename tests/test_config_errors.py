@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from ssd_lightning.cli.config_checks import validate_config
 from ssd_lightning.errors import ConfigError
-from tests.conftest import REPO_ROOT
+from tests.helpers import run_train_py
 
 
 @pytest.mark.parametrize(
@@ -95,12 +93,6 @@ def test_fp16_on_a_cpu_is_a_warning_not_an_error(make_cfg):
 # -- the command line, as a user sees it ------------------------------------------------------------------
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "exit_code", "expected"),
@@ -119,7 +111,7 @@ def test_cli_prints_one_message_and_fails(args, exit_code, expected, tmp_path):
 
         if torch.cuda.device_count() >= 8:
             pytest.skip("this machine has 8 GPUs")
-    result = _train(*args, f"paths.output_dir={tmp_path}")
+    result = run_train_py(*args, f"paths.output_dir={tmp_path}")
     assert result.returncode == exit_code, result.stderr
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
@@ -130,7 +122,7 @@ def test_cli_prints_one_message_and_fails(args, exit_code, expected, tmp_path):
 def test_cli_incomplete_demo_dataset_is_one_line(tmp_path):
     """A left-over, incomplete data/shapes (an interrupted generation): one Error line saying to delete it."""
     (tmp_path / "data" / "shapes" / "train2017").mkdir(parents=True)
-    result = _train(
+    result = run_train_py(
         "experiment=demo", f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'o'}"
     )
     assert result.returncode == 1, result.stderr
@@ -143,7 +135,7 @@ def test_cli_incomplete_demo_dataset_is_one_line(tmp_path):
 def test_cli_read_only_output_dir_fails_before_training(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    result = _train(
+    result = run_train_py(
         "experiment=demo", f"paths.output_dir={blocker}/run", "hydra.run.dir=" + str(tmp_path / "h")
     )
     assert result.returncode == 1, result.stderr
@@ -154,7 +146,7 @@ def test_cli_read_only_output_dir_fails_before_training(tmp_path):
 @pytest.mark.slow
 def test_cli_batch_larger_than_the_training_split_is_one_line(tmp_path):
     """Fewer training images than one batch per rank: found when the DALI reader opens; one line."""
-    result = _train(
+    result = run_train_py(
         "experiment=demo",
         "data.num_train=12",
         "data.num_val=4",

@@ -23,10 +23,10 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssd_lightning import compat
 from ssd_lightning.errors import user_errors_as_messages
+from tests.helpers import REPO_ROOT
 
 pytestmark = pytest.mark.no_dali
 
-REPO = Path(__file__).resolve().parents[1]
 SUPPORTED_PL = "pytorch-lightning>=2.6,<2.7"
 
 
@@ -342,7 +342,8 @@ def _is_private(name: str) -> bool:
 
 
 def _sources() -> list[Path]:
-    files = sorted((REPO / "ssd_lightning").rglob("*.py")) + [REPO / "train.py", REPO / "predict.py"]
+    files = sorted((REPO_ROOT / "ssd_lightning").rglob("*.py"))
+    files += [REPO_ROOT / "train.py", REPO_ROOT / "predict.py"]
     return [f for f in files if f.name != "compat.py" or f.parent.name != "ssd_lightning"]
 
 
@@ -368,7 +369,7 @@ def _own_private_names(trees: dict[Path, ast.AST], foreign: set[str]) -> set[str
 
 def _compat_foreign_names() -> set[str]:
     """The private names compat.py touches on other libraries' objects."""
-    tree = ast.parse((REPO / "ssd_lightning" / "compat.py").read_text())
+    tree = ast.parse((REPO_ROOT / "ssd_lightning" / "compat.py").read_text())
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _is_private(n.attr)}
     names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     return {n for n in names if re.fullmatch(r"_[A-Za-z]\w*", n) and _is_private(n)}
@@ -379,7 +380,7 @@ def _violations(path: Path, tree: ast.AST, own: set[str]) -> list[tuple[str, int
     found = []
 
     def flag(node: ast.AST, what: str) -> None:
-        found.append((str(path.relative_to(REPO)), node.lineno, what))
+        found.append((str(path.relative_to(REPO_ROOT)), node.lineno, what))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
@@ -434,6 +435,6 @@ def test_no_private_attribute_of_another_library_outside_compat():
 def test_the_scan_catches_private_uses(code, tmp_path):
     trees = {path: ast.parse(path.read_text(), str(path)) for path in _sources()}
     own = _own_private_names(trees, _compat_foreign_names())
-    path = REPO / "ssd_lightning" / "example.py"  # never written: the scan reads the tree only
+    path = REPO_ROOT / "ssd_lightning" / "example.py"  # never written: the scan reads the tree only
     assert _violations(path, ast.parse(code), own), code
     assert not _violations(path, ast.parse("self._x = 1; cfg._target_ = 'a.b'; y = obj.__class__"), own)

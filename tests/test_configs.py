@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf, open_dict
 
 from ssd_lightning.cli.train import instantiate_group, validate_config
-from tests.conftest import CONFIG_DIR, compose_config
+from tests.helpers import CONFIG_DIR, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
 EXPERIMENTS_AND_BASES = sorted(

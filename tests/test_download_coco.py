@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ssd_lightning.data.coco_validation import check_coco_split
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "download_coco.sh"
 # archive -> (URL path under the base URL, directory of the dataset it holds)

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_config
+from tests.helpers import REPO_ROOT, compose_config
 
 # the benchmark experiments run on synthetic data: nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_benchmark.sh"
 
 

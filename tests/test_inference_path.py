@@ -4,8 +4,6 @@ predict without Lightning, models importing nothing of the package outside model
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,12 +13,12 @@ import yaml
 from ssd_lightning.evaluation import coco_array_to_results, to_coco_array
 from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco
 from ssd_lightning.models._loading import check_state_dict, load_state_dict_strict
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_script
 
 
 def test_predict_imports_no_lightning():
     code = "import ssd_lightning.inference.predict, sys; assert 'pytorch_lightning' not in sys.modules"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    result = run_script("-c", code)
     assert result.returncode == 0, result.stderr[-2000:]
 
 

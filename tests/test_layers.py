@@ -13,9 +13,9 @@ from pathlib import Path
 import grimp
 import pytest
 
-pytestmark = pytest.mark.no_dali
+from tests.helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.no_dali
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -93,13 +93,13 @@ def _package_imports(path: Path) -> set[str]:
     ("entry_point", "layer"), [("train.py", "ssd_lightning.cli"), ("predict.py", "ssd_lightning.inference")]
 )
 def test_entry_points_import_only_their_layer(entry_point, layer):
-    imported = _package_imports(REPO / entry_point)
+    imported = _package_imports(REPO_ROOT / entry_point)
     assert imported, f"{entry_point} imports nothing of the package"
     assert all(name.startswith(layer) for name in imported), imported
 
 
 def test_nothing_in_the_package_imports_an_entry_point():
-    for path in (REPO / "ssd_lightning").rglob("*.py"):
+    for path in (REPO_ROOT / "ssd_lightning").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -110,7 +110,7 @@ def test_nothing_in_the_package_imports_an_entry_point():
 
 def _module_map() -> set[str]:
     """Paths named in docs/architecture.md's module map (folders by indentation, two spaces a level)."""
-    text = (REPO / "docs" / "architecture.md").read_text()
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text()
     block = text.split("## Module map", 1)[1].split("```", 2)[1]
     paths, folders = set(), []
     for line in block.splitlines():
@@ -128,8 +128,8 @@ def _module_map() -> set[str]:
 def test_the_module_map_names_every_module_and_nothing_else():
     named = {p for p in _module_map() if p.endswith(".py")}
     tree = {
-        str(p.relative_to(REPO))
-        for p in (REPO / "ssd_lightning").rglob("*.py")
+        str(p.relative_to(REPO_ROOT))
+        for p in (REPO_ROOT / "ssd_lightning").rglob("*.py")
         if p.name != "__init__.py" and "__pycache__" not in p.parts
     }
     tree |= {"train.py", "predict.py"}

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 try:
     import tomllib

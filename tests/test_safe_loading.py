@@ -29,7 +29,7 @@ from ssd_lightning.io.weights import (
 from ssd_lightning.models import mobilenet_v2, ssd300
 from ssd_lightning.modules.nets import build_mobilenet_v2
 from ssd_lightning.modules.ssd import SSDLitModule
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 
 class CreatesFile:

@@ -26,9 +26,8 @@ from ssd_lightning.data.shapes import (
     resolve_categories,
 )
 from ssd_lightning.errors import DatasetConflictError
-from tests.conftest import compose_config
+from tests.helpers import REPO_ROOT, compose_config
 
-REPO = Path(__file__).resolve().parents[1]
 VARIANT = ["cross", "hexagon", "arrow"]
 VARIANT_IDS = {24: "cross", 31: "hexagon", 42: "arrow"}
 TINY = {"num_train": 8, "num_val": 4, "seed": 2, "min_size": 64, "max_size": 128}
@@ -185,7 +184,7 @@ def test_datamodule_and_config_pass_the_class_set(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------ benchmark script
 def _script():
-    spec = spec_from_file_location("benchmark_finetune", REPO / "benchmarks" / "benchmark_finetune.py")
+    spec = spec_from_file_location("benchmark_finetune", REPO_ROOT / "benchmarks" / "benchmark_finetune.py")
     module = module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
@@ -205,7 +204,7 @@ def test_script_help_and_dry_run(capsys: pytest.CaptureFixture) -> None:
     assert len(lines) == 3 and all(line.startswith("python train.py experiment=demo ") for line in lines)
     assert "'data.categories=[cross,hexagon,arrow]'" in lines[1]  # quoted for the shell
     assert "model.init_from=o/source/checkpoints/last.ckpt" in lines[1]
-    assert not (REPO / "o").exists()
+    assert not (REPO_ROOT / "o").exists()
 
 
 def test_script_runs_differ_only_by_init_from() -> None:

@@ -214,7 +214,7 @@ def run_one(run: Run, *, warmup: int, iterations: int, runs_dir: Path) -> dict[s
     started = time.perf_counter()
     try:
         if run.compile:
-            torch._dynamo.reset()  # a fresh compile per row: no recompiles for a new batch size
+            torch.compiler.reset()  # a fresh compile per row: no recompiles for a new batch size
         cfg = _compose(items, out_dir)
         train(cfg)
         with open(out_dir / "benchmark.json", encoding="utf-8") as f:

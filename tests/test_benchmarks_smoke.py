@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_script
 
 # --help runs no DALI pipeline: not repeated per DALI line
 pytestmark = pytest.mark.no_dali
@@ -38,13 +37,9 @@ def test_the_harnesses_live_in_benchmarks_and_not_in_scripts():
 def test_harness_help(harness: str, tmp_path):
     # from another directory: a harness finds the package (installed) and the repository files it reads
     # (tests/reference_ssd.py, configs/) from its own location, not the cwd
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / harness), "--help"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # (so the caller's PYTHONPATH only, without run_script's repository entry)
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    proc = run_script(BENCHMARKS / harness, "--help", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(f"usage: {harness} "), proc.stdout[:300]
     assert "Traceback" not in proc.stderr

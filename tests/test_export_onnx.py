@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from ssd_lightning.inference.export import export_network
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT, compose_config, run_script
+
+EXPORT_ONNX = REPO_ROOT / "scripts" / "export_onnx.py"
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
@@ -52,8 +51,6 @@ def test_cli_exports_a_run_checkpoint(tmp_path):
     """export_onnx.py with a Lightning checkpoint next to its run config (the layout train.py writes)."""
     from omegaconf import OmegaConf, open_dict
 
-    from tests.conftest import compose_config
-
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / "checkpoints").mkdir()
@@ -66,19 +63,15 @@ def test_cli_exports_a_run_checkpoint(tmp_path):
         {"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}},
         run / "checkpoints" / "last.ckpt",
     )
-    result = subprocess.run(
-        [sys.executable, "scripts/export_onnx.py", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
-         f"output={tmp_path / 'm.onnx'}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_script(
+        EXPORT_ONNX, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"output={tmp_path / 'm.onnx'}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "m.onnx").is_file()
     assert "class_1, class_2, class_3, class_4" in result.stdout  # no annotation file: class_<k>
     diff = float(result.stdout.split("max |diff| = ")[1].split()[0])
     assert diff <= 1e-4
-    bad = subprocess.run(
-        [sys.executable, "scripts/export_onnx.py", "ckpt=x"], cwd=REPO_ROOT, capture_output=True, text=True
-    )
+    bad = run_script(EXPORT_ONNX, "ckpt=x")
     assert bad.returncode == 2 and "ckpt_path" in bad.stderr
 
 
@@ -89,11 +82,15 @@ def test_cli_end_to_end_export_checks_itself_against_the_decoder(tmp_path):
     checkpoint = tmp_path / "nvidia.pt"  # the NVIDIA layout needs no run directory
     torch.save({"model": net.state_dict()}, checkpoint)
     output = tmp_path / "e2e.onnx"
-    result = subprocess.run(
-        [sys.executable, "scripts/export_onnx.py", f"nvidia_checkpoint={checkpoint}", "backbone=resnet18",
-         "num_classes=5", "end_to_end=true", "decoder.max_detections=40", f"output={output}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_script(
+        EXPORT_ONNX,
+        f"nvidia_checkpoint={checkpoint}",
+        "backbone=resnet18",
+        "num_classes=5",
+        "end_to_end=true",
+        "decoder.max_detections=40",
+        f"output={output}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'max_detections': 40" in result.stdout
     diff = float(result.stdout.split("same detections, max |diff| = ")[1].split()[0])
@@ -104,8 +101,5 @@ def test_cli_end_to_end_export_checks_itself_against_the_decoder(tmp_path):
         (["decoder.max_detections=40"], "end_to_end=true exports only"),
         (["end_to_end=true", "decoder.iou=0.4"], "unknown decoder key(s) ['iou']"),
     ):
-        bad = subprocess.run(
-            [sys.executable, "scripts/export_onnx.py", f"nvidia_checkpoint={checkpoint}", *args],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        bad = run_script(EXPORT_ONNX, f"nvidia_checkpoint={checkpoint}", *args)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]

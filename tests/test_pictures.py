@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ from ssd_lightning.callbacks.curves import TrainingCurves
 from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.visualize import GT_COLOUR, class_colour, draw_detections, plot_curves, read_metrics_csv
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT, run_script
 
 
 def _val(shapes_coco: Path) -> tuple[dict, Path]:
@@ -333,13 +331,7 @@ def test_plot_run_script_on_a_run_and_a_sweep(tmp_path):
         (sweep / str(job) / ".hydra" / "overrides.yaml").write_text(
             f"- experiment=demo\n- model.optimizer.lr={lr}\n"
         )
-    result = subprocess.run(
-        [sys.executable, "scripts/plot_run.py", str(run), str(sweep)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script(REPO_ROOT / "scripts" / "plot_run.py", str(run), str(sweep), timeout=120)
     assert result.returncode == 0, result.stderr
     for d in (run, sweep):
         png = Image.open(d / "curves.png")

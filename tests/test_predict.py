@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +17,9 @@ from ssd_lightning.inference.detector import load_detector
 from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
 from ssd_lightning.models import ssd300
 from ssd_lightning.modules.ssd import SSDLitModule
-from tests.conftest import REPO_ROOT, compose_config
+from tests.helpers import REPO_ROOT, compose_config, run_script
+
+PREDICT_PY = REPO_ROOT / "predict.py"
 
 SHAPE_NAMES = {"rectangle", "ellipse", "triangle", "star"}
 DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_detections": 30}
@@ -150,21 +150,15 @@ def test_coco_names_and_ids_line_up():
     assert named[70] == "toilet" and named[84] == "book"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "predict.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_cli_reports_corrupt_files_and_fails_only_when_nothing_worked(fake_run, images, tmp_path):
     run, _ = fake_run
     ckpt = f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
-    result = _cli(ckpt, f"input={images}", f"output={tmp_path / 'out'}", "batch_size=1")
+    result = run_script(PREDICT_PY, ckpt, f"input={images}", f"output={tmp_path / 'out'}", "batch_size=1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "broken.jpg" in result.stdout + result.stderr
     assert (tmp_path / "out" / "predictions.json").is_file() and (tmp_path / "out" / "wide.jpg").is_file()
     assert not (tmp_path / "out" / ".hydra").exists()
-    result = _cli(ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
+    result = run_script(PREDICT_PY, ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
     assert result.returncode != 0
     assert "broken.jpg" in result.stdout + result.stderr
 
@@ -256,12 +250,22 @@ def test_onnx_loading_errors_say_what_to_do(onnx_export, tmp_path):
 
 
 def test_cli_runs_an_onnx_export(onnx_export, images, tmp_path):
-    result = _cli(
-        f"onnx={onnx_export}", f"input={images / 'wide.png'}", f"output={tmp_path / 'out'}", "device=cpu"
+    result = run_script(
+        PREDICT_PY,
+        f"onnx={onnx_export}",
+        f"input={images / 'wide.png'}",
+        f"output={tmp_path / 'out'}",
+        "device=cpu",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "out" / "predictions.json").read_text())
     assert len(saved) == DECODER["max_detections"] and {e["image_id"] for e in saved} == {0}
     assert f"weights from {onnx_export}" in result.stdout + result.stderr
-    both = _cli(f"onnx={onnx_export}", "ckpt_path=x.ckpt", f"input={images}", f"output={tmp_path / 'bad'}")
+    both = run_script(
+        PREDICT_PY,
+        f"onnx={onnx_export}",
+        "ckpt_path=x.ckpt",
+        f"input={images}",
+        f"output={tmp_path / 'bad'}",
+    )
     assert both.returncode != 0 and "exactly one of" in both.stdout + both.stderr

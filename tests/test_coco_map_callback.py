@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback, _merge_ranks
 from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
+from tests.helpers import CONFIG_DIR, csv_rows, run_script
 
 CATEGORY_IDS = [4, 9]  # non-contiguous on purpose
 
@@ -371,7 +372,7 @@ def test_default_backend_is_faster_coco_eval():
     from omegaconf import OmegaConf
 
     assert CocoMAPCallback().backend == "faster_coco_eval"
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "callbacks" / "detection.yaml")
+    cfg = OmegaConf.load(CONFIG_DIR / "callbacks" / "detection.yaml")
     assert cfg.coco_map.backend == "faster_coco_eval"
 
 
@@ -454,8 +455,6 @@ def test_per_class_logged_written_and_printed(tmp_path, ann_file, backend, capsy
     """val/AP/<name> and val/AP50/<name> logged (a '/' in a name made '_', a space kept, a category without
     ground truth left out), equal to pycocotools restricted to that category; per_class_epoch_0.json holds
     every category with its GT count; the table is printed worst first; the CSV logger takes the keys."""
-    import csv
-
     from pytorch_lightning.loggers import CSVLogger
 
     ann_file = _rename_categories(
@@ -515,8 +514,7 @@ def test_per_class_logged_written_and_printed(tmp_path, ann_file, backend, capsy
         [expected[c][0] for c in worst_first], abs=5e-4
     )
 
-    with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
-        (row,) = list(csv.DictReader(f))
+    (row,) = csv_rows(tmp_path / "logs" / "metrics.csv")
     assert float(row["val/AP/traffic light"]) == pytest.approx(expected[4][0], abs=1e-6)
     assert float(row["val/AP50/a_b"]) == pytest.approx(expected[9][1], abs=1e-6)
 
@@ -536,7 +534,7 @@ def test_per_class_on_by_default_and_quiet_without_verbose(tmp_path, ann_file, c
     from omegaconf import OmegaConf
 
     assert CocoMAPCallback().per_class is True
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "callbacks" / "detection.yaml")
+    cfg = OmegaConf.load(CONFIG_DIR / "callbacks" / "detection.yaml")
     assert cfg.coco_map.per_class is True
     cb = CocoMAPCallback(verbose=False, save_detections=False)
     (metrics,) = _trainer(tmp_path, [cb]).validate(
@@ -630,15 +628,11 @@ def test_ddp_error_on_one_rank_does_not_hang(tmp_path, ann_file):
     """A conversion error that only rank 1 hits reaches rank 0 as that error, through the gather, instead of
     rank 0 waiting in a collective that rank 1 never joins (a lost connection with gloo, a hang until the
     collective timeout with NCCL). Real 2-process "ddp" run with Lightning's subprocess launcher."""
-    import subprocess
-    import sys
-
     all_ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
     script = tmp_path / "ddp_error.py"
     script.write_text(_DDP_ERROR_SCRIPT.format(tests_dir=str(Path(__file__).parent)))
     # DistributedSampler without shuffling gives rank 1 the odd positions
-    cmd = [sys.executable, str(script), str(ann_file), str(tmp_path), str(all_ids[1])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = run_script(script, str(ann_file), str(tmp_path), str(all_ids[1]), timeout=240, cwd=tmp_path)
     assert proc.returncode != 0
     rank0 = (tmp_path / "rank0.txt").read_text()
     assert rank0.startswith("RuntimeError") and "rank 1: IndexError" in rank0, proc.stderr[-3000:]

@@ -42,6 +42,23 @@ COLLECTIVES = [
 ]
 
 
+class SyncCounter(TorchFunctionMode):
+    """Counts the sync-prone torch calls (``SYNC_PRONE``, ``FROM_PYTHON``) made while ``inside`` names a key
+    (a batch index, a step) into ``calls[key][name]``; nothing while ``inside`` is None. Counts inside
+    ``with counter:``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside: int | None = None
+        self.calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.inside is not None and (name in SYNC_PRONE or name in FROM_PYTHON):
+            self.calls[self.inside][name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 

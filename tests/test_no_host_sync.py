@@ -13,39 +13,26 @@ reduced over the ranks once, at the epoch's end, and equal the mean over every r
 
 from __future__ import annotations
 
-import collections
 import json
 
 import pytest
 import pytorch_lightning as pl
-from torch.overrides import TorchFunctionMode
 
 from ssd_lightning.cli.train import train
-from tests.ddp_probes import FROM_PYTHON, SYNC_PRONE
+from tests.ddp_probes import SyncCounter
 from tests.helpers import csv_rows, launch_train_py, train_config
 
 STEPS, LOG_EVERY = 8, 4
 
 
-class _CountSyncs(TorchFunctionMode, pl.Callback):
+class _CountSyncs(SyncCounter, pl.Callback):
     """Counts sync-prone torch calls per training batch index while a batch runs."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch: int | None = None
-        self.calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if self.batch is not None and (name in SYNC_PRONE or name in FROM_PYTHON):
-            self.calls[self.batch][name] += 1
-        return func(*args, **(kwargs or {}))
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.batch = batch_idx
+        self.inside = batch_idx
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.batch = None  # epoch-end work (checkpoint, epoch metrics) may sync once per epoch
+        self.inside = None  # epoch-end work (checkpoint, epoch metrics) may sync once per epoch
 
 
 @pytest.mark.slow

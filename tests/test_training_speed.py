@@ -7,19 +7,18 @@ metrics in metrics.csv against the training steps' own durations (no timed thres
 
 from __future__ import annotations
 
-import collections
-import csv
 import time
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, Dataset
 
 from ssd_lightning.callbacks import TrainingSpeed
 from ssd_lightning.callbacks.training_speed import interval_speed
+from tests.ddp_probes import SyncCounter
+from tests.helpers import metric_by_step
 
 BATCH, FETCH, COMPUTE = 4, 0.25, 0.75  # seconds of fake time per batch: 4 images / 1 s, a quarter waiting
 VALIDATION, EPOCH_END, FIRST_STEP = 100.0, 50.0, 1000.0  # excluded: validation, between epochs, warm-up
@@ -74,18 +73,17 @@ class EpochEndWork(pl.Callback):
         self.clock.now += EPOCH_END
 
 
-def read_metrics(csv_path: Path) -> list[dict[str, str]]:
-    with open(csv_path) as f:
-        return list(csv.DictReader(f))
+def _rates_and_waits(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """``{step: value}`` of ``train/images_per_second`` and ``train/data_wait_fraction`` in the run's CSV."""
+    return (
+        metric_by_step(run_dir, "train/images_per_second"),
+        metric_by_step(run_dir, "train/data_wait_fraction"),
+    )
 
 
 def f32(x: float) -> float:
     """``x`` as the float32 tensor ``LightningModule.log`` makes of it."""
     return float(torch.tensor(x, dtype=torch.float32))
-
-
-def logged(rows: list[dict[str, str]], key: str) -> dict[int, float]:
-    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
 @pytest.mark.no_dali
@@ -110,9 +108,7 @@ def test_exact_rate_and_wait_fraction_with_a_fake_clock(tmp_path, warmup):
     val = DataLoader(SlowItems(clock, 2, 0.0), batch_size=1)
     trainer.fit(FakeTimeModule(clock), train, val)
 
-    rows = read_metrics(tmp_path / "csv" / "metrics.csv")
-    rates = logged(rows, "train/images_per_second")
-    waits = logged(rows, "train/data_wait_fraction")
+    rates, waits = _rates_and_waits(tmp_path)
     # Lightning's logging steps are 1, 3, ..., 11; the one inside the warm-up logs nothing
     assert sorted(rates) == sorted(waits) == [s for s in range(1, 12, 2) if s >= warmup]
     # validation (200 s per run), epoch-end work (50 s) and the first step (1000 s) are all left out
@@ -151,8 +147,7 @@ def test_intervals_tile_the_measured_time_when_step_costs_vary(tmp_path):
     trainer.fit(Varying(clock), DataLoader(SlowItems(clock, 10 * 2, 0.125), batch_size=2))
     fetches = trainer.profiler.recorded_durations["[_TrainingEpochLoop].train_dataloader_next"]
     assert len(fetches) == 10 and vars(trainer.profiler).keys().isdisjoint({"start", "stop"})
-    rows = read_metrics(tmp_path / "csv" / "metrics.csv")
-    rates, waits = logged(rows, "train/images_per_second"), logged(rows, "train/data_wait_fraction")
+    rates, waits = _rates_and_waits(tmp_path)
     # steps 2, 5, 8: batches 1-2, 3-5, 6-8 (batch 0 is the warm-up); each fetch costs 0.25 s
     compute = {2: 0.5 + 1.25, 5: 2.0 + 0.25 + 4.0, 8: 1.5 + 0.75 + 2.5}
     batches = {2: 2, 5: 3, 8: 3}
@@ -215,36 +210,18 @@ def test_ddp_ranks_log_summed_images_over_the_slowest_rank_and_its_wait(tmp_path
         limit_val_batches=0,
     )
     trainer.fit(RankModule(clock))
-    rows = read_metrics(tmp_path / "csv" / "metrics.csv")  # written by rank 0
-    rates, waits = logged(rows, "train/images_per_second"), logged(rows, "train/data_wait_fraction")
+    # metrics.csv written by rank 0
+    rates, waits = _rates_and_waits(tmp_path)
     # per batch: rank 0 takes 0.25 + 0.75 s for 3 images, rank 1 0.75 + 0.75 s for 5 images
     per_batch = {1: 1, 3: 2, 5: 2}  # measured batches in each interval (batch 0 is the warm-up)
     assert rates == {s: f32(8 * n / (1.5 * n)) for s, n in per_batch.items()}  # 8 images per 1.5 s
     assert waits == {s: 0.5 for s in per_batch}  # rank 1 waits 0.75 of its 1.5 s
 
 
-SYNC_PRONE = {"item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "tensor", "as_tensor"}
-
-
-class _CountTorchCalls(TorchFunctionMode):
-    """Sync-prone torch calls made while ``inside`` names a training batch (as tests/test_no_host_sync.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inside: int | None = None
-        self.calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if self.inside is not None and name in SYNC_PRONE:
-            self.calls[self.inside][name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 class CountedSpeed(TrainingSpeed):
     """TrainingSpeed whose hooks and profiler wrappers run under the counter, keyed by global step."""
 
-    def __init__(self, counter: _CountTorchCalls, **kwargs) -> None:
+    def __init__(self, counter: SyncCounter, **kwargs) -> None:
         super().__init__(**kwargs)
         self.counter = counter
         self.step = 0
@@ -292,7 +269,7 @@ def test_demo_run_logs_speed_at_the_logging_steps_without_syncs(make_cfg, shapes
             "logger=csv",
         ]
     )
-    counter = _CountTorchCalls()
+    counter = SyncCounter()
     speed = CountedSpeed(counter, warmup_steps=warmup)
     real_group = train_module.instantiate_group
     monkeypatch.setattr(
@@ -314,9 +291,8 @@ def test_demo_run_logs_speed_at_the_logging_steps_without_syncs(make_cfg, shapes
     with counter:
         train_module.train(cfg)
 
-    rows = read_metrics(tmp_path / "csv" / "metrics.csv")
-    loss_steps = sorted(logged(rows, "train/loss_step"))  # Lightning's logging steps
-    rates, waits = logged(rows, "train/images_per_second"), logged(rows, "train/data_wait_fraction")
+    loss_steps = sorted(metric_by_step(tmp_path, "train/loss_step"))  # Lightning's logging steps
+    rates, waits = _rates_and_waits(tmp_path)
     total_batches = len(step_seconds)
     assert loss_steps == [s for s in range(total_batches) if (s + 1) % every == 0] and len(loss_steps) >= 4
     assert sorted(rates) == sorted(waits) == [s for s in loss_steps if s >= warmup]

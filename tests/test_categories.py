@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -10,8 +9,7 @@ import pytest
 import torch
 
 from ssd_lightning.data.categories import CategoryMap
-
-HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
+from tests.helpers import requires_dali
 
 # Deliberately unsorted ids, an unused category, and annotations in yet another order.
 CATEGORIES = [
@@ -69,7 +67,7 @@ def test_from_names():
 
 
 @pytest.mark.dali
-@pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
+@requires_dali
 def test_dali_reader_labels_agree_with_category_map(tmp_path):
     """DALI remaps category ids in the categories list's order (not sorted, not by first use)."""
     from nvidia.dali import fn, pipeline_def

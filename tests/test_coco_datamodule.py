@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.dali,
-    pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI"),
-]
+from tests.helpers import requires_dali
+
+pytestmark = [pytest.mark.dali, requires_dali]
 
 
 def _dm(root, **kwargs):

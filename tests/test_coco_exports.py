@@ -6,7 +6,6 @@ EXIF-rotated phone photos, annotations without ``iscrowd``/``area``/``id``, stri
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -20,9 +19,7 @@ from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split, check_image_headers
 from ssd_lightning.errors import DataError
 from ssd_lightning.evaluation import evaluate_coco
-
-HAS_DALI = importlib.util.find_spec("nvidia.dali") is not None
-needs_dali = pytest.mark.skipif(not HAS_DALI, reason="needs NVIDIA DALI")
+from tests.helpers import requires_dali
 
 CATEGORIES = ["red", "green", "blue"]
 COLOURS = [(230, 30, 30), (30, 200, 30), (30, 30, 230)]
@@ -347,7 +344,7 @@ def _assert_boxes_on_their_colours(
 
 
 @pytest.mark.dali
-@needs_dali
+@requires_dali
 def test_datamodule_reads_a_minimal_export_with_string_ids_and_category_zero(tmp_path):
     image_dir, ann_file = write_export(tmp_path / "export", image_ids="str", minimal=True)
     dm = _datamodule(image_dir, ann_file, tmp_path / "cache", augment=False, shuffle=False)
@@ -373,7 +370,7 @@ def test_datamodule_reads_a_minimal_export_with_string_ids_and_category_zero(tmp
 
 
 @pytest.mark.dali
-@needs_dali
+@requires_dali
 def test_exif_rotated_jpeg_decodes_upright_or_is_named(tmp_path):
     """On a DALI line whose decoder applies the EXIF orientation the boxes land on their colours; on one
     that does not (1.34), setup names the file instead of training on misplaced boxes."""
@@ -392,7 +389,7 @@ def test_exif_rotated_jpeg_decodes_upright_or_is_named(tmp_path):
 
 @pytest.mark.dali
 @pytest.mark.slow
-@needs_dali
+@requires_dali
 def test_train_fits_and_evaluates_a_labelling_tool_export(make_cfg, tmp_path):
     """train(cfg) end to end: string ids, no iscrowd/area, category id 0, PNGs in a subfolder, and an
     EXIF-rotated JPEG where this DALI line decodes it upright; pycocotools evaluates the normalised copy."""

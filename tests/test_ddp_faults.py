@@ -13,11 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import launch_train_py
+from tests.helpers import launch_train_py, requires_dali
 
-pytest.importorskip("nvidia.dali")
-
-pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess, requires_dali]
 
 TIMEOUT_S = 150
 # What docs/reliability.md promises: the job ends within this, on a loaded 2-core box (10-20 s when quiet),

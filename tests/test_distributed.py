@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ProcessGroup, csv_rows, last_checkpoint, launch_train_py
+from tests.helpers import ProcessGroup, csv_rows, last_checkpoint, launch_train_py, requires_dali
 
-pytest.importorskip("nvidia.dali")
-
-pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess, requires_dali]
 
 TIMEOUT_S = 240  # a hang, not a slow machine: these runs take 30-100 s on 2 cores
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.dali,
-    pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI"),
-]
+from tests.helpers import requires_dali
+
+pytestmark = [pytest.mark.dali, requires_dali]
 
 
 def _dm(root, **kwargs):

@@ -16,7 +16,7 @@ import pytest
 from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split
 from ssd_lightning.errors import DataError
-from tests.helpers import REPO_ROOT, ProcessGroup
+from tests.helpers import REPO_ROOT, ProcessGroup, requires_dali
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -198,7 +198,7 @@ def test_datamodule_setup_and_category_map_come_from_the_cache(coco_small, tmp_p
 
 
 @pytest.mark.dali
-@pytest.mark.skipif(importlib.util.find_spec("nvidia.dali") is None, reason="needs NVIDIA DALI")
+@requires_dali
 def test_dali_reads_the_clipped_copy_with_emptied_polygons(coco_small, tmp_path):
     from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
 

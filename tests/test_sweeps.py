@@ -18,7 +18,7 @@ from omegaconf import OmegaConf, open_dict
 
 from ssd_lightning.cli.launch_check import SLURM_LAUNCHER, multirun_launch_problem
 from ssd_lightning.cli.sweep_summary import read_last_metrics
-from tests.helpers import compose_config, csv_rows, run_script, run_train_py, train_config
+from tests.helpers import compose_config, csv_rows, requires_dali, run_script, run_train_py, train_config
 
 SWEEP_PLUGINS = ("hydra_plugins.hydra_submitit_launcher", "hydra_plugins.hydra_optuna_sweeper")
 needs_sweep_plugins = pytest.mark.skipif(
@@ -336,8 +336,8 @@ def test_train_py_multirun_writes_job_dirs_and_summary(lr_sweep):
 @pytest.mark.slow
 @pytest.mark.no_dali  # the sweeper's path; the demo's data path runs per DALI line in test_train
 @pytest.mark.timeout(480)
+@requires_dali
 def test_optuna_sweep_runs_trials_from_the_search_space_and_reports_the_best(shapes_coco, tmp_path):
-    pytest.importorskip("nvidia.dali")
     sweep_dir = tmp_path / "multirun"
     result = _train_multirun(
         sweep_dir,

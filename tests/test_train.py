@@ -9,13 +9,9 @@ import pytest
 
 from ssd_lightning.cli.train import train
 from ssd_lightning.evaluation import evaluate_coco
-from tests.helpers import csv_rows, load_checkpoint, train_config
+from tests.helpers import load_checkpoint, metric_by_epoch, requires_dali, train_config
 
-pytest.importorskip("nvidia.dali")
-
-
-def _logged_epochs(run_dir: Path, key: str) -> list[int]:
-    return sorted({int(row["epoch"]) for row in csv_rows(run_dir / "csv" / "metrics.csv") if row.get(key)})
+pytestmark = requires_dali
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +41,7 @@ def test_fit_trains_evaluates_and_checkpoints(demo_run, shapes_coco):
     cfg, metrics, run_dir = demo_run
     assert 0.0 <= metrics["val/mAP"] <= 1.0 and metrics["train/loss_epoch"] > 0
     # validation (and COCO mAP) only after the listed epoch and the last one
-    assert _logged_epochs(run_dir, "val/mAP") == [0, 1]
+    assert sorted(metric_by_epoch(run_dir, "val/mAP")) == [0, 1]
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     # the written detections are the evaluated ones: pycocotools by hand gives the logged number
     written = json.loads((run_dir / "detections_epoch_1.json").read_text())
@@ -117,5 +113,5 @@ def test_mobilenetv2_demo_fits_on_generated_imagefolder(make_cfg, shapes_imagefo
     assert metrics["val/loss"] == pytest.approx(loss, rel=0.02)
     assert metrics["val/acc5"] == 1.0  # top-4 of 4 classes is always right: acc5 proves nothing more here
     assert metrics["val/acc1_best"] >= metrics["val/acc1"]
-    assert _logged_epochs(tmp_path, "val/acc1") == [0, 1]  # classification validates every epoch
+    assert sorted(metric_by_epoch(tmp_path, "val/acc1")) == [0, 1]  # classification validates every epoch
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ssd_lightning.models.mobilenetv2 import mobilenet_v2
 from ssd_lightning.modules.classifier import ClassifierLitModule
 from ssd_lightning.modules.ema import ExponentialMovingAverage
+from tests.helpers import load_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -232,7 +233,7 @@ def test_ema_in_training_validation_and_checkpoint(tmp_path):
 
     path = tmp_path / "ema.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]  # plain values only
+    state = load_checkpoint(path)["state_dict"]  # plain values only
     assert state["ema.n_averaged"].item() == 2
     torch.testing.assert_close(state["ema.module.features.0.0.weight"], averaged["features.0.0.weight"])
     # Best accuracy is a buffer: it travels in the checkpoint and survives a resume.

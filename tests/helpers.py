@@ -59,6 +59,56 @@ def train_config(
     return cfg
 
 
+# A small SSD300 fit on synthetic batches (no DALI; no annotations, so no COCO mAP), quiet, CSV-logged: add
+# the steps, epochs and whatever the test is about.
+SYNTHETIC_SSD_RUN = (
+    "data=synthetic",
+    "data.batch_size=2",
+    "model.net.backbone=resnet18",
+    "trainer=cpu",
+    "+trainer.limit_val_batches=0",
+    "+trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "~callbacks.coco_map",
+    "eval_epochs=[]",
+    "logger=csv",
+)
+
+
+def demo_run_overrides(data_root: Path) -> list[str]:
+    """Two tiny epochs of the demo experiment on the shapes COCO set at ``data_root`` (batches of 4, 5 for
+    evaluation), logged every step, evaluated after epoch 0 and the last one, a 2-step warm-up."""
+    return [
+        "experiment=demo",
+        f"data.root={data_root}",
+        "data.batch_size=4",
+        "data.eval_batch_size=5",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "eval_epochs=[0]",
+        "model.scheduler.warmup_steps=2",
+    ]
+
+
+def quiet_trainer(root: Path | None = None, callbacks: Sequence = (), **kwargs: object):
+    """A one-device CPU ``pl.Trainer`` without logger, progress bar or model summary, checkpointing only if
+    ``callbacks`` hold a ``ModelCheckpoint``, writing under ``root``; ``kwargs`` override any of these."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    options: dict[str, object] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    )
+    if root is not None:
+        options["default_root_dir"] = str(root)
+    return pl.Trainer(callbacks=list(callbacks), **{**options, **kwargs})
+
+
 # ------------------------------------------------------------------------------------------- subprocesses
 def subprocess_env(env: Mapping[str, str] | None = None, *, full_error: bool = False) -> dict[str, str]:
     """This process's environment for a child: the repository first on ``PYTHONPATH``, ``HYDRA_FULL_ERROR=1``

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback, _merge_ranks
 from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
-from tests.helpers import CONFIG_DIR, csv_rows, run_script
+from tests.helpers import CONFIG_DIR, csv_rows, quiet_trainer, run_script
 
 CATEGORY_IDS = [4, 9]  # non-contiguous on purpose
 
@@ -180,20 +180,6 @@ class DestroyProcessGroupAtExit(Callback):
         atexit.register(_release_process_group)
 
 
-def _trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        default_root_dir=str(tmp_path),
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **defaults)
-
-
 def _pycocotools_by_hand(ann_file, json_file) -> list[float]:
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
@@ -214,7 +200,7 @@ def ann_file(tmp_path) -> Path:
 
 def test_validate_perfect_detections(tmp_path, ann_file, capsys):
     cb = CocoMAPCallback(output_dir=tmp_path / "out")
-    trainer = _trainer(tmp_path, [cb])
+    trainer = quiet_trainer(tmp_path, [cb])
     (metrics,) = trainer.validate(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
     per_class = {f"val/{m}/c{c}" for c in CATEGORY_IDS for m in ("AP", "AP50")}
     assert {f"val/{n}" for n in COCO_STAT_NAMES} | per_class == set(metrics)  # no best tracking outside fit
@@ -241,7 +227,7 @@ def test_fit_jittered_best_tracking_and_checkpoint(tmp_path, ann_file):
     # Lightning 2.6: save_last next to a monitor writes last.ckpt only when a top-k checkpoint was saved,
     # so a resumable "last" needs its own ModelCheckpoint without monitor.
     last = ModelCheckpoint(dirpath=tmp_path / "last", save_last=True)
-    trainer = _trainer(tmp_path, [cb, rec, ckpt, last], max_epochs=3, num_sanity_val_steps=2)
+    trainer = quiet_trainer(tmp_path, [cb, rec, ckpt, last], max_epochs=3, num_sanity_val_steps=2)
     trainer.fit(GroundTruthDetector(ann_file, jitter_per_epoch=jitters), datamodule=DetDataModule(ann_file))
 
     assert [e for e, _ in rec.history] == [0, 1, 2]  # the sanity check is not evaluated
@@ -262,7 +248,7 @@ def test_fit_jittered_best_tracking_and_checkpoint(tmp_path, ann_file):
 
     # resume in a fresh callback: the best survives, a worse epoch 3 does not replace it
     cb2, rec2 = CocoMAPCallback(verbose=False), MetricRecorder()
-    trainer = _trainer(tmp_path, [cb2, rec2], max_epochs=4)
+    trainer = quiet_trainer(tmp_path, [cb2, rec2], max_epochs=4)
     trainer.fit(
         GroundTruthDetector(ann_file, jitter_per_epoch=jitters),
         datamodule=DetDataModule(ann_file),
@@ -277,7 +263,7 @@ def test_fit_jittered_best_tracking_and_checkpoint(tmp_path, ann_file):
 
 def test_empty_detections_and_missing_images(tmp_path, ann_file):
     cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
-    trainer = _trainer(tmp_path, [cb])
+    trainer = quiet_trainer(tmp_path, [cb])
     (metrics,) = trainer.validate(
         GroundTruthDetector(ann_file, empty=True), datamodule=DetDataModule(ann_file)
     )
@@ -285,7 +271,7 @@ def test_empty_detections_and_missing_images(tmp_path, ann_file):
     assert json.loads((tmp_path / "detections_epoch_0.json").read_text()) == []
 
     # a partial pass (limit_val_batches) is evaluated on the images it saw, with a warning
-    trainer = _trainer(tmp_path, [cb], limit_val_batches=2)
+    trainer = quiet_trainer(tmp_path, [cb], limit_val_batches=2)
     with pytest.warns(UserWarning, match="6 of the 20 images"):
         (metrics,) = trainer.validate(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
     assert metrics["val/mAP"] == pytest.approx(1.0)
@@ -295,10 +281,12 @@ def test_duplicates_are_dropped_with_a_warning(tmp_path, ann_file):
     ids = [im["id"] for im in json.loads(ann_file.read_text())["images"]]
     cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
     model = GroundTruthDetector(ann_file, jitter=0.1)
-    (clean,) = _trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))
+    (clean,) = quiet_trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))
     clean_results = json.loads((tmp_path / "detections_epoch_0.json").read_text())
     with pytest.warns(UserWarning, match="dropped 3 duplicate"):
-        (dup,) = _trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file, ids + ids[:3]))
+        (dup,) = quiet_trainer(tmp_path, [cb]).validate(
+            model, datamodule=DetDataModule(ann_file, ids + ids[:3])
+        )
     assert dup == clean
     assert json.loads((tmp_path / "detections_epoch_0.json").read_text()) == clean_results
 
@@ -313,16 +301,16 @@ def test_configuration_errors(tmp_path, ann_file):
     dm = NoMeta(ann_file)
     dm.category_map = None
     with pytest.raises(ValueError, match="category_map"):
-        _trainer(tmp_path, [CocoMAPCallback()]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+        quiet_trainer(tmp_path, [CocoMAPCallback()]).validate(GroundTruthDetector(ann_file), datamodule=dm)
     # explicit arguments take precedence over the datamodule
     cb = CocoMAPCallback(category_map=DuckCategoryMap(), annotation_file=ann_file, save_detections=False)
-    (metrics,) = _trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+    (metrics,) = quiet_trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
     assert metrics["val/mAP"] == pytest.approx(1.0)
     assert not list(tmp_path.glob("detections_epoch_*.json"))
     # a label mapped to a category the annotation file lacks is an error, not a silent 0
     cb = CocoMAPCallback(category_map=DuckCategoryMap([4, 99]), save_detections=False)
     with pytest.raises(ValueError, match=r"category id\(s\) \[99\]"):
-        _trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
+        quiet_trainer(tmp_path, [cb]).validate(GroundTruthDetector(ann_file), datamodule=dm)
 
 
 def test_conversion_error_surfaces_in_sanity_check(tmp_path, ann_file):
@@ -330,7 +318,7 @@ def test_conversion_error_surfaces_in_sanity_check(tmp_path, ann_file):
         def label_to_category_id(self, labels):
             raise ValueError("unknown label(s) [2]")
 
-    trainer = _trainer(
+    trainer = quiet_trainer(
         tmp_path, [CocoMAPCallback(category_map=BadMap())], max_epochs=1, num_sanity_val_steps=1
     )
     with pytest.raises(ValueError, match="unknown label"):
@@ -350,7 +338,7 @@ def test_sanity_check_runs_the_evaluator_on_the_images_it_saw(tmp_path, ann_file
 
     monkeypatch.setattr(coco_map, "evaluate_coco", broken)
     cb = CocoMAPCallback(verbose=False)
-    trainer = _trainer(tmp_path, [cb], max_epochs=1, num_sanity_val_steps=1)
+    trainer = quiet_trainer(tmp_path, [cb], max_epochs=1, num_sanity_val_steps=1)
     with pytest.raises(RuntimeError, match="evaluator broken"):
         trainer.fit(GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file))
     assert trainer.global_step == 0
@@ -363,7 +351,7 @@ def test_faster_backend_same_numbers(tmp_path, ann_file):
     for backend in ("pycocotools", "faster_coco_eval"):
         cb = CocoMAPCallback(backend=backend, save_detections=False, verbose=False)
         model = GroundTruthDetector(ann_file, jitter=0.1)
-        out.append(_trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))[0])
+        out.append(quiet_trainer(tmp_path, [cb]).validate(model, datamodule=DetDataModule(ann_file))[0])
     assert out[0] == out[1]
     assert 0.2 < out[0]["val/mAP"] < 0.9
 
@@ -409,7 +397,7 @@ def test_with_eval_schedule_and_checkpoint(tmp_path, ann_file):
     rec = MetricRecorder()
     best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val/mAP", mode="max", filename="{epoch}")
     cbs = [EvalSchedule([1]), CocoMAPCallback(verbose=False), rec, best]
-    _trainer(tmp_path, cbs, max_epochs=4).fit(
+    quiet_trainer(tmp_path, cbs, max_epochs=4).fit(
         GroundTruthDetector(ann_file, jitter_per_epoch=jitters), datamodule=DetDataModule(ann_file)
     )
     assert [e for e, _ in rec.history] == [1, 3]
@@ -461,7 +449,7 @@ def test_per_class_logged_written_and_printed(tmp_path, ann_file, backend, capsy
         ann_file, {4: "traffic light", 9: "a/b"}, extra=[{"id": 13, "name": "no boxes"}]
     )
     cb = CocoMAPCallback(backend=backend, output_dir=tmp_path / "out")
-    trainer = _trainer(tmp_path, [cb], logger=CSVLogger(tmp_path / "logs", name="", version=""))
+    trainer = quiet_trainer(tmp_path, [cb], logger=CSVLogger(tmp_path / "logs", name="", version=""))
     (metrics,) = trainer.validate(
         GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
     )
@@ -521,7 +509,7 @@ def test_per_class_logged_written_and_printed(tmp_path, ann_file, backend, capsy
 
 def test_per_class_off(tmp_path, ann_file, capsys):
     cb = CocoMAPCallback(output_dir=tmp_path, per_class=False)
-    (metrics,) = _trainer(tmp_path, [cb]).validate(
+    (metrics,) = quiet_trainer(tmp_path, [cb]).validate(
         GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
     )
     assert set(metrics) == {f"val/{n}" for n in COCO_STAT_NAMES}
@@ -537,7 +525,7 @@ def test_per_class_on_by_default_and_quiet_without_verbose(tmp_path, ann_file, c
     cfg = OmegaConf.load(CONFIG_DIR / "callbacks" / "detection.yaml")
     assert cfg.coco_map.per_class is True
     cb = CocoMAPCallback(verbose=False, save_detections=False)
-    (metrics,) = _trainer(tmp_path, [cb]).validate(
+    (metrics,) = quiet_trainer(tmp_path, [cb]).validate(
         GroundTruthDetector(ann_file), datamodule=DetDataModule(ann_file), verbose=False
     )
     assert metrics["val/AP/c4"] == pytest.approx(1.0) and metrics["val/AP50/c9"] == pytest.approx(1.0)
@@ -549,7 +537,7 @@ def test_per_class_on_by_default_and_quiet_without_verbose(tmp_path, ann_file, c
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_validate_on_gpu(tmp_path, ann_file):
     cb = CocoMAPCallback(output_dir=tmp_path, verbose=False)
-    trainer = _trainer(tmp_path, [cb], accelerator="gpu")
+    trainer = quiet_trainer(tmp_path, [cb], accelerator="gpu")
     (metrics,) = trainer.validate(
         GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file)
     )
@@ -565,11 +553,11 @@ def test_ddp_two_processes_match_one(tmp_path, ann_file):
     all of them, and the stats equal those of a 1-process run."""
     seen_dir = tmp_path / "seen"
     seen_dir.mkdir()
-    single = _trainer(tmp_path / "single", [CocoMAPCallback(verbose=False)]).validate(
+    single = quiet_trainer(tmp_path / "single", [CocoMAPCallback(verbose=False)]).validate(
         GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file), verbose=False
     )[0]
 
-    trainer = _trainer(
+    trainer = quiet_trainer(
         tmp_path / "ddp",
         [CocoMAPCallback(verbose=False, output_dir=tmp_path / "ddp_out"), DestroyProcessGroupAtExit()],
         devices=2,

@@ -23,23 +23,11 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssd_lightning import compat
 from ssd_lightning.errors import user_errors_as_messages
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, quiet_trainer
 
 pytestmark = pytest.mark.no_dali
 
 SUPPORTED_PL = "pytorch-lightning>=2.6,<2.7"
-
-
-def _trainer(**kwargs) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(**{**options, **kwargs})
 
 
 def _expected(package: str, what: str, supported: str) -> str:
@@ -47,8 +35,8 @@ def _expected(package: str, what: str, supported: str) -> str:
     return f"{package} {version} has no {what}; ssd_lightning supports {supported}"
 
 
-def test_check_installed_passes_on_a_fresh_trainer():
-    compat.check_installed(_trainer())
+def test_check_installed_passes_on_a_freshquiet_trainer():
+    compat.check_installed(quiet_trainer())
 
 
 # -- every accessor, against the installed libraries -----------------------------------------------------
@@ -97,7 +85,7 @@ def _fit(replace: bool, monkeypatch) -> tuple[_Probe, pl.Trainer, list[int]]:
         lambda loop: (broadcasts.append(1), original(loop))[1],
     )
     probe = _Probe(replace)
-    trainer = _trainer(max_steps=5, limit_val_batches=0, callbacks=[probe])
+    trainer = quiet_trainer(max_steps=5, limit_val_batches=0, callbacks=[probe])
     with pytest.raises(SIGTERMException):
         trainer.fit(BoringModel())
     return probe, trainer, broadcasts
@@ -125,16 +113,16 @@ def test_signal_and_loop_accessors_during_a_fit(monkeypatch):
 
 
 def test_val_check_time_interval():
-    assert compat.val_check_time_interval(_trainer()) is None
-    assert compat.val_check_time_interval(_trainer(val_check_interval=0.5)) is None
-    timed = _trainer(val_check_interval=datetime.timedelta(minutes=1, seconds=30))
+    assert compat.val_check_time_interval(quiet_trainer()) is None
+    assert compat.val_check_time_interval(quiet_trainer(val_check_interval=0.5)) is None
+    timed = quiet_trainer(val_check_interval=datetime.timedelta(minutes=1, seconds=30))
     assert compat.val_check_time_interval(timed) == 90.0
 
 
 def test_launcher_accessors():
-    assert compat.subprocess_script_launcher(_trainer()) is None
-    assert compat.launched_processes(_trainer()) == []
-    ddp = _trainer(strategy="ddp", devices=2)
+    assert compat.subprocess_script_launcher(quiet_trainer()) is None
+    assert compat.launched_processes(quiet_trainer()) == []
+    ddp = quiet_trainer(strategy="ddp", devices=2)
     launcher = compat.subprocess_script_launcher(ddp)
     assert launcher is ddp.strategy.launcher and callable(launcher.kill)
     assert compat.launched_processes(ddp) is launcher.procs  # the very list Lightning's observer watches
@@ -158,7 +146,7 @@ class _StatefulLoader:
 
 
 def test_load_pending_loader_states():
-    trainer = _trainer()
+    trainer = quiet_trainer()
     fit_loop = trainer.fit_loop
     compat.load_pending_loader_states(trainer)  # nothing pending, no loader: nothing happens
     loader = _StatefulLoader()
@@ -259,7 +247,7 @@ MISSING = {
 
 @pytest.mark.parametrize("what", MISSING)
 def test_check_installed_names_the_missing_attribute_and_the_version(what, monkeypatch, capsys):
-    trainer = _trainer()
+    trainer = quiet_trainer()
     compat._fetch_action_in.cache_clear()
     MISSING[what](trainer, monkeypatch)
     try:
@@ -306,7 +294,7 @@ def test_launcher_class_missing(monkeypatch):
     compat._subprocess_script_launcher_class.cache_clear()
     try:
         with pytest.raises(compat.CompatError) as info:
-            compat.subprocess_script_launcher(_trainer())
+            compat.subprocess_script_launcher(quiet_trainer())
     finally:
         monkeypatch.undo()
         compat._subprocess_script_launcher_class.cache_clear()

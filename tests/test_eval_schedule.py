@@ -11,6 +11,7 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+from tests.helpers import quiet_trainer
 
 
 class TinyModule(pl.LightningModule):
@@ -66,18 +67,7 @@ class SaveAndStop(Callback):
 
 def _fit(tmp_path, callbacks, model=None, ckpt_path=None, **kwargs):
     model = model or TinyModule()
-    args = dict(
-        accelerator="cpu",
-        max_epochs=6,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        num_sanity_val_steps=1,
-        default_root_dir=str(tmp_path),
-    )
-    args.update(kwargs)
-    trainer = pl.Trainer(callbacks=callbacks, **args)
+    trainer = quiet_trainer(tmp_path, callbacks, **{"max_epochs": 6, "num_sanity_val_steps": 1, **kwargs})
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, model
 

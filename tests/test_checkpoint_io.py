@@ -14,7 +14,7 @@ import torch
 from ssd_lightning.cli.train import train
 from ssd_lightning.errors import CheckpointWriteError
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import ProcessGroup, last_checkpoint, load_checkpoint
+from tests.helpers import SYNTHETIC_SSD_RUN, ProcessGroup, last_checkpoint, load_checkpoint
 
 
 def _state(value: float) -> dict:
@@ -96,22 +96,9 @@ def test_disk_full_during_training_stops_with_the_last_good_checkpoint(tmp_path,
         real_write(checkpoint, f)
 
     monkeypatch.setattr(AtomicCheckpointIO, "_write", staticmethod(full_on_second_save))
-    cfg = make_cfg(  # outputs in tmp_path
-        [
-            "data=synthetic",
-            "data.batch_size=2",
-            "data.steps_per_epoch=2",
-            "model.net.backbone=resnet18",
-            "model.net.num_classes=5",
-            "trainer=cpu",
-            "trainer.max_epochs=2",
-            "+trainer.limit_val_batches=0",
-            "+trainer.enable_progress_bar=false",
-            "trainer.enable_model_summary=false",
-            "~callbacks.coco_map",
-            "eval_epochs=[]",
-            "logger=csv",
-        ]
+    # outputs in tmp_path
+    cfg = make_cfg(
+        [*SYNTHETIC_SSD_RUN, "data.steps_per_epoch=2", "model.net.num_classes=5", "trainer.max_epochs=2"]
     )
     with pytest.raises(CheckpointWriteError, match="No space left on device"):
         train(cfg)

@@ -19,7 +19,7 @@ from ssd_lightning.cli.train import train
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.weights import CheckpointNotFoundError, init_from_checkpoint
 from ssd_lightning.models import mobilenet_v2, ssd300
-from tests.helpers import compose_config, last_checkpoint, load_checkpoint, train_config
+from tests.helpers import SYNTHETIC_SSD_RUN, compose_config, last_checkpoint, load_checkpoint, train_config
 
 HEAD_KEYS = {f"conf.{i}.{p}" for i in range(6) for p in ("weight", "bias")}
 
@@ -154,19 +154,10 @@ class WeightsAtTrainStart(pl.Callback):
 PROBE = f"+callbacks.probe._target_={__name__}.WeightsAtTrainStart"
 
 SSD_RUN = [
-    "data=synthetic",
-    "data.batch_size=2",
+    *SYNTHETIC_SSD_RUN,
     "data.steps_per_epoch=1",
-    "model.net.backbone=resnet18",
     "model.lr_scaling.rule=none",
     "model.scheduler.warmup_steps=0",
-    "trainer=cpu",
-    "+trainer.limit_val_batches=0",
-    "+trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "~callbacks.coco_map",
-    "eval_epochs=[]",
-    "logger=csv",
     "seed=0",
 ]
 

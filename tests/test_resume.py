@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ssd_lightning.cli.train import train
-from tests.helpers import last_checkpoint, metric_by_step, train_config
+from tests.helpers import SYNTHETIC_SSD_RUN, last_checkpoint, metric_by_step, train_config
 
 # synthetic batches only: nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali
@@ -25,25 +25,16 @@ BASE_LR = 0.02
 WARMUP = 3
 
 COMMON = [
-    "data=synthetic",
-    "data.batch_size=2",
+    *SYNTHETIC_SSD_RUN,
     "data.eval_batch_size=2",
     f"data.steps_per_epoch={STEPS_PER_EPOCH}",
-    "model.net.backbone=resnet18",
     "model.net.num_classes=5",
     f"model.optimizer.lr={BASE_LR}",
     "model.lr_scaling.rule=none",
     f"model.scheduler.warmup_steps={WARMUP}",
     "model.scheduler.milestones=[1]",
-    "trainer=cpu",
     "trainer.max_epochs=2",
-    "+trainer.limit_val_batches=0",  # synthetic data has no annotations: no COCO mAP
     "trainer.log_every_n_steps=1",
-    "+trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "~callbacks.coco_map",
-    "eval_epochs=[]",
-    "logger=csv",
     "seed=0",
 ]
 

@@ -1,5 +1,6 @@
-"""What the tests share: composed configs, `train.py` (or any script) as a subprocess, process groups that
-are always cleaned up, and readers of what a run wrote (checkpoints, ``metrics.csv``).
+"""What the tests share: composed configs and the override lists of the common small runs, a quiet CPU
+Trainer, `train.py` (or any script) as a subprocess, process groups that are always cleaned up, and
+readers of what a run wrote (checkpoints, ``metrics.csv``).
 
 Every subprocess gets its environment from :func:`subprocess_env`: the repository on ``PYTHONPATH`` (the
 ``tests.*`` callbacks and data modules load from any working directory) and ``HYDRA_FULL_ERROR`` unset (the

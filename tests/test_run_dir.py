@@ -18,7 +18,7 @@ from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
 from ssd_lightning.cli.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.loggers import ContinuingCSVLogger
-from tests.helpers import csv_rows, last_checkpoint, load_checkpoint, run_train_py
+from tests.helpers import csv_rows, demo_run_overrides, last_checkpoint, load_checkpoint, run_train_py
 
 
 def _stored_run(tmp_path: Path, checkpoints=("last.ckpt",)) -> Path:
@@ -252,17 +252,7 @@ def _train_py(*args: str, returncode: int = 0) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
     run, log_dir = tmp_path / "run", tmp_path / "outputs"
-    common = [
-        "experiment=demo",
-        f"data.root={shapes_coco}",
-        "data.batch_size=4",
-        "data.eval_batch_size=5",
-        "trainer.max_epochs=2",
-        "trainer.log_every_n_steps=1",
-        "eval_epochs=[0]",
-        "model.scheduler.warmup_steps=2",
-        f"paths.log_dir={log_dir}",
-    ]
+    common = [*demo_run_overrides(shapes_coco), f"paths.log_dir={log_dir}"]
     annotations = json.loads((shapes_coco / "annotations" / "instances_train2017.json").read_text())
     steps = len({a["image_id"] for a in annotations["annotations"]}) // 4  # per epoch: images with boxes
     # the preempted run: SIGTERM two steps into epoch 1 of 2

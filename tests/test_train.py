@@ -9,7 +9,7 @@ import pytest
 
 from ssd_lightning.cli.train import train
 from ssd_lightning.evaluation import evaluate_coco
-from tests.helpers import load_checkpoint, metric_by_epoch, requires_dali, train_config
+from tests.helpers import demo_run_overrides, load_checkpoint, metric_by_epoch, requires_dali, train_config
 
 pytestmark = requires_dali
 
@@ -18,20 +18,8 @@ pytestmark = requires_dali
 def demo_run(tmp_path_factory, shapes_coco):
     """Two tiny epochs of the demo experiment, evaluated after epoch 0 and after the last one."""
     run_dir = tmp_path_factory.mktemp("demo_run")
-    cfg = train_config(  # not make_cfg: that fixture is function-scoped
-        [
-            "experiment=demo",
-            f"data.root={shapes_coco}",
-            "data.batch_size=4",
-            "data.eval_batch_size=5",
-            "trainer.max_epochs=2",
-            "trainer.log_every_n_steps=1",
-            "eval_epochs=[0]",
-            "logger=csv",
-            "model.scheduler.warmup_steps=2",
-        ],
-        output_dir=run_dir,
-    )
+    # not make_cfg: that fixture is function-scoped
+    cfg = train_config([*demo_run_overrides(shapes_coco), "logger=csv"], output_dir=run_dir)
     return cfg, train(cfg), run_dir
 
 

@@ -49,6 +49,7 @@ NOT_RUN: dict[str, str] = {
     "make test-fast": SUITE,
     "make test-dali-lines": SUITE,
     "make test TEST_DALI_LINES=": SUITE,
+    "make lint": "the first step of `make test`, which CI runs",
     "python benchmarks/stress_tests.py --repeat 20 --load 2 -m multiprocess": SUITE + ", repeatedly",
     "python benchmarks/stress_tests.py --repeat 20 --load 2 -- -m multiprocess tests/test_split_cache.py "
     "tests/test_throughput.py tests/test_ddp_faults.py": SUITE + ", repeatedly",
@@ -60,6 +61,7 @@ NOT_RUN: dict[str, str] = {
     'pip install -e ".[dev,cuda130]"': INSTALLS,
     'pip install -e ".[sweeps]"': INSTALLS,
     'pip install -e ".[dev,sweeps]"': INSTALLS,
+    "pip install -e .": INSTALLS,
     "bash benchmarks/gpu_benchmark.sh": "needs a CUDA GPU; test_gpu_benchmark_script runs its CPU smoke plan",
     "OUT=/tmp/gpu_results bash benchmarks/gpu_benchmark.sh --no-compile": "needs a CUDA GPU",
     "scripts/download_coco.sh /coco": "downloads 20 GB from COCO's servers; test_download_coco.py runs it "

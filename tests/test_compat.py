@@ -35,7 +35,7 @@ def _expected(package: str, what: str, supported: str) -> str:
     return f"{package} {version} has no {what}; ssd_lightning supports {supported}"
 
 
-def test_check_installed_passes_on_a_freshquiet_trainer():
+def test_check_installed_passes_on_a_fresh_trainer():
     compat.check_installed(quiet_trainer())
 
 

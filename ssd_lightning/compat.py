@@ -2,8 +2,8 @@
 
 Each accessor looks its attribute up strictly: when an upgrade renamed one, it raises :class:`CompatError`,
 one line naming the attribute, the installed version and the supported range. :func:`check_installed`
-runs all those look-ups at once on a fresh Trainer (the train job calls it before ``fit``). Lightning and
-Hydra are imported only by the accessors that need them.
+runs all those look-ups at once on a fresh Trainer (the train job calls it before ``fit``). Lightning,
+Hydra and torch are imported only by the accessors that need them (config composition stays light).
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import subprocess
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from ssd_lightning.errors import UserError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+    import torch
+    from torch import nn
 
 __all__ = [
     "CompatError",
@@ -226,6 +225,8 @@ def csv_logger_experiment(logger: Any, writer_class: type) -> Any:
 # -- torch ---------------------------------------------------------------------------------------------------
 @functools.cache
 def _storage_use_count_fn() -> Callable[[int], int]:
+    import torch
+
     use_count = _attr(torch._C, "_storage_Use_Count", "torch._C", _TORCH)
     _attr(torch.empty(0).untyped_storage(), "_cdata", "UntypedStorage", _TORCH)
     return use_count
@@ -245,6 +246,8 @@ def is_compiled_in_place(module: nn.Module) -> bool:
 
 def norm_base_class() -> type:
     """torch's base class of BatchNorm*/SyncBatchNorm/InstanceNorm* layers."""
+    from torch import nn
+
     return _attr(nn.modules.batchnorm, "_NormBase", "torch.nn.modules.batchnorm", _TORCH)
 
 

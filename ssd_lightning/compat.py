@@ -266,6 +266,7 @@ def check_installed(trainer: pl.Trainer) -> None:
     from pytorch_lightning.loggers import CSVLogger
     from pytorch_lightning.loggers.csv_logs import ExperimentWriter
     from pytorch_lightning.utilities import CombinedLoader
+    from torch import nn
 
     connector = _signal_connector(trainer)
     for name in ("received_sigterm", _SIGTERM_NOTIFIER, _SLURM_SIGUSR_HANDLER):
@@ -282,6 +283,8 @@ def check_installed(trainer: pl.Trainer) -> None:
     for name in ("_experiment", "_fs"):
         _attr(csv, name, "CSVLogger")
     _attr(ExperimentWriter, "_check_log_dir_exists", "ExperimentWriter")
+    from torch import nn
+
     _storage_use_count_fn()
     _attr(nn.Module, "_compiled_call_impl", "nn.Module", _TORCH)
     norm_base_class()

@@ -283,7 +283,6 @@ def check_installed(trainer: pl.Trainer) -> None:
     for name in ("_experiment", "_fs"):
         _attr(csv, name, "CSVLogger")
     _attr(ExperimentWriter, "_check_log_dir_exists", "ExperimentWriter")
-    from torch import nn
 
     _storage_use_count_fn()
     _attr(nn.Module, "_compiled_call_impl", "nn.Module", _TORCH)

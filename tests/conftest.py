@@ -15,9 +15,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from tests.helpers import CONFIG_DIR, REPO_ROOT, compose_config, train_config
-
-__all__ = ["CONFIG_DIR", "REPO_ROOT", "compose_config"]  # imported from here by older test modules
+from tests.helpers import train_config
 
 # Two cores: keep each test process from oversubscribing them.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO_ROOT, compose_config
+from tests.helpers import REPO_ROOT, compose_config
 from tests.test_readme_commands import COMMANDS, Command
 
 pytestmark = [pytest.mark.no_dali, pytest.mark.slow]

@@ -40,7 +40,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO_ROOT, compose_config
+from tests.helpers import REPO_ROOT, compose_config
 
 # composes configs and reads --help: no DALI pipeline runs, nothing here depends on the DALI line
 pytestmark = pytest.mark.no_dali

@@ -23,7 +23,7 @@ log = logging.getLogger("predict")
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    detector = load_detector_from_settings(OmegaConf.to_container(cfg))
+    detector = load_detector_from_settings(OmegaConf.to_container(cfg, resolve=True))
     inputs = collect_inputs(cfg.input)
     log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
     results, failures = predict_images(

@@ -66,7 +66,7 @@ def _set_batchnorm_statistics(net: torch.nn.Module, images: torch.Tensor) -> Non
     activations grow layer after layer and every softmax score rounds to exactly 1.0 (thousands of ties,
     nothing like a trained net). With measured statistics the logits stay in a trained net's range."""
     for module in net.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, torch.nn.BatchNorm2d):
             module.reset_running_stats()
             module.momentum = None  # cumulative average over the batches seen
     net.train()

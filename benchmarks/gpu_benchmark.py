@@ -352,7 +352,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations (20; smoke 1)")
     p.add_argument("--iterations", type=int, default=None, help="timed iterations (50; smoke 3)")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="SSD300 batches (default 64 128 256)")
-    p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", 420)))
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_BENCH_BUDGET_S", "inf")))
     p.add_argument("--compile-estimate-s", type=float, default=150.0, help="assumed cost of a compiled row")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     p.add_argument(

@@ -6,7 +6,8 @@
 #   GPU_BENCH_SMOKE=1 bash benchmarks/gpu_benchmark.sh       # CPU smoke run: ResNet-18, batch 2, 1 + 3 iterations
 #
 # Environment: OUT (results directory, default ./gpu_results), PYTHON (default python3), GPU_BENCH_BUDGET_S
-# (seconds of rows, default 420), GPU_BENCH_TIMEOUT_S (hard stop, default budget + 90), GPU_BENCH_SMOKE=1.
+# (seconds of rows; default: all rows), GPU_BENCH_TIMEOUT_S (hard stop; default: budget + 90 s when a budget
+# is set, else none), GPU_BENCH_SMOKE=1.
 # Writes $OUT/summary.md, $OUT/results.json, $OUT/gpu_benchmark.log and $OUT/runs/<row>/benchmark.json.
 # Exit status: gpu_benchmark.py's (124: stopped by the hard stop; the rows finished by then are printed).
 set -euo pipefail
@@ -23,9 +24,16 @@ fi
 
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-limit=${GPU_BENCH_TIMEOUT_S:-$((${GPU_BENCH_BUDGET_S:-420} + 90))}
+limit=${GPU_BENCH_TIMEOUT_S:-}
+if [[ -z "$limit" && -n "${GPU_BENCH_BUDGET_S:-}" ]]; then
+    limit=$((${GPU_BENCH_BUDGET_S%.*} + 90))
+fi
 status=0
-timeout -k 10 "$limit" "$PYTHON" "$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_benchmark.log" || status=$?
+if [[ -n "$limit" ]]; then
+    timeout -k 10 "$limit" "$PYTHON" "$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_benchmark.log" || status=$?
+else
+    "$PYTHON" "$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_benchmark.log" || status=$?
+fi
 if ((status != 0)) && [[ -f "$OUT/summary.md" ]]; then
     echo "gpu_benchmark.py exited with $status (124: stopped after ${limit} s); rows finished so far:"
     cat "$OUT/summary.md"

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown decoder key(s) {unknown}; accepted: {sorted(DecoderSettings())}", file=sys.stderr)
         return 2
-    detector = load_detector_from_settings(OmegaConf.to_container(cfg))
+    detector = load_detector_from_settings(OmegaConf.to_container(cfg, resolve=True))
     path, model = export_detector(detector, cfg.output, end_to_end=cfg.end_to_end, opset=cfg.opset)
     size = f"{path.stat().st_size / 2**20:.1f} MiB"
     if not cfg.end_to_end:

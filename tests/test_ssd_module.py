@@ -111,3 +111,16 @@ def test_nvidia_checkpoint_is_loaded_into_the_network(tmp_path):
     module = _module(nvidia_checkpoint=str(path))
     for key, value in trained.state_dict().items():
         torch.testing.assert_close(module.net.state_dict()[key], value)
+
+
+def test_checkpoints_record_the_decoder_settings_used_not_nulls():
+    """model.decoder keys left null take DecoderSettings' defaults; hparams (and so checkpoints, which
+    predict and export read) hold the numbers the evaluation used."""
+    net = ssd300(backbone="resnet18", num_classes=3)
+    module = SSDLitModule(net=net, optimizer=None, decoder={"score_thresh": 0.2, "nms_iou": None})
+    assert module.hparams["decoder"] == {
+        "score_thresh": 0.2,
+        "nms_iou": 0.5,
+        "topk_per_class": 200,
+        "max_detections": 200,
+    }

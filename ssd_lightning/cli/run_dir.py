@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from datetime import datetime
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ssd_lightning.cli.sweep_summary import launcher_rank
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.atomic import atomic_write_text
+from ssd_lightning.io.run_config import update_moved_targets
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,16 @@ def stored_config(run: Path, key: str) -> DictConfig:
             f"{key}={run}: {file} not found; {key} takes a run directory written by train.py "
             "(it holds .hydra/ and checkpoints/), e.g. outputs/demo/<date>_<time>"
         )
-    return OmegaConf.load(file)
+    cfg = OmegaConf.load(file)
+    moved = update_moved_targets(cfg)
+    if moved:
+        log.info(
+            "%s: %s point(s) at classes that have moved since the run was written: %s",
+            file,
+            len(moved),
+            moved,
+        )
+    return cfg
 
 
 def _group_choices(run: Path) -> dict[str, str]:
@@ -225,6 +234,6 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def save_run_config(cfg: DictConfig, folder: Path) -> None:
     """Keep the config a resumed run runs with as ``<folder>/run_config.yaml`` (``folder``: this
     invocation's ``.hydra/resume_<time>/``), where the next ``resume=`` of the run finds it. Rank 0 only."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+    if launcher_rank() != 0:
         return
     atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))

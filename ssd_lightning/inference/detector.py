@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
+from ssd_lightning.io.run_config import update_moved_targets
 from ssd_lightning.io.weights import read_checkpoint, read_nvidia_state_dict
 from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco, nvidia_state_dict, ssd300
 from ssd_lightning.models.boxes import scale_to_pixels
@@ -140,6 +141,7 @@ def _load_run_config(config_path: Path):
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(config_path)
+    update_moved_targets(cfg)
     hydra_file = config_path.parent / "hydra.yaml"
     runtime = OmegaConf.load(hydra_file).hydra.runtime if hydra_file.is_file() else None
     if "paths" in cfg:

@@ -191,11 +191,11 @@ class EndToEndSSD(nn.Module):
             {"score_thresh": score_thresh, "nms_iou": nms_iou, "topk_per_class": topk_per_class,
              "max_detections": max_detections}
         )  # fmt: skip
-        if not 0 < nms_iou <= 1:
+        if not 0 < settings.nms_iou <= 1:
             # at nms_iou <= 0 the decoder suppresses boxes that do not even touch; ONNX NMS never does
-            raise ValueError(f"nms_iou must be in (0, 1] for the in-graph NMS, got {nms_iou}")
-        if not 0 <= score_thresh < 1:
-            raise ValueError(f"score_thresh must be in [0, 1), got {score_thresh}")
+            raise ValueError(f"nms_iou must be in (0, 1] for the in-graph NMS, got {settings.nms_iou}")
+        if not 0 <= settings.score_thresh < 1:
+            raise ValueError(f"score_thresh must be in [0, 1), got {settings.score_thresh}")
         self.net = net
         self.box_coder = box_coder
         self.decoder_settings = settings  # what this module reproduces of BoxCoder.decode

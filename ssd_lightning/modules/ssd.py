@@ -84,6 +84,7 @@ class SSDLitModule(pl.LightningModule):
         self.loss_fn = SSDLoss(default_boxes)
         self.box_coder = BoxCoder(default_boxes)
         self.decoder_settings = DecoderSettings.from_mapping(decoder)
+        self.hparams["decoder"] = dict(self.decoder_settings)  # the values used, defaults filled in
         self.channels_last = channels_last
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
 

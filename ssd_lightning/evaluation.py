@@ -33,11 +33,13 @@ __all__ = [
     "COCO_STAT_NAMES",
     "DEFAULT_BACKEND",
     "ClassAP",
+    "CocoEvaluation",
     "class_ap_from_precision",
     "coco_array_to_results",
     "detections_to_coco_array",
     "detections_to_coco_results",
     "evaluate_coco",
+    "evaluate_coco_detailed",
     "evaluate_coco_per_class",
     "format_per_class_table",
     "format_summary",
@@ -631,3 +633,63 @@ def evaluate_coco_per_class(
     """
     evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
     return _named_stats(evaluated, backend), _class_rows(evaluated)
+
+
+@dataclass(frozen=True)
+class CocoEvaluation:
+    """What one COCOeval run leaves for looking closer (PR curves, confusion matrices), without the
+    COCOeval object itself (its per-image match records are freed).
+
+    Attributes:
+        stats: the 12 stats of :func:`evaluate_coco`.
+        classes: one :class:`ClassAP` per category, in category id order.
+        precision: ``eval["precision"]``, ``(T, R, K, A, M)``, ``-1`` where undefined.
+        iou_thresholds: ``(T,)`` ``params.iouThrs``.
+        recall_thresholds: ``(R,)`` ``params.recThrs``.
+        category_ids: ``(K,)`` ``params.catIds``, ascending.
+        area_index: index of area range ``"all"`` in A.
+        max_dets_index: index of the largest ``maxDets`` in M.
+        max_dets: that largest ``maxDets`` (100).
+        image_ids: the evaluated image ids (``params.imgIds``).
+        gt_dataset: the annotation file's dataset dict the evaluation ran on (not a copy).
+    """
+
+    stats: dict[str, float]
+    classes: list[ClassAP]
+    precision: np.ndarray
+    iou_thresholds: np.ndarray
+    recall_thresholds: np.ndarray
+    category_ids: np.ndarray
+    area_index: int
+    max_dets_index: int
+    max_dets: int
+    image_ids: np.ndarray
+    gt_dataset: dict
+
+
+def evaluate_coco_detailed(
+    annotation_file: str | os.PathLike,
+    detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
+    backend: str = DEFAULT_BACKEND,
+    *,
+    verbose: bool = True,
+    image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+) -> CocoEvaluation:
+    """:func:`evaluate_coco_per_class` (same arguments, one COCOeval run) that also keeps the accumulated
+    precision array and the parameters needed to read it (:class:`CocoEvaluation`)."""
+    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
+    params = evaluated.coco_eval.params
+    max_dets_index = int(np.argmax(params.maxDets))
+    return CocoEvaluation(
+        stats=_named_stats(evaluated, backend),
+        classes=_class_rows(evaluated),
+        precision=np.asarray(evaluated.coco_eval.eval["precision"], dtype=np.float64),
+        iou_thresholds=np.asarray(params.iouThrs, dtype=np.float64),
+        recall_thresholds=np.asarray(params.recThrs, dtype=np.float64),
+        category_ids=np.asarray(params.catIds, dtype=np.int64),
+        area_index=list(params.areaRngLbl).index("all"),
+        max_dets_index=max_dets_index,
+        max_dets=int(params.maxDets[max_dets_index]),
+        image_ids=np.asarray(params.imgIds, dtype=np.int64),
+        gt_dataset=evaluated.gt_dataset,
+    )

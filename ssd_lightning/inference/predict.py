@@ -1,18 +1,26 @@
-"""Detect objects in image files: collect inputs, preprocess, run a :class:`Detector`, write pictures + JSON.
+"""Detect objects in image files: read and preprocess, run a :class:`Detector`, write pictures + JSON, and
+score the detections against a COCO annotation file.
 
-Preprocessing (:func:`preprocess`) is the validation transform of the datamodules done with PIL and torch
-instead of DALI: RGB (EXIF orientation applied), resize to 300×300 without letterbox (Pillow bilinear), then
+Inputs come from :func:`ssd_lightning.inference.sources.collect_inputs` (re-exported here). Images are read
+and preprocessed in ``workers`` threads ahead of the detector, in input order. Preprocessing
+(:func:`preprocess`) is the validation transform of the datamodules done with PIL and torch instead of
+DALI: RGB (EXIF orientation applied), resize to 300×300 without letterbox (Pillow bilinear), then
 ``(pixel - 255 * mean) / (255 * std)`` with the ImageNet mean/std, NCHW float32.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
+import math
 import os
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+import sys
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -20,41 +28,36 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
-from ssd_lightning.evaluation import coco_array_to_results, to_coco_array
+from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.errors import DataError
+from ssd_lightning.evaluation import (
+    COCO_STAT_NAMES,
+    ClassAP,
+    coco_array_to_results,
+    evaluate_coco_per_class,
+    format_summary,
+    to_coco_array,
+)
 from ssd_lightning.inference.detector import Detector
+from ssd_lightning.inference.sources import IMAGE_EXTENSIONS, InputImage, collect_inputs
+from ssd_lightning.io.atomic import atomic_write_json
+from ssd_lightning.tables import markdown_table
 
-__all__ = ["IMAGE_EXTENSIONS", "collect_inputs", "open_image", "predict_images", "preprocess"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "InputImage",
+    "categories_for_annotations",
+    "collect_inputs",
+    "evaluate_predictions",
+    "open_image",
+    "predict_images",
+    "preprocess",
+]
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-
-
-# ------------------------------------------------------------------------------------------ inputs
-def collect_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """Image files named by ``spec``: a file, a folder (its files with an image extension, sorted, not
-    recursive), a glob pattern (``photos/*.jpg``, ``**`` allowed), or a list of those.
-
-    Raises:
-        FileNotFoundError: nothing matched (the message names ``spec``).
-    """
-    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    found: list[Path] = []
-    for item in specs:
-        path = Path(item)
-        if path.is_file():
-            found.append(path)
-        elif path.is_dir():
-            found += sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-        else:
-            found += sorted(Path(p) for p in glob.glob(str(item), recursive=True) if Path(p).is_file())
-    if not found:
-        raise FileNotFoundError(
-            f"input={spec!s}: no image files found; give an image, a folder of images or a glob in quotes"
-        )
-    return list(dict.fromkeys(found))
 
 
 def preprocess(image: Image.Image, size: int = 300) -> Tensor:
@@ -73,48 +76,104 @@ def open_image(path: Path) -> Image.Image:
         return ImageOps.exif_transpose(img).convert("RGB")
 
 
-def _batches(paths: Sequence[Path], batch_size: int, failures: list[tuple[Path, str]]) -> Iterator[list]:
-    batch: list[tuple[Path, Image.Image]] = []
-    for path in paths:
-        try:
-            batch.append((path, open_image(path)))
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            failures.append((path, f"{type(e).__name__}: {e}"))
-            log.error("skipping %s: cannot read it as an image (%s)", path, e)
-            continue
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+# ------------------------------------------------------------------------------------------ reading
+_READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
+
+
+def _read(item: InputImage, size: int) -> tuple[InputImage, Image.Image | None, Tensor | None, str]:
+    """``(item, image, preprocessed, "")``, or ``(item, None, None, reason)`` for an unreadable file."""
+    try:
+        image = open_image(item.path)
+    except _READ_ERRORS as e:
+        return item, None, None, f"{type(e).__name__}: {e}"
+    return item, image, preprocess(image, size), ""
+
+
+def _read_ahead(inputs: Sequence[InputImage], size: int, workers: int, window: int) -> Iterator[tuple]:
+    """:func:`_read` of every input, in input order; ``workers`` threads keep at most ``window`` reads
+    ahead (0 workers: read in this thread)."""
+    if workers <= 0:
+        for item in inputs:
+            yield _read(item, size)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="predict-read") as pool:
+        pending: deque[Future] = deque()
+        items = iter(inputs)
+        for item in items:
+            pending.append(pool.submit(_read, item, size))
+            if len(pending) >= window:
+                break
+        while pending:
+            yield pending.popleft().result()
+            item = next(items, None)
+            if item is not None:
+                pending.append(pool.submit(_read, item, size))
+
+
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a log line at every tenth of the inputs."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.total, self.done, self.next_line = total, 0, total / 10
+        on_terminal = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="img", dynamic_ncols=True) if on_terminal else None
+        self.lines = enabled and not on_terminal
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.lines and (self.done >= self.next_line or self.done == self.total):
+            log.info("%d/%d images", self.done, self.total)
+            self.next_line = (math.floor(self.done * 10 / self.total) + 1) * self.total / 10
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ------------------------------------------------------------------------------------------ running
-def _unique_name(path: Path, used: set[str]) -> str:
-    name = f"{path.stem}.jpg"
-    k = 1
-    while name in used:
-        name, k = f"{path.stem}_{k}.jpg", k + 1
-    used.add(name)
-    return name
+def _picture_name(name: str, used: set[str]) -> str:
+    """``<name without suffix>.jpg``, or ``..._<k>.jpg`` for the k-th other input of that stem."""
+    stem = PurePosixPath(name).with_suffix("").as_posix()
+    picture, k = f"{stem}.jpg", 1
+    while picture in used:
+        picture, k = f"{stem}_{k}.jpg", k + 1
+    used.add(picture)
+    return picture
+
+
+def _as_input(item: InputImage | str | os.PathLike) -> InputImage:
+    return item if isinstance(item, InputImage) else InputImage(Path(item), Path(item).name)
 
 
 def predict_images(
     detector: Detector,
-    inputs: Sequence[Path],
+    inputs: Sequence[InputImage | str | os.PathLike],
     output_dir: str | os.PathLike,
     *,
     batch_size: int = 8,
     draw_score_thresh: float = 0.3,
     draw: bool = True,
+    image_ids: Sequence[int] | None = None,
+    categories: CategoryMap | None = None,
+    workers: int = 4,
+    progress: bool = False,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Detect objects in ``inputs``; write annotated pictures and ``predictions.json`` to ``output_dir``.
 
     ``predictions.json`` is in COCO results format (:func:`ssd_lightning.evaluation.to_coco_array`: bbox to
-    0.001 px, score to 1e-5), one entry per detection the decoder keeps: ``image_id`` (index of the image in
-    ``inputs`` order, failures included), ``category_id`` (dataset id), ``bbox`` ``[x, y, w, h]`` in original
-    pixels clipped to the image, ``score``, plus ``file_name`` (the input path) and ``category_name``.
-    Pictures ``<output_dir>/<stem>.jpg`` show detections with score >= ``draw_score_thresh``.
+    0.001 px, score to 1e-5), one entry per detection the decoder keeps: ``image_id`` (``image_ids[i]`` for
+    input ``i``, default ``i``; failures keep their place), ``category_id`` (from ``categories``, default
+    the detector's), ``bbox`` ``[x, y, w, h]`` in original pixels clipped to the image, ``score``, plus
+    ``file_name`` (the input's ``name``: its path relative to the input folder; a plain path is named by its
+    file name) and ``category_name``. Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix
+    replaced; ``_1``, ``_2``... for further inputs of the same name) show detections with score >=
+    ``draw_score_thresh``. ``workers`` threads read images ahead; ``progress`` shows a progress bar. The
+    log's last line gives the images per second of the loop (reading, detecting, drawing; not loading the
+    detector).
 
     Returns:
         (the COCO results, the failures as ``(path, reason)``). Unreadable files are skipped with an
@@ -124,27 +183,31 @@ def predict_images(
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    items = [_as_input(item) for item in inputs]
+    ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
+    if len(ids) != len(items):
+        raise ValueError(f"{len(ids)} image_ids for {len(items)} inputs")
+    categories = categories or detector.categories
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    index = {path: i for i, path in enumerate(inputs)}
     results: list[dict[str, Any]] = []
     failures: list[tuple[Path, str]] = []
     used: set[str] = set()
-    done = 0
-    for batch in _batches(inputs, batch_size, failures):
-        images = torch.stack([preprocess(img, detector.image_size) for _, img in batch])
-        sizes = [(img.height, img.width) for _, img in batch]
-        detections = detector.detect(images, sizes)
-        for (path, img), det in zip(batch, detections, strict=True):
+    bar = _Progress(len(items), progress)
+
+    def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
+        images = torch.stack([tensor for *_, tensor in batch])
+        detections = detector.detect(images, [(img.height, img.width) for _, _, img, _ in batch])
+        for (index, item, img, _), det in zip(batch, detections, strict=True):
             boxes = det["boxes"].cpu().double().numpy()
             scores = det["scores"].cpu().numpy()
             labels = det["labels"].cpu().numpy()
             clipped = boxes.copy()
             clipped[:, 0::2] = clipped[:, 0::2].clip(0, img.width)
             clipped[:, 1::2] = clipped[:, 1::2].clip(0, img.height)
-            rows = to_coco_array([index[path]], [clipped], [scores], [labels], detector.categories)
+            rows = to_coco_array([ids[index]], [clipped], [scores], [labels], categories)
             for entry, label in zip(coco_array_to_results(rows), labels, strict=True):
-                entry.update(file_name=str(path), category_name=detector.class_names[int(label)])
+                entry.update(file_name=item.name, category_name=categories.names[int(label)])
                 results.append(entry)
             if draw:
                 picture = draw_detections(
@@ -152,12 +215,140 @@ def predict_images(
                     clipped,
                     labels,
                     scores,
-                    class_names=detector.class_names,
+                    class_names=categories.names,
                     score_thresh=draw_score_thresh,
                 )
-                picture.save(output_dir / _unique_name(path, used), quality=92, subsampling=0)
-            done += 1
-        log.info("%d/%d images done", done + len(failures), len(inputs))
+                path = output_dir / _picture_name(item.name, used)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                picture.save(path, quality=92, subsampling=0)
+        bar.update(len(batch))
+
+    start = time.perf_counter()
+    batch: list[tuple[int, InputImage, Image.Image, Tensor]] = []
+    try:
+        reads = _read_ahead(items, detector.image_size, workers, window=max(2 * batch_size, 4 * workers))
+        for index, (item, image, tensor, reason) in enumerate(reads):
+            if image is None:
+                failures.append((item.path, reason))
+                log.error("skipping %s: cannot read it as an image (%s)", item.path, reason)
+                bar.update(1)
+                continue
+            batch.append((index, item, image, tensor))
+            if len(batch) == batch_size:
+                run(batch)
+                batch = []
+        if batch:
+            run(batch)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    done = len(items) - len(failures)
+    log.info("%d images in %.1f s, %.1f images/s", done, seconds, done / seconds if seconds > 0 else 0.0)
     with open(output_dir / "predictions.json", "w", encoding="utf-8") as f:
         json.dump(results, f)
     return results, failures
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _category_text(pairs: Mapping[int, str], limit: int = 12) -> str:
+    shown = [f"{i}: {name!r}" for i, name in list(pairs.items())[:limit]]
+    more = f", ... ({len(pairs)} in all)" if len(pairs) > limit else ""
+    return "{" + ", ".join(shown) + more + "}"
+
+
+def categories_for_annotations(
+    categories: CategoryMap, dataset: Mapping[str, Any], *, where: str = "annotations"
+) -> CategoryMap:
+    """The detector's ``categories`` with the category ids of a COCO ``dataset`` (parsed JSON).
+
+    The same ``{id: name}`` set: ``categories`` as they are. The same names under other ids: each label
+    gets the id of its name in ``dataset``.
+
+    Raises:
+        DataError: the names differ; the one-line message names both sets (``where`` names the file).
+    """
+    theirs = CategoryMap.from_coco(dataset, where=where)
+    ours_pairs = dict(zip(categories.category_ids, categories.names[1:], strict=True))
+    their_pairs = dict(zip(theirs.category_ids, theirs.names[1:], strict=True))
+    if ours_pairs == their_pairs:
+        return categories
+    id_of_name = {name: i for i, name in their_pairs.items()}
+    same_names = len(id_of_name) == len(their_pairs) and set(id_of_name) == set(categories.names[1:])
+    if same_names and len(set(categories.names[1:])) == len(categories.names) - 1:
+        log.info("%s: category ids matched to the detector's classes by name", where)
+        return CategoryMap(tuple(id_of_name[name] for name in categories.names[1:]), categories.names)
+    raise DataError(
+        f"{where}: its categories {_category_text(their_pairs)} are not the detector's "
+        f"{_category_text(ours_pairs)} (id: name; the names must be the same); give the annotation file of "
+        "the classes the model was trained on"
+    )
+
+
+def _class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
+    """Rows of ``coco_eval.json``'s ``per_class``, category order; an undefined AP (no ground truth) null."""
+
+    def value(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return [
+        {
+            "category_id": row.category_id,
+            "name": row.name,
+            "metric_key": row.key,
+            "AP": value(row.ap),
+            "AP50": value(row.ap50),
+            "num_gt": row.num_gt,
+        }
+        for row in classes
+    ]
+
+
+def _class_table(classes: Sequence[ClassAP]) -> str:
+    """The per-class AP as a markdown table, category order; ``-`` where AP is undefined."""
+
+    def value(x: float) -> str:
+        return "-" if math.isnan(x) else f"{x:.3f}"
+
+    rows = [(c.name, c.category_id, c.num_gt, value(c.ap), value(c.ap50)) for c in classes]
+    return markdown_table(["category", "id", "GT", "AP", "AP50"], rows, align="lrrrr", pad=True)
+
+
+def evaluate_predictions(
+    annotation_file: str | os.PathLike,
+    results: Sequence[Mapping[str, Any]] | str | os.PathLike,
+    image_ids: Sequence[int],
+    output_dir: str | os.PathLike,
+    *,
+    annotated_images: int | None = None,
+) -> dict[str, Any]:
+    """COCO bbox evaluation of ``results`` (keyed by ``annotation_file``'s ids) on the images ``image_ids``
+    (an image without detections counts as missed) with
+    :func:`ssd_lightning.evaluation.evaluate_coco_per_class`; logs the 12 numbers and a per-class table and
+    writes them to ``<output_dir>/coco_eval.json``.
+
+    Returns:
+        What ``coco_eval.json`` holds: ``annotations`` (the file), ``images`` (how many evaluated),
+        ``annotated_images`` (how many the file has, if given), ``stats`` (``{name: value}`` in
+        :data:`~ssd_lightning.evaluation.COCO_STAT_NAMES` order, ``-1`` where undefined) and ``per_class``
+        (``category_id``, ``name``, ``metric_key``, ``AP``, ``AP50``, ``num_gt``; ``null`` AP without ground
+        truth).
+    """
+    with warnings.catch_warnings():  # a subset is stated in the log line below
+        warnings.filterwarnings("ignore", message="evaluating on .* images", category=UserWarning)
+        stats, classes = evaluate_coco_per_class(annotation_file, results, verbose=False, image_ids=image_ids)
+    evaluated = len(set(image_ids))
+    report = {
+        "annotations": str(annotation_file),
+        "images": evaluated,
+        "annotated_images": annotated_images,
+        "stats": {name: stats[name] for name in COCO_STAT_NAMES},
+        "per_class": _class_records(classes),
+    }
+    atomic_write_json(Path(output_dir) / "coco_eval.json", report, indent=1, allow_nan=False)
+    scope = f"{evaluated} image(s)"
+    if annotated_images is not None and annotated_images != evaluated:
+        scope = f"{evaluated} of its {annotated_images} images (not the full-dataset metrics)"
+    log.info("COCO bbox evaluation on %s of %s:\n%s", scope, annotation_file, format_summary(stats))
+    log.info("Per-class AP (area all, maxDets 100):\n%s", _class_table(classes))
+    log.info("-> %s", Path(output_dir) / "coco_eval.json")
+    return report

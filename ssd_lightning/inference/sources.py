@@ -1,0 +1,256 @@
+"""The images of a ``predict.py`` run: what ``input=`` names, each with the name its outputs are written
+under, and their image ids in a COCO annotation file.
+
+An :class:`InputImage` pairs the file to read with its ``name``: the path relative to the folder given
+(``a/b.jpg`` for ``input=photos/`` and ``photos/a/b.jpg``), to a glob's leading folder, or to a list file's
+folder; a file outside that folder (``../x.jpg``, an absolute path) and a single file are named by their file
+name. Names are POSIX paths without ``..``, so ``<output>/<name>`` stays inside ``<output>``, and they are
+what ``predictions.json`` records as ``file_name`` (the layout of a COCO ``file_name`` with subfolders).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ssd_lightning.errors import DataError, MissingDataError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "InputImage",
+    "collect_inputs",
+    "load_annotation_file",
+    "match_annotation_ids",
+    "read_list_file",
+]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+_GLOB_MAGIC = re.compile(r"[*?[]")
+_SHOWN = 5  # names quoted in a message about many files
+
+
+@dataclass(frozen=True)
+class InputImage:
+    """One input file: ``path`` to read, ``name`` (POSIX, relative, no ``..``) for its outputs."""
+
+    path: Path
+    name: str
+
+
+def _named(path: Path, root: Path | None) -> InputImage:
+    """``path`` named relative to ``root`` when it lies below it, else by its file name."""
+    if root is not None:
+        try:
+            relative = path.resolve().relative_to(root.resolve())
+        except ValueError:
+            pass
+        else:
+            if relative.parts:
+                return InputImage(path, relative.as_posix())
+    return InputImage(path, path.name)
+
+
+def _first_of_each(images: Iterable[InputImage]) -> list[InputImage]:
+    """``images`` in order, a file named twice (same resolved path) kept at its first place."""
+    unique: dict[Path, InputImage] = {}
+    for image in images:
+        unique.setdefault(image.path.resolve(), image)
+    return list(unique.values())
+
+
+def _folder_images(folder: Path, recursive: bool, exclude: Sequence[Path]) -> list[InputImage]:
+    """Files with an image extension in ``folder`` (and below with ``recursive``), sorted by name; hidden
+    files and folders (``.name``) and the subfolders in ``exclude`` are skipped."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        if not recursive:
+            dirnames.clear()
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and (here / d).resolve() not in exclude]
+        for name in filenames:
+            path = here / name
+            if not name.startswith(".") and path.suffix.lower() in IMAGE_EXTENSIONS:
+                found.append(InputImage(path, path.relative_to(folder).as_posix()))
+    return sorted(found, key=lambda item: item.name)
+
+
+def _glob_root(pattern: str) -> Path:
+    """The folder part of ``pattern`` before its first wildcard (``photos/**/*.jpg`` -> ``photos``)."""
+    parts = Path(pattern).parts
+    fixed = []
+    for part in parts[:-1]:
+        if _GLOB_MAGIC.search(part):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path(".")
+
+
+def read_list_file(list_file: str | os.PathLike) -> list[InputImage]:
+    """The files a list file names: one path per line, relative ones resolved against the list file's
+    folder; surrounding whitespace, blank lines and lines starting with ``#`` are skipped. Entries are kept in
+    the file's order (a repeated path once).
+
+    Raises:
+        MissingDataError: the list file, or any file it lists, does not exist (the message names the list
+            file and the line of the first ones).
+        DataError: a listed path is a folder.
+    """
+    list_file = Path(list_file)
+    if not list_file.is_file():
+        raise MissingDataError(f"input=@{list_file}: the list file does not exist")
+    base = list_file.parent
+    found: list[InputImage] = []
+    missing: list[str] = []
+    for number, line in enumerate(list_file.read_text(encoding="utf-8-sig").splitlines(), start=1):
+        entry = line.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        path = Path(entry).expanduser()
+        path = path if path.is_absolute() else base / path
+        if path.is_dir():
+            raise DataError(
+                f"{list_file}:{number}: {entry!r} is a folder; a list file names image files, one per line"
+            )
+        if not path.is_file():
+            missing.append(f"{list_file}:{number} {entry!r}")
+            continue
+        found.append(_named(path, base))
+    if missing:
+        raise MissingDataError(
+            f"input=@{list_file}: {len(missing)} listed file(s) do not exist, e.g. "
+            f"{'; '.join(missing[:_SHOWN])} (relative paths are resolved against {base.resolve()}); "
+            "fix or remove those lines"
+        )
+    return _first_of_each(found)
+
+
+def _list_file_of(item: str | os.PathLike) -> Path | None:
+    """``@list`` or an existing ``*.txt`` file: the list file; anything else: None."""
+    text = os.fspath(item)
+    if text.startswith("@"):
+        return Path(text[1:])
+    path = Path(text)
+    return path if path.suffix.lower() == ".txt" and path.is_file() else None
+
+
+def collect_inputs(
+    spec: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    recursive: bool = True,
+    exclude: Iterable[str | os.PathLike] = (),
+) -> list[InputImage]:
+    """The images named by ``spec``, each once, in order (sorted by name within a folder or glob).
+
+    ``spec`` is an image file, a folder (the files with an image extension in it and, with ``recursive``,
+    in its subfolders; hidden files and folders skipped), a glob pattern (``photos/*.jpg``; ``**`` matches
+    subfolders; every matching file), a list file (``@list`` or an existing ``*.txt`` file, see
+    :func:`read_list_file`), or a sequence of those. Folders in ``exclude`` (the output folder) are not
+    searched.
+
+    Raises:
+        FileNotFoundError: nothing matched (the message names ``spec``); a list file problem (see
+            :func:`read_list_file`).
+    """
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    skip = [Path(p).resolve() for p in exclude]
+    found: list[InputImage] = []
+    for item in specs:
+        path = Path(item)
+        list_file = _list_file_of(item)
+        if list_file is not None:
+            found += read_list_file(list_file)
+        elif path.is_file():
+            found.append(InputImage(path, path.name))
+        elif path.is_dir():
+            found += _folder_images(path, recursive, skip)
+        else:
+            root = _glob_root(os.fspath(item))
+            matches = sorted(Path(p) for p in glob.glob(os.fspath(item), recursive=True))
+            found += [_named(p, root) for p in matches if p.is_file()]
+    if not found:
+        raise MissingDataError(
+            f"input={spec!s}: no image files found; give an image, a folder of images, a glob in quotes "
+            "or a list file (@list.txt)"
+        )
+    return _first_of_each(found)
+
+
+# ------------------------------------------------------------------------------------------ annotations
+def _preview(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+
+
+def match_annotation_ids(
+    images: Sequence[InputImage], dataset: Mapping[str, Any], *, where: str = "annotations"
+) -> list[int]:
+    """The image id of each of ``images`` in a COCO ``dataset`` (its parsed ``images`` list).
+
+    An image matches the entry whose ``file_name`` equals its ``name`` (the path relative to the input
+    folder), else the one entry with the same file name (basename) if exactly one has it.
+
+    Raises:
+        DataError: an image matches no entry or an ambiguous one (the count and the first names), or two
+            images match the same entry; ``where`` names the annotation file.
+    """
+    entries = dataset.get("images")
+    if not isinstance(entries, list):
+        raise DataError(f"{where}: no 'images' list; is it a COCO instances file?")
+    by_path: dict[str, int] = {}
+    by_base: Counter[str] = Counter()
+    base_id: dict[str, int] = {}
+    for entry in entries:
+        file_name = PurePosixPath(str(entry["file_name"]).replace("\\", "/"))
+        by_path[file_name.as_posix()] = int(entry["id"])
+        by_base[file_name.name] += 1
+        base_id[file_name.name] = int(entry["id"])
+    ids: list[int] = []
+    unmatched: list[str] = []
+    for image in images:
+        base = PurePosixPath(image.name).name
+        if image.name in by_path:
+            ids.append(by_path[image.name])
+        elif by_base[base] == 1:
+            ids.append(base_id[base])
+        else:
+            unmatched.append(image.name + (" (file name not unique there)" if by_base[base] > 1 else ""))
+    if unmatched:
+        raise DataError(
+            f"{where}: {len(unmatched)} of the {len(images)} input image(s) are not in its 'images' "
+            f"(matched by path relative to the input folder, then by file name): {_preview(unmatched)}; "
+            "predict on the annotated images only (a list file, input=@list.txt) or leave out annotations="
+        )
+    twice = [name for name, n in Counter(ids).items() if n > 1]
+    if twice:
+        names = [image.name for image, i in zip(images, ids, strict=True) if i in set(twice)]
+        raise DataError(
+            f"{where}: several input images match the same image entry (same file name in different "
+            f"folders): {_preview(names)}; name them by their path relative to the annotation's file_name"
+        )
+    return ids
+
+
+def load_annotation_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A COCO annotation file's parsed JSON.
+
+    Raises:
+        MissingDataError: it does not exist. DataError: not JSON, or not an object.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingDataError(f"annotations={path}: the file does not exist; give a COCO instances JSON")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"annotations={path}: not a JSON file ({e})") from e
+    if not isinstance(data, dict):
+        raise DataError(f"annotations={path}: a COCO instances file is a JSON object")
+    return data

@@ -14,63 +14,19 @@ COCO metrics. Unreadable files are skipped with a message; the exit status is no
 could be processed. Settings: configs/predict.yaml.
 """
 
-import logging
 import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from ssd_lightning.errors import user_errors_as_messages
-from ssd_lightning.inference.detector import load_detector_from_settings
-from ssd_lightning.inference.predict import categories_for_annotations, evaluate_predictions, predict_images
-from ssd_lightning.inference.sources import collect_inputs, load_annotation_file, match_annotation_ids
-
-log = logging.getLogger("predict")
-
-
-def run(cfg: DictConfig) -> None:
-    """Collect the inputs (and their annotation ids), load the detector, predict, evaluate."""
-    inputs = collect_inputs(cfg.input, recursive=cfg.recursive, exclude=[cfg.output])
-    image_ids = dataset = None
-    if cfg.annotations:
-        dataset = load_annotation_file(cfg.annotations)
-        image_ids = match_annotation_ids(inputs, dataset, where=f"annotations={cfg.annotations}")
-    detector = load_detector_from_settings(OmegaConf.to_container(cfg, resolve=True))
-    categories = None
-    if dataset is not None:
-        categories = categories_for_annotations(
-            detector.categories, dataset, where=f"annotations={cfg.annotations}"
-        )
-    log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
-    results, failures = predict_images(
-        detector,
-        inputs,
-        cfg.output,
-        batch_size=cfg.batch_size,
-        draw_score_thresh=cfg.draw_score_thresh,
-        draw=cfg.draw,
-        image_ids=image_ids,
-        categories=categories,
-        workers=cfg.workers,
-        progress=cfg.progress,
-    )
-    done = len(inputs) - len(failures)
-    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), cfg.output)
-    if failures:
-        shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
-        log.error("%d file(s) skipped: %s", len(failures), shown)
-    if done == 0:
-        log.error("no image could be read")
-        sys.exit(1)
-    if image_ids is not None:
-        annotated = len(dataset["images"])
-        evaluate_predictions(cfg.annotations, results, image_ids, cfg.output, annotated_images=annotated)
+from ssd_lightning.inference.predict import predict_from_settings
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    with user_errors_as_messages():
-        run(cfg)
+    status = predict_from_settings(OmegaConf.to_container(cfg, resolve=True))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -161,6 +162,50 @@ def test_cli_reports_corrupt_files_and_fails_only_when_nothing_worked(fake_run, 
     result = run_script(PREDICT_PY, ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
     assert result.returncode != 0
     assert "broken.jpg" in result.stdout + result.stderr
+
+
+def test_cli_scores_a_folder_against_its_annotation_file(fake_run, shapes_coco, tmp_path):
+    """annotations=: image ids from the file; coco_eval.json = evaluate_coco run on predictions.json."""
+    from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
+
+    run, _ = fake_run
+    annotations = shapes_coco / "annotations" / "instances_val2017.json"
+    dataset = json.loads(annotations.read_text())
+    out = tmp_path / "out"
+    result = run_script(
+        PREDICT_PY,
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        f"input={shapes_coco / 'val2017'}",
+        f"annotations={annotations}",
+        f"output={out}",
+        "draw=false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert re.search(r"13 images in [\d.]+ s, [\d.]+ images/s", log), log[-3000:]
+    assert "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]" in log
+    assert "| category " in log and "| rectangle " in log
+    saved = json.loads((out / "predictions.json").read_text())
+    id_of = {im["file_name"]: im["id"] for im in dataset["images"]}
+    assert saved and all(id_of[e["file_name"]] == e["image_id"] for e in saved)
+    written = json.loads((out / "coco_eval.json").read_text())
+    independent = evaluate_coco(annotations, out / "predictions.json", verbose=False)
+    assert written["stats"] == {k: independent[k] for k in COCO_STAT_NAMES}
+    assert written["images"] == written["annotated_images"] == len(dataset["images"])
+    assert [r["name"] for r in written["per_class"]] == [c["name"] for c in dataset["categories"]]
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**dataset, "categories": [{"id": 1, "name": "cat"}]}))
+    result = run_script(
+        PREDICT_PY,
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        f"input={shapes_coco / 'val2017'}",
+        f"annotations={other}",
+        f"output={tmp_path / 'bad'}",
+    )
+    assert result.returncode == 1
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert "{1: 'cat'}" in error and "the detector's {3: 'rectangle'" in error, result.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------ end-to-end ONNX export

@@ -29,7 +29,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.errors import DataError
+from ssd_lightning.errors import DataError, user_errors_as_messages
 from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
     ClassAP,
@@ -38,8 +38,14 @@ from ssd_lightning.evaluation import (
     format_summary,
     to_coco_array,
 )
-from ssd_lightning.inference.detector import Detector
-from ssd_lightning.inference.sources import IMAGE_EXTENSIONS, InputImage, collect_inputs
+from ssd_lightning.inference.detector import Detector, load_detector_from_settings
+from ssd_lightning.inference.sources import (
+    IMAGE_EXTENSIONS,
+    InputImage,
+    collect_inputs,
+    load_annotation_file,
+    match_annotation_ids,
+)
 from ssd_lightning.io.atomic import atomic_write_json
 from ssd_lightning.tables import markdown_table
 
@@ -50,6 +56,7 @@ __all__ = [
     "collect_inputs",
     "evaluate_predictions",
     "open_image",
+    "predict_from_settings",
     "predict_images",
     "preprocess",
 ]
@@ -352,3 +359,55 @@ def evaluate_predictions(
     log.info("Per-class AP (area all, maxDets 100):\n%s", _class_table(classes))
     log.info("-> %s", Path(output_dir) / "coco_eval.json")
     return report
+
+
+# ------------------------------------------------------------------------------------------ predict.py
+def _predict(settings: Mapping[str, Any]) -> int:
+    inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
+    where = f"annotations={settings['annotations']}"
+    dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
+    image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
+    detector = load_detector_from_settings(settings)
+    categories = categories_for_annotations(detector.categories, dataset, where=where) if dataset else None
+    log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
+    results, failures = predict_images(
+        detector,
+        inputs,
+        settings["output"],
+        batch_size=settings["batch_size"],
+        draw_score_thresh=settings["draw_score_thresh"],
+        draw=settings["draw"],
+        image_ids=image_ids,
+        categories=categories,
+        workers=settings["workers"],
+        progress=settings["progress"],
+    )
+    done = len(inputs) - len(failures)
+    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"])
+    if failures:
+        shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
+        log.error("%d file(s) skipped: %s", len(failures), shown)
+    if done == 0:
+        log.error("no image could be read")
+        return 1
+    if dataset is not None:
+        evaluate_predictions(
+            settings["annotations"],
+            results,
+            image_ids,
+            settings["output"],
+            annotated_images=len(dataset["images"]),
+        )
+    return 0
+
+
+def predict_from_settings(settings: Mapping[str, Any]) -> int:
+    """What ``python predict.py`` does with its resolved settings (``configs/predict.yaml``): collect the
+    inputs (and their ids in ``annotations``, checked before the detector loads), detect, write, evaluate.
+
+    Returns:
+        The exit status: 0, or 1 when no image could be read. Input errors (a missing list entry, images
+        or categories the annotation file lacks) end the process with a one-line ``Error:`` (exit 1 or 2).
+    """
+    with user_errors_as_messages():
+        return _predict(settings)

@@ -4,8 +4,13 @@
   on a copy of a PIL image; ground truth, when given, is drawn underneath in :data:`GT_COLOUR`.
 * :func:`plot_curves` draws the ``metrics.csv`` of runs (read by :mod:`ssd_lightning.metrics_csv`, whose
   :func:`read_metrics_csv` is re-exported here): training loss and learning rate over steps, the validation
-  metric over epochs, one line per run. matplotlib's object API (no pyplot, no GUI backend): safe in
-  training processes and on machines without a display.
+  metric over epochs, one line per run.
+* :func:`plot_pr_curves` and :func:`plot_confusion_matrix` draw the arrays of
+  :mod:`ssd_lightning.error_analysis` (and any confusion matrix); :func:`log_picture` sends a written
+  picture to the loggers that take images (TensorBoard).
+
+matplotlib's object API (no pyplot, no GUI backend): safe in training processes and on machines without a
+display.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ __all__ = [
     "PALETTE",
     "class_colour",
     "draw_detections",
-    "read_metrics_csv",
+    "log_picture",
+    "plot_confusion_matrix",
     "plot_curves",
+    "plot_pr_curves",
+    "read_metrics_csv",
 ]
 
 # Prediction colours by class label (label k uses PALETTE[(k - 1) % len(PALETTE)]); saturated colours
@@ -290,9 +298,190 @@ def plot_curves(
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     if title:
         fig.suptitle(title)
+    return _save(fig, output)
+
+
+def _save(fig, output: str | os.PathLike) -> Path:
+    """Write ``fig`` to ``output`` atomically (a temporary file, then a rename); parent folders created."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp.png")
     fig.savefig(tmp)
     os.replace(tmp, output)
     return output
+
+
+# ---------------------------------------------------------------------------------------- error analysis
+def plot_pr_curves(
+    recall: np.ndarray,
+    precision: np.ndarray,
+    ap: np.ndarray,
+    all_precision: np.ndarray,
+    all_ap: np.ndarray,
+    iou_thresholds: Sequence[float],
+    class_names: Sequence[str],
+    output: str | os.PathLike,
+    *,
+    title: str | None = None,
+    max_legend_classes: int = 20,
+) -> Path:
+    """One panel per IoU threshold: a precision/recall line per class and a thick black all-classes line.
+
+    Args:
+        recall: ``(R,)`` recall points.
+        precision: ``(I, K, R)`` precision per IoU threshold and class (NaN: class without ground truth,
+            not drawn).
+        ap: ``(I, K)`` the AP of each line, shown in the legend.
+        all_precision, all_ap: ``(I, R)`` and ``(I,)``, the all-classes line and its AP.
+        iou_thresholds: ``(I,)`` the panel titles.
+        class_names: ``K`` names.
+        output: PNG file to write.
+        title: figure title.
+        max_legend_classes: with more classes than this, the legend names the all-classes line and the
+            ``max_legend_classes // 2`` best and worst classes; the others are drawn in light grey.
+
+    Returns:
+        the path written.
+    """
+    from matplotlib.figure import Figure
+
+    precision = np.asarray(precision, dtype=np.float64)
+    ap = np.asarray(ap, dtype=np.float64)
+    n_iou, n_cls = precision.shape[:2]
+    if len(class_names) != n_cls:
+        raise ValueError(f"{len(class_names)} class names for {n_cls} classes")
+    fig = Figure(figsize=(6.5 * n_iou, 5.2), dpi=100, layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, n_iou))
+    for i, ax in enumerate(axes):
+        defined = np.flatnonzero(~np.isnan(ap[i]))
+        ranked = defined[np.argsort(-ap[i, defined], kind="stable")]
+        if len(ranked) > max_legend_classes:
+            half = max_legend_classes // 2
+            named = set(ranked[:half].tolist()) | set(ranked[-half:].tolist())
+        else:
+            named = set(ranked.tolist())
+        for rank, k in enumerate(ranked):
+            if k in named:
+                ax.plot(
+                    recall,
+                    precision[i, k],
+                    linewidth=1.2,
+                    color=f"C{rank % 10}",
+                    label=f"{ap[i, k]:.3f} {class_names[k]}",
+                )
+            else:
+                ax.plot(recall, precision[i, k], linewidth=0.6, color="0.8")
+        if np.isfinite(all_ap[i]):
+            ax.plot(
+                recall, all_precision[i], color="black", linewidth=3, label=f"{all_ap[i]:.3f} all classes"
+            )
+        hidden = len(ranked) - len(named)
+        ax.set_title(f"IoU {iou_thresholds[i]:g}" + (f" ({hidden} classes in grey)" if hidden else ""))
+        ax.set_xlabel("recall")
+        ax.set_ylabel("precision")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, alpha=0.3)
+        if len(ranked):
+            handles, labels = ax.get_legend_handles_labels()
+            ax.legend(
+                handles[-1:] + handles[:-1],
+                labels[-1:] + labels[:-1],
+                fontsize=7,
+                title="AP  class",
+                title_fontsize=7,
+                loc="lower left",
+            )
+        else:
+            ax.text(0.5, 0.5, "no ground truth", ha="center", va="center", transform=ax.transAxes)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, output)
+
+
+def plot_confusion_matrix(
+    matrix: np.ndarray,
+    class_names: Sequence[str],
+    output: str | os.PathLike,
+    *,
+    title: str | None = None,
+    true_label: str = "true",
+    predicted_label: str = "predicted",
+    annotate_max: int = 25,
+) -> Path:
+    """A confusion matrix (rows true, columns predicted) normalised by row: each cell the share of its row.
+
+    Args:
+        matrix: ``(C, C)`` counts; an all-zero row stays zero.
+        class_names: ``C`` names (the last one ``"background"`` for a detection matrix).
+        output: PNG file to write.
+        title: figure title (state the thresholds here).
+        true_label, predicted_label: axis labels.
+        annotate_max: write the shares into the cells when ``C`` is at most this.
+
+    Returns:
+        the path written.
+    """
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(matrix, dtype=np.float64)
+    size = counts.shape[0]
+    if counts.ndim != 2 or counts.shape[1] != size or len(class_names) != size:
+        raise ValueError(f"a ({len(class_names)}, {len(class_names)}) matrix is needed, got {counts.shape}")
+    totals = counts.sum(axis=1, keepdims=True)
+    shares = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    # a fixed layout in inches (the constrained one draws the figure twice: seconds at 80 classes)
+    longest = max((len(str(n)) for n in class_names), default=1)
+    cell = 0.3 if size <= annotate_max else 0.18  # inches per class
+    font = max(4, min(9, round(cell * 72 * 0.55)))
+    margin = 0.4 + min(longest, 30) * font / 72 * 0.62  # room for the tick labels
+    side = max(3.0, cell * size)
+    width, height = margin + side + 1.3, margin + side + 0.6
+    fig = Figure(figsize=(width, height), dpi=100)
+    ax = fig.add_axes((margin / width, margin / height, side / width, side / height))
+    shown = ax.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+    colour_bar = fig.add_axes(((margin + side + 0.2) / width, margin / height, 0.2 / width, side / height))
+    fig.colorbar(shown, cax=colour_bar, label=f"share of the {true_label} row")
+    ax.set_xticks(range(size), [str(n) for n in class_names], rotation=90, fontsize=font)
+    ax.set_yticks(range(size), [str(n) for n in class_names], fontsize=font)
+    ax.set_xlabel(predicted_label)
+    ax.set_ylabel(true_label)
+    if size <= annotate_max:
+        for r in range(size):
+            for c in range(size):
+                if counts[r, c]:
+                    ax.text(
+                        c,
+                        r,
+                        f"{shares[r, c]:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=font,
+                        color="white" if shares[r, c] > 0.5 else "black",
+                    )
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, output)
+
+
+def log_picture(loggers: Sequence[object], tag: str, path: str | os.PathLike, step: int) -> int:
+    """Add the picture at ``path`` to every logger whose experiment takes images (``add_image``, as
+    TensorBoard's ``SummaryWriter``) under ``tag`` at ``step``; other loggers are left alone.
+
+    Returns:
+        how many loggers took it.
+    """
+    taken = 0
+    image = None
+    for logger in loggers:
+        if not any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
+            continue
+        add_image = getattr(getattr(logger, "experiment", None), "add_image", None)
+        if not callable(add_image):
+            continue
+        if image is None:
+            with Image.open(path) as img:
+                image = np.asarray(img.convert("RGB"))
+        add_image(tag, image, global_step=step, dataformats="HWC")
+        taken += 1
+    return taken

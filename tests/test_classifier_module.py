@@ -384,3 +384,31 @@ def test_the_module_applies_the_scaled_decay_from_the_run(scaling, expected, cap
     assert module.ema.decay == pytest.approx(expected, abs=1e-12)
     with pytest.raises(ValueError, match="ema_decay_scaling"):
         ClassifierLitModule(net, optimizer=_sgd(lr=0.1), ema_decay=0.9, ema_decay_scaling="tv")
+
+
+def test_confusion_matrix_picture_and_top_confusions(tmp_path, caplog):
+    """Known predictions (identity net: the argmax of the input): the logged top confusions are counted
+    by hand, the picture is written for the evaluated epoch only (not the sanity check)."""
+    import logging
+
+    from PIL import Image
+
+    eye = torch.eye(3)
+    images = eye[[0, 0, 0, 2, 0, 1]]  # predicted a, a, a, c, a, b
+    labels = torch.tensor([0, 1, 1, 1, 2, 1])  # true      a, b, b, b, c, b
+    data = TensorDataModule((images, labels), (images, labels), batch_size=4, shuffle=False)
+    data.class_names = ["a", "b", "c"]
+    module = _identity_module(3, confusion_matrix=True)
+    trainer = _trainer(default_root_dir=tmp_path, max_epochs=1, num_sanity_val_steps=1, limit_train_batches=1)
+    with caplog.at_level(logging.INFO, logger="ssd_lightning.modules.classifier"):
+        trainer.fit(module, datamodule=data)
+    lines = [r.getMessage() for r in caplog.records if "top confusions" in r.getMessage()]
+    assert lines == ["Epoch 0: top confusions (true -> predicted): b -> a (2), b -> c (1), c -> a (1)"]
+    picture = tmp_path / "analysis" / "epoch_0" / "classification_confusion.png"
+    assert Image.open(picture).size[0] > 300
+    assert module.val_confusion.confmat.sum() == 0  # reset after each validation
+
+    off = _identity_module(3)  # off by default in Python (on in configs/model/mobilenetv2.yaml)
+    assert off.val_confusion is None
+    _trainer(default_root_dir=tmp_path / "off").validate(off, datamodule=data, verbose=False)
+    assert not (tmp_path / "off" / "analysis").exists()

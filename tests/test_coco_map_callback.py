@@ -624,3 +624,33 @@ def test_ddp_error_on_one_rank_does_not_hang(tmp_path, ann_file):
     assert proc.returncode != 0
     rank0 = (tmp_path / "rank0.txt").read_text()
     assert rank0.startswith("RuntimeError") and "rank 1: IndexError" in rank0, proc.stderr[-3000:]
+
+
+def test_take_evaluation_hands_over_the_evaluation_once(tmp_path, ann_file):
+    """Rank 0 keeps the evaluation it logged (stats, per-class rows, precision array, the evaluated
+    detections) for DetectionAnalysis; handed over once, none from the sanity check."""
+    from ssd_lightning.evaluation import class_ap_from_precision
+
+    class Take(Callback):
+        def __init__(self):
+            self.taken = []
+
+        def on_validation_end(self, trainer, pl_module):
+            self.taken.append((trainer.sanity_checking, cb.take_evaluation(), cb.take_evaluation()))
+
+    cb, take = CocoMAPCallback(output_dir=tmp_path, verbose=False, per_class=False), Take()
+    trainer = quiet_trainer(tmp_path, [cb, take], max_epochs=1, num_sanity_val_steps=1)
+    trainer.fit(GroundTruthDetector(ann_file, jitter=0.1), datamodule=DetDataModule(ann_file))
+    (sanity, none, _), (_, evaluated, again) = take.taken
+    assert sanity and none is None and again is None
+    assert evaluated.epoch == 0 and evaluated.evaluation.stats == cb.last_stats
+    written = json.loads((tmp_path / "detections_epoch_0.json").read_text())
+    assert evaluated.detections.shape == (len(written), 7)
+    assert evaluated.detections[:, 5].tolist() == [r["score"] for r in written]
+    ev = evaluated.evaluation
+    assert ev.precision.shape == (10, 101, 2, 4, 3) and ev.category_ids.tolist() == CATEGORY_IDS
+    ap, ap50 = class_ap_from_precision(ev.precision, ev.iou_thresholds)
+    assert [c.ap50 for c in ev.classes] == ap50.tolist() and np.mean(ap) == pytest.approx(
+        cb.last_stats["mAP"]
+    )
+    assert len(ev.image_ids) == 20 and ev.max_dets == 100

@@ -344,3 +344,155 @@ def test_plot_run_script_on_a_run_and_a_sweep(tmp_path):
     assert list(plot_run.find_runs(sweep)) == ["0: model.optimizer.lr=1e-3", "1: model.optimizer.lr=2e-3"]
     with pytest.raises(FileNotFoundError, match="no csv/metrics.csv"):
         plot_run.find_runs(tmp_path / "run" / "csv")
+
+
+# ------------------------------------------------------------------------------------------ error analysis
+class _NoisyDetector(pl.LightningModule):
+    """Detections made from the ground truth: jittered, some with the wrong class, some missing, plus false
+    positives; the same for an image at every epoch (seeded by its id)."""
+
+    def __init__(self, annotation_file: Path, category_map: CategoryMap) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        data = json.loads(Path(annotation_file).read_text())
+        self.gt: dict[int, list[dict]] = {img["id"]: [] for img in data["images"]}
+        for a in data["annotations"]:
+            self.gt[a["image_id"]].append(a)
+        self.cmap = category_map
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch["x"]).pow(2).mean()
+
+    def _detections(self, image_id: int) -> dict:
+        rng = np.random.default_rng(image_id)
+        boxes, labels, scores = [], [], []
+        k = len(self.cmap.category_ids)
+        for a in self.gt[image_id]:
+            if rng.uniform() < 0.15:
+                continue  # missed
+            x, y, w, h = np.asarray(a["bbox"]) + rng.normal(0, 0.08, 4) * np.repeat(a["bbox"][2:], 2)
+            label = int(self.cmap.category_id_to_label(a["category_id"]))
+            if rng.uniform() < 0.25:
+                label = int(rng.integers(1, k + 1))  # maybe the wrong class
+            boxes.append([x, y, x + w, y + h])
+            labels.append(label)
+            scores.append(rng.uniform(0.2, 1.0))
+        for _ in range(int(rng.integers(0, 3))):  # false positives
+            x, y = rng.uniform(0, 150, 2)
+            boxes.append([x, y, x + 40, y + 30])
+            labels.append(int(rng.integers(1, k + 1)))
+            scores.append(rng.uniform(0.05, 0.9))
+        return {
+            "image_id": image_id,
+            "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+            "scores": torch.tensor(scores, dtype=torch.float32),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+        }
+
+    def validation_step(self, batch, batch_idx):
+        return {"detections": [self._detections(int(i)) for i in batch["image_ids"]]}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _LoggedMetrics(pl.Callback):
+    def __init__(self) -> None:
+        self.history: dict[int, dict[str, float]] = {}
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.history[trainer.current_epoch] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def test_detection_analysis_in_a_trainer_fit_matches_the_logged_per_class_ap(shapes_coco, tmp_path):
+    """A real fit on the shapes val set with CocoMAPCallback, DetectionAnalysis and TensorBoard: each
+    evaluated epoch gets its PR curves and confusion matrix; the curves' per-class AP50 is the logged one."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ssd_lightning.callbacks import CocoMAPCallback, DetectionAnalysis
+    from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+
+    data, ann_file = _val(shapes_coco)
+    dm = _ValImages(shapes_coco, [img["id"] for img in data["images"]])
+    recorder = _LoggedMetrics()
+    analysis = DetectionAnalysis(output_dir=tmp_path, confusion_score_thresh=0.3)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=TensorBoardLogger(tmp_path, name="tb", version=""),
+        callbacks=[
+            CocoMAPCallback(output_dir=tmp_path, verbose=False),
+            analysis,
+            EvalSchedule([0], always_last=True),
+            recorder,
+        ],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+        limit_train_batches=1,
+    )
+    trainer.fit(_NoisyDetector(ann_file, dm.category_map), datamodule=dm)
+
+    assert sorted(recorder.history) == [0, 2]  # the schedule: epoch 0 and the last one
+    assert sorted(p.name for p in (tmp_path / "analysis").iterdir()) == ["epoch_0", "epoch_2"]
+    names = {c["id"]: c["name"] for c in data["categories"]}
+    folder = tmp_path / "analysis" / "epoch_2"
+    pr = json.loads((folder / "pr_curves.json").read_text())
+    assert [c["iou"] for c in pr["curves"]] == [0.5, 0.75] and len(pr["recall"]) == 101
+    at50 = pr["curves"][0]
+    logged = recorder.history[2]
+    assert at50["AP"] == pytest.approx(logged["val/mAP_50"], abs=1e-6)
+    assert pr["curves"][1]["AP"] == pytest.approx(logged["val/mAP_75"], abs=1e-6)
+    for row in at50["classes"]:
+        assert row["name"] == names[row["category_id"]]
+        assert row["AP"] == pytest.approx(logged[f"val/AP50/{row['name']}"], abs=1e-6)
+        assert np.mean(row["precision"]) == pytest.approx(row["AP"], abs=1e-9)
+    assert 0.2 < logged["val/mAP_50"] < 0.95  # mistakes to look at
+
+    confusion = json.loads((folder / "confusion_matrix.json").read_text())
+    matrix = np.asarray(confusion["matrix"])
+    k = len(data["categories"])
+    assert matrix.shape == (k + 1, k + 1) and confusion["names"][-1] == "background"
+    assert confusion["score_threshold"] == 0.3 and confusion["iou_threshold"] == 0.5
+    gt_per_class = [
+        sum(1 for a in data["annotations"] if a["category_id"] == c and not a.get("iscrowd"))
+        for c in sorted(names)
+    ]
+    assert matrix[:k].sum(axis=1).tolist() == gt_per_class  # every ground-truth box in its row once
+    assert matrix[:k, :k].trace() > 0 and matrix[:k, :k].sum() > matrix[:k, :k].trace()  # swaps counted
+    for name in ("pr_curves.png", "confusion_matrix.png"):
+        assert Image.open(folder / name).size[0] > 400
+    assert not (tmp_path / "analysis" / "epoch_-1").exists() and analysis._evals == 2
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    assert {"analysis/pr_curves", "analysis/confusion_matrix"} <= set(events.Tags()["images"])
+    assert len(events.Images("analysis/pr_curves")) == 2
+
+
+def test_detection_analysis_arguments_and_pictures(tmp_path):
+    from ssd_lightning.callbacks import DetectionAnalysis
+    from ssd_lightning.visualize import log_picture, plot_confusion_matrix, plot_pr_curves
+
+    with pytest.raises(ValueError, match="every_n_evals"):
+        DetectionAnalysis(every_n_evals=0)
+    with pytest.raises(ValueError, match="confusion_iou"):
+        DetectionAnalysis(confusion_iou=0.0)
+    # an empty row (no "background" ground truth) is drawn, not divided by zero
+    path = plot_confusion_matrix(np.diag([5, 3, 0]), ["a", "b", "background"], tmp_path / "cm.png")
+    assert Image.open(path).size[0] > 300
+    with pytest.raises(ValueError, match=r"\(2, 2\) matrix"):
+        plot_confusion_matrix(np.zeros((3, 3)), ["a", "b"], tmp_path / "bad.png")
+    recall = np.linspace(0, 1, 101)
+    precision = np.stack([np.where(recall <= 0.5, 1.0, 0.0), np.full(101, np.nan)])[None]  # (1, 2, 101)
+    ap = np.array([[precision[0, 0].mean(), np.nan]])
+    out = plot_pr_curves(
+        recall, precision, ap, precision[:, 0], ap[:, 0], [0.5], ["a", "b"], tmp_path / "pr.png"
+    )
+    assert Image.open(out).size[0] > 300
+    with pytest.raises(ValueError, match="1 class names for 2 classes"):
+        plot_pr_curves(recall, precision, ap, precision[:, 0], ap[:, 0], [0.5], ["a"], tmp_path / "pr.png")
+    assert log_picture([CSVLogger(tmp_path)], "x", out, 0) == 0  # only loggers that take images

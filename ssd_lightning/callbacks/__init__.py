@@ -1,5 +1,7 @@
-"""Callbacks: COCO mAP, eval schedule, benchmark, training speed, pictures, curves, interrupt, NaN guard."""
+"""Callbacks: COCO mAP, error analysis, eval schedule, benchmark, training speed, pictures, curves, interrupt,
+NaN guard."""
 
+from ssd_lightning.callbacks.analysis import DetectionAnalysis
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback
 from ssd_lightning.callbacks.curves import TrainingCurves
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
@@ -12,6 +14,7 @@ from ssd_lightning.callbacks.training_speed import TrainingSpeed
 
 __all__ = [
     "CocoMAPCallback",
+    "DetectionAnalysis",
     "EvalSchedule",
     "InterruptCheckpoint",
     "NonFiniteGuard",

@@ -7,6 +7,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +22,17 @@ from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
     DEFAULT_BACKEND,
     ClassAP,
+    CocoEvaluation,
     detections_to_coco_array,
     evaluate_coco,
-    evaluate_coco_per_class,
+    evaluate_coco_detailed,
     format_per_class_table,
     per_class_metrics,
     write_coco_results_json,
 )
 from ssd_lightning.io.atomic import atomic_write, atomic_write_json
 
-__all__ = ["CocoMAPCallback"]
+__all__ = ["CocoMAPCallback", "EvaluatedEpoch"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,21 @@ def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
     return image_ids, rows, len(all_ids) - len(image_ids)
 
 
+@dataclass(frozen=True)
+class EvaluatedEpoch:
+    """What rank 0 keeps of an evaluation for a closer look (``DetectionAnalysis``).
+
+    Attributes:
+        epoch: ``trainer.current_epoch`` of the evaluation.
+        evaluation: the COCOeval run's stats, per-class rows, precision array and ground truth.
+        detections: ``(M, 7)`` ``[image_id, x, y, w, h, score, category_id]``, every rank's, as evaluated.
+    """
+
+    epoch: int
+    evaluation: CocoEvaluation
+    detections: np.ndarray
+
+
 class CocoMAPCallback(Callback):
     """Official COCO bbox mAP of every validation pass, evaluated on rank 0 and logged on every rank.
 
@@ -106,7 +123,9 @@ class CocoMAPCallback(Callback):
     while fitting, and with ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes
     ``detections_epoch_<e>.json`` (COCO results) and ``per_class_epoch_<e>.json`` to ``output_dir``
     (default ``trainer.log_dir``). The sanity-check pass runs the whole path but logs nothing; an error on
-    one rank is raised on every rank; the best mAP survives a resume (callback state).
+    one rank is raised on every rank; the best mAP survives a resume (callback state). After an evaluation,
+    rank 0 keeps its :class:`EvaluatedEpoch` until :meth:`take_evaluation` hands it over (or the next
+    validation starts).
 
     Args:
         backend: ``"faster_coco_eval"`` (C++, the default) or ``"pycocotools"`` (the reference; same
@@ -149,6 +168,13 @@ class CocoMAPCallback(Callback):
         self._per_image: dict[int, np.ndarray] = {}
         self._local_duplicates = 0
         self._error: Exception | None = None
+        self._evaluated: EvaluatedEpoch | None = None
+
+    def take_evaluation(self) -> EvaluatedEpoch | None:
+        """Rank 0: the latest evaluation of this validation pass (none in the sanity check, on other ranks, or
+        after a failure), handed over once: a second call returns ``None``."""
+        evaluated, self._evaluated = self._evaluated, None
+        return evaluated
 
     # ------------------------------------------------------------------ state
     @property
@@ -193,6 +219,7 @@ class CocoMAPCallback(Callback):
     # ----------------------------------------------------------------- hooks
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        self._evaluated = None
 
     def on_validation_batch_end(
         self,
@@ -292,13 +319,14 @@ class CocoMAPCallback(Callback):
                 evaluate_coco(ann_file, rows, self.backend, verbose=False, image_ids=image_ids)
             log.info(f"CocoMAPCallback: sanity check evaluated {len(image_ids)} image(s) (not logged)")
             return {}
-        if not self.per_class:
-            return evaluate_coco(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)
-        stats, classes = evaluate_coco_per_class(
+        evaluation = evaluate_coco_detailed(
             ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids
         )
-        self._report_per_class(classes, out_dir, epoch)
-        return {**stats, **per_class_metrics(classes)}
+        self._evaluated = EvaluatedEpoch(epoch, evaluation, rows)
+        if not self.per_class:
+            return dict(evaluation.stats)
+        self._report_per_class(evaluation.classes, out_dir, epoch)
+        return {**evaluation.stats, **per_class_metrics(evaluation.classes)}
 
     def _report_per_class(self, classes: Sequence[ClassAP], out_dir: Path | None, epoch: int) -> None:
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
@@ -12,8 +14,9 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from ssd_lightning.error_analysis import top_confusions
 from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
@@ -28,8 +31,11 @@ from ssd_lightning.modules.common import (
 )
 from ssd_lightning.modules.ema import ExponentialMovingAverage
 from ssd_lightning.optim import EMA_DECAY_SCALINGS, scale_ema_decay
+from ssd_lightning.visualize import log_picture, plot_confusion_matrix
 
 __all__ = ["ClassifierLitModule", "infer_num_classes"]
+
+log = logging.getLogger(__name__)
 
 
 def infer_num_classes(net: nn.Module) -> int:
@@ -94,6 +100,12 @@ class ClassifierLitModule(pl.LightningModule):
             from ``ckpt_path`` (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
         trust_checkpoint: unpickle ``init_from`` fully instead of ``torch.load(weights_only=True)``; this
             can run code from the file, so only for trusted files.
+        confusion_matrix: after each validation (not the sanity check) draw the confusion matrix of ``net``
+            on the validation set, normalised by row, to
+            ``<trainer.default_root_dir>/analysis/epoch_<e>/classification_confusion.png`` (and TensorBoard,
+            tag ``analysis/classification_confusion``), and log the three most frequent confusions. A
+            torchmetrics ``MulticlassConfusionMatrix``: summed over every rank, drawn on rank 0. Off by
+            default here, on in ``configs/model/mobilenetv2.yaml``.
     """
 
     def __init__(
@@ -115,6 +127,7 @@ class ClassifierLitModule(pl.LightningModule):
         num_classes: int | None = None,
         init_from: str | None = None,
         trust_checkpoint: bool = False,
+        confusion_matrix: bool = False,
     ) -> None:
         super().__init__()
         # Plain values only (the optimizer factory is kept as an attribute), so checkpoints load with
@@ -145,6 +158,12 @@ class ClassifierLitModule(pl.LightningModule):
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
         stages = ["val", "test"] + (["val_ema", "test_ema"] if self.ema is not None else [])
         self.eval_metrics = nn.ModuleDict({stage: _eval_metrics(self.num_classes) for stage in stages})
+        # validate_args=False: no label-range check, which would read the device every batch
+        self.val_confusion = (
+            MulticlassConfusionMatrix(num_classes=self.num_classes, validate_args=False)
+            if confusion_matrix
+            else None
+        )
         # Best validation top-1 and its epoch: buffers, so checkpoints carry them across a resume.
         self.register_buffer("acc1_best", torch.tensor(0.0))
         self.register_buffer("acc1_best_epoch", torch.tensor(-1, dtype=torch.long))
@@ -234,6 +253,8 @@ class ClassifierLitModule(pl.LightningModule):
             metrics["acc1"].update(logits, labels)
             metrics["acc5"].update(logits, labels)
             metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))
+            if key == "val" and self.val_confusion is not None:
+                self.val_confusion.update(logits, labels)
 
     def _log_eval(self, stage: str) -> dict[str, Tensor]:
         values = {}
@@ -265,6 +286,33 @@ class ClassifierLitModule(pl.LightningModule):
         if self.ema is not None:
             best["val/acc1_ema_best"] = self.acc1_ema_best.clone()
         self.log_dict(best, prog_bar=True, sync_dist=True)
+        if self.val_confusion is not None:
+            matrix = self.val_confusion.compute()  # summed over ranks: every rank takes part
+            self.val_confusion.reset()
+            if not self.trainer.sanity_checking and self.trainer.is_global_zero:
+                self._report_confusion(matrix)
+
+    def _report_confusion(self, matrix: Tensor) -> None:
+        """Rank 0: the normalised picture in the run directory (and TensorBoard) and the top confusions."""
+        counts = matrix.detach().to("cpu", torch.int64).numpy()
+        names = getattr(self.trainer.datamodule, "class_names", None)
+        names = [str(n) for n in names] if names is not None and len(names) == len(counts) else None
+        labels = names or [str(i) for i in range(len(counts))]
+        epoch = self.current_epoch
+        top = top_confusions(counts, 3, include_background=True)
+        text = ", ".join(f"{labels[t]} -> {labels[p]} ({n})" for t, p, n in top) or "none"
+        log.info(f"Epoch {epoch}: top confusions (true -> predicted): {text}")
+        try:
+            run_dir = Path(self.trainer.default_root_dir)
+            path = plot_confusion_matrix(
+                counts,
+                labels,
+                run_dir / "analysis" / f"epoch_{epoch}" / "classification_confusion.png",
+                title=f"{run_dir.name}: epoch {epoch}, {int(counts.sum())} validation images; row shares",
+            )
+            log_picture(self.loggers, "analysis/classification_confusion", path, self.global_step)
+        except Exception as e:  # a picture must never end a training run
+            rank_zero_warn(f"could not draw the confusion matrix: {type(e).__name__}: {e}")
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")

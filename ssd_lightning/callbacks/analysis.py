@@ -1,0 +1,232 @@
+"""The model's mistakes after each evaluation: PR curves and a detection confusion matrix, on rank 0."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities import rank_zero_warn
+
+from ssd_lightning.callbacks.coco_map import CocoMAPCallback, EvaluatedEpoch
+from ssd_lightning.callbacks.curves import evaluation_is_due
+from ssd_lightning.error_analysis import (
+    detection_confusion_matrix,
+    ground_truth_array,
+    pr_curves_from_precision,
+    top_confusions,
+)
+from ssd_lightning.io.atomic import atomic_write_json
+from ssd_lightning.visualize import log_picture, plot_confusion_matrix, plot_pr_curves
+
+__all__ = ["DetectionAnalysis"]
+
+log = logging.getLogger(__name__)
+
+PR_IOUS: tuple[float, ...] = (0.5, 0.75)
+
+
+def _finite(x: float) -> float | None:
+    return None if not math.isfinite(x) else float(x)
+
+
+def _curve(values: np.ndarray) -> list[float] | None:
+    return None if np.isnan(values).all() else [float(v) for v in values]
+
+
+class DetectionAnalysis(Callback):
+    """After evaluations, what the detector gets wrong, from :class:`CocoMAPCallback`'s own evaluation.
+
+    On rank 0, after each evaluation that ``CocoMAPCallback`` ran (its gathered detections, its COCOeval
+    precision array: nothing is evaluated twice), writes to ``<output_dir>/analysis/epoch_<e>/``:
+
+    * ``pr_curves.json`` / ``pr_curves.png``: precision at COCO's 101 recall points per class and for all
+      classes at IoU 0.5 and 0.75 (area all, 100 detections per image); a curve's mean is COCOeval's AP
+      (``AP50`` of a class is the ``val/AP50/<name>`` logged).
+    * ``confusion_matrix.json`` / ``confusion_matrix.png``: :func:`~ssd_lightning.error_analysis.\
+detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``, rows the true class,
+      columns the predicted one, a background row (false positives) and column (missed ground truth); the
+      picture normalised by row. The three largest confusions between classes go to the log.
+
+    The pictures also go to a ``TensorBoardLogger`` (tags ``analysis/pr_curves``,
+    ``analysis/confusion_matrix``). The sanity check draws nothing; a failure is warned about once and never
+    stops training.
+
+    Args:
+        output_dir: run directory; default ``trainer.default_root_dir``.
+        pr_curves: write the PR curves.
+        confusion: write the confusion matrix.
+        confusion_iou: IoU a detection needs to match a ground-truth box.
+        confusion_score_thresh: score a detection needs to be counted at all.
+        every_n_evals: after every n-th evaluation of ``fit`` (>= 1; the last epoch's always);
+            ``trainer.validate`` always.
+
+    Raises:
+        ValueError: ``every_n_evals`` < 1, ``confusion_iou`` not in (0, 1].
+    """
+
+    def __init__(
+        self,
+        *,
+        output_dir: str | os.PathLike | None = None,
+        pr_curves: bool = True,
+        confusion: bool = True,
+        confusion_iou: float = 0.5,
+        confusion_score_thresh: float = 0.3,
+        every_n_evals: int = 1,
+    ) -> None:
+        super().__init__()
+        if every_n_evals < 1:
+            raise ValueError(f"every_n_evals must be >= 1, got {every_n_evals}")
+        if not 0.0 < confusion_iou <= 1.0:
+            raise ValueError(f"confusion_iou must be in (0, 1], got {confusion_iou}")
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.pr_curves = pr_curves
+        self.confusion = confusion
+        self.confusion_iou = float(confusion_iou)
+        self.confusion_score_thresh = float(confusion_score_thresh)
+        self.every_n_evals = every_n_evals
+        self._evals = 0
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(f"DetectionAnalysis: {message}")
+
+    def _coco_callback(self, trainer: pl.Trainer) -> CocoMAPCallback | None:
+        found = [cb for cb in trainer.callbacks if isinstance(cb, CocoMAPCallback)]
+        return found[0] if found else None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if (self.pr_curves or self.confusion) and self._coco_callback(trainer) is None:
+            self._warn_once("coco", "needs a CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        due = evaluation_is_due(trainer, self._evals, self.every_n_evals)
+        if trainer.state.fn == "fit":
+            self._evals += 1
+        coco = self._coco_callback(trainer)
+        evaluated = coco.take_evaluation() if coco is not None else None
+        if not trainer.is_global_zero or evaluated is None or not due:
+            return
+        if not (self.pr_curves or self.confusion):
+            return
+        try:
+            self.analyse(evaluated, self._out_dir(trainer), trainer)
+        except Exception as e:  # a picture must never end a training run
+            self._warn_once(f"error:{type(e).__name__}", f"could not write the analysis: {e}")
+
+    def _out_dir(self, trainer: pl.Trainer) -> Path:
+        return self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir)
+
+    def analyse(self, evaluated: EvaluatedEpoch, run_dir: Path, trainer: pl.Trainer | None = None) -> Path:
+        """Write the files of one evaluation under ``run_dir/analysis/epoch_<e>``; returns that folder."""
+        folder = run_dir / "analysis" / f"epoch_{evaluated.epoch}"
+        ev = evaluated.evaluation
+        names = [row.name or str(row.category_id) for row in ev.classes]
+        title = f"{run_dir.name}: epoch {evaluated.epoch}"
+        pictures: list[tuple[str, Path]] = []
+        if self.pr_curves:
+            pictures.append(("analysis/pr_curves", self._write_pr_curves(ev, names, folder, title)))
+        if self.confusion:
+            pictures.append(
+                ("analysis/confusion_matrix", self._write_confusion(evaluated, names, folder, title))
+            )
+        if trainer is not None:
+            for tag, path in pictures:
+                log_picture(trainer.loggers, tag, path, trainer.global_step)
+        log.info("DetectionAnalysis: wrote %s", folder)
+        return folder
+
+    def _write_pr_curves(self, ev: Any, names: list[str], folder: Path, title: str) -> Path:
+        curves = pr_curves_from_precision(
+            ev.precision,
+            ev.iou_thresholds,
+            ev.recall_thresholds,
+            ious=PR_IOUS,
+            area_index=ev.area_index,
+            max_dets_index=ev.max_dets_index,
+        )
+        record = {
+            "area": "all",
+            "max_dets": ev.max_dets,
+            "recall": curves.recall.tolist(),
+            "curves": [
+                {
+                    "iou": float(iou),
+                    "AP": _finite(curves.all_ap[i]),
+                    "precision": _curve(curves.all_precision[i]),
+                    "classes": [
+                        {
+                            "category_id": row.category_id,
+                            "name": row.name,
+                            "num_gt": row.num_gt,
+                            "AP": _finite(curves.ap[i, k]),
+                            "precision": _curve(curves.precision[i, k]),
+                        }
+                        for k, row in enumerate(ev.classes)
+                    ],
+                }
+                for i, iou in enumerate(curves.iou_thresholds)
+            ],
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / "pr_curves.json", record, allow_nan=False)
+        return plot_pr_curves(
+            curves.recall,
+            curves.precision,
+            curves.ap,
+            curves.all_precision,
+            curves.all_ap,
+            curves.iou_thresholds.tolist(),
+            names,
+            folder / "pr_curves.png",
+            title=f"{title}: precision/recall (area all, {ev.max_dets} detections per image)",
+        )
+
+    def _write_confusion(self, evaluated: EvaluatedEpoch, names: list[str], folder: Path, title: str) -> Path:
+        ev = evaluated.evaluation
+        matrix = detection_confusion_matrix(
+            evaluated.detections,
+            ground_truth_array(ev.gt_dataset.get("annotations", [])),
+            ev.category_ids,
+            iou_threshold=self.confusion_iou,
+            score_threshold=self.confusion_score_thresh,
+            image_ids=ev.image_ids,
+        )
+        labels = [*names, "background"]
+        top = top_confusions(matrix, 3)
+        record = {
+            "iou_threshold": self.confusion_iou,
+            "score_threshold": self.confusion_score_thresh,
+            "rows": "true class (last: background = false positives)",
+            "columns": "predicted class (last: background = missed ground truth)",
+            "category_ids": [int(c) for c in ev.category_ids],
+            "names": labels,
+            "matrix": matrix.tolist(),
+            "top_confusions": [{"true": labels[t], "predicted": labels[p], "count": n} for t, p, n in top],
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / "confusion_matrix.json", record, allow_nan=False)
+        if top:
+            text = ", ".join(f"{labels[t]} -> {labels[p]} ({n})" for t, p, n in top)
+            log.info(
+                "DetectionAnalysis: epoch %d, top confusions (true -> predicted): %s", evaluated.epoch, text
+            )
+        return plot_confusion_matrix(
+            matrix,
+            labels,
+            folder / "confusion_matrix.png",
+            title=(
+                f"{title}\ndetections: IoU >= {self.confusion_iou:g}, "
+                f"score >= {self.confusion_score_thresh:g}; share of each true row"
+            ),
+        )

@@ -45,6 +45,12 @@ class ResNetBackbone(nn.Module):
         """(N, 3, H, W) -> [(N, C, H/8, W/8)]."""
         return [self.feature_extractor(images)]
 
+    def stages(self) -> list[list[nn.Module]]:
+        """The parts in forward order, for freezing the first ones: the stem (conv1, bn1), conv2_x (layer1),
+        conv3_x (layer2), conv4_x (layer3)."""
+        conv1, bn1, _relu, _maxpool, layer1, layer2, layer3 = self.feature_extractor
+        return [[conv1, bn1], [layer1], [layer2], [layer3]]
+
 
 def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
     """Build a :class:`ResNetBackbone` from torchvision.

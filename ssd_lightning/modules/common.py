@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.accelerators import CPUAccelerator
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import Metric
 
@@ -146,6 +148,36 @@ def total_epochs(trainer: pl.Trainer, epoch_steps: int) -> int:
     return max(1, math.ceil(trainer.estimated_stepping_batches / epoch_steps))
 
 
+def describe_lr(
+    base_lr: float, lr: float, rule: str, world_size: int, step_batch: int, accumulate: int, reference: int
+) -> str:
+    """The log line stating the LR a run uses and how the scaling rule got there."""
+    if rule == "none":
+        return f"LR {lr:.6g} (model.lr_scaling.rule=none: the base LR as given)"
+    per_device = step_batch // accumulate
+    return (
+        f"LR {lr:.6g} = base {base_lr:.6g} x {rule} rule of the global batch {world_size * step_batch} "
+        f"({world_size} device(s) x {per_device} per device x {accumulate} accumulated) / {reference}"
+    )
+
+
+def convert_sync_batchnorm(module: pl.LightningModule, net: nn.Module, enabled: bool) -> nn.Module:
+    """``net`` with SyncBatchNorm layers when ``enabled`` and training on more than one GPU process (call in
+    ``configure_model``, before the optimizer is built; parameters are the same tensors). On CPU it warns
+    and returns ``net`` unchanged: torch's SyncBatchNorm runs on GPU modules only."""
+    trainer = module.trainer
+    if not enabled or trainer.world_size <= 1 or isinstance(net, nn.SyncBatchNorm) or _has_sync_bn(net):
+        return net
+    if isinstance(trainer.accelerator, CPUAccelerator):
+        rank_zero_warn("sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules")
+        return net
+    return nn.SyncBatchNorm.convert_sync_batchnorm(net)
+
+
+def _has_sync_bn(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.SyncBatchNorm) for m in net.modules())
+
+
 def configure_recipe_optimizers(
     module: pl.LightningModule,
     net: nn.Module,
@@ -168,13 +200,22 @@ def configure_recipe_optimizers(
         raise ConfigError("model.optimizer.lr must be set (the base LR before scaling)")
     lr_scaling = dict(lr_scaling or {"rule": "none"})
     rule = lr_scaling.get("rule", "linear")
+    accumulate = int(trainer.accumulate_grad_batches)
+    # the batch of one optimizer step: per device x devices x accumulated batches
+    step_batch = per_device_batch_size(trainer) * accumulate if rule != "none" else 1
+    reference_batch_size = int(lr_scaling.get("reference_batch_size", 32))
     lr = scale_lr(
         base_lr,
         rule=rule,
         world_size=trainer.world_size,
-        batch_size=per_device_batch_size(trainer) if rule != "none" else 1,
-        reference_batch_size=int(lr_scaling.get("reference_batch_size", 32)),
+        batch_size=step_batch,
+        reference_batch_size=reference_batch_size,
     )
+    if trainer.is_global_zero:
+        log.info(
+            "%s",
+            describe_lr(base_lr, lr, rule, trainer.world_size, step_batch, accumulate, reference_batch_size),
+        )
     opt = build_optimizer(
         optimizer,
         net,
@@ -189,6 +230,14 @@ def configure_recipe_optimizers(
     scheduler = dict(scheduler)
     schedule = scheduler.pop("name", "constant")
     epoch_steps = steps_per_epoch(trainer)
+    if trainer.is_global_zero:
+        log.info(
+            "LR schedule %s over %d optimizer steps per epoch, warm-up %s optimizer steps",
+            schedule,
+            epoch_steps,
+            int(scheduler.get("warmup_steps", 0) or 0)
+            + epoch_steps * int(scheduler.get("warmup_epochs", 0) or 0),
+        )
     lr_scheduler = build_scheduler(
         opt,
         schedule=schedule,

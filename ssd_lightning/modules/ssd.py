@@ -16,11 +16,13 @@ from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
+    convert_sync_batchnorm,
     init_net_from_file,
     load_epoch_metric_states,
     restore_train_loader_state,
     save_epoch_metric_states,
 )
+from ssd_lightning.modules.freezing import freeze_backbone, keep_frozen_norms_in_eval
 
 
 class SSDLitModule(pl.LightningModule):
@@ -44,6 +46,12 @@ class SSDLitModule(pl.LightningModule):
             (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
         trust_checkpoint: unpickle ``nvidia_checkpoint``/``init_from`` fully instead of
             ``torch.load(weights_only=True)``; this can run code from the file, so only for trusted files.
+        freeze: ``"backbone"`` or the number of backbone stages (from the input) to keep fixed: no
+            gradients, out of the optimizer, their BatchNorm layers in eval mode
+            (:mod:`ssd_lightning.modules.freezing`); ``None``: everything trains.
+        sync_batchnorm: convert BatchNorm to SyncBatchNorm when training on several GPU processes (in
+            :meth:`configure_model`, the one place it is done; leave the Trainer's own flag off). Ignored
+            with a warning on CPU.
     """
 
     def __init__(
@@ -58,6 +66,8 @@ class SSDLitModule(pl.LightningModule):
         nvidia_checkpoint: str | Path | None = None,
         init_from: str | Path | None = None,
         trust_checkpoint: bool = False,
+        freeze: str | int | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
         # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
@@ -87,6 +97,15 @@ class SSDLitModule(pl.LightningModule):
         self.hparams["decoder"] = dict(self.decoder_settings)  # the values used, defaults filled in
         self.channels_last = channels_last
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
+        self.frozen = freeze_backbone(self.net, freeze)
+
+    def configure_model(self) -> None:
+        self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
+
+    def train(self, mode: bool = True) -> SSDLitModule:
+        super().train(mode)
+        keep_frozen_norms_in_eval(self.frozen)
+        return self
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.channels_last:
@@ -99,6 +118,8 @@ class SSDLitModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         restore_train_loader_state(self.trainer)
+        # Lightning never calls train() when fit starts, and restores each layer's mode after validation
+        keep_frozen_norms_in_eval(self.frozen)
 
     def setup(self, stage: str) -> None:
         check_num_classes(self, getattr(self.net, "num_classes", None), "model.net.num_classes")

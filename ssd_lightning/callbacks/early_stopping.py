@@ -1,0 +1,49 @@
+"""Stop a fit when its monitored metric has stopped improving, counted in evaluations."""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import EarlyStopping as LightningEarlyStopping
+
+__all__ = ["EarlyStopping"]
+
+
+class EarlyStopping(LightningEarlyStopping):
+    """Lightning's ``EarlyStopping``, checked after each validation only, and off when ``patience`` is None.
+
+    ``patience`` counts evaluations, not epochs: with an evaluation-epoch list (``EvalSchedule``) the epochs
+    without a validation are not checked, so they neither stop the run nor fail for lack of a value. The
+    decision is Lightning's (any rank stopping stops all; the COCO metrics are the same on every rank), and
+    its counters are saved in checkpoints, so a resumed run keeps counting.
+
+    Args:
+        monitor: the metric (``optimized_metric``), logged by the validation.
+        patience: evaluations without an improvement larger than ``min_delta`` before stopping; ``None``:
+            never stop.
+        min_delta: the improvement that counts.
+        mode: ``"max"`` (mAP, accuracy) or ``"min"``.
+    """
+
+    def __init__(
+        self, monitor: str, *, patience: int | None = None, min_delta: float = 0.0, mode: str = "max"
+    ):
+        if patience is not None and (
+            isinstance(patience, bool) or not isinstance(patience, int) or patience < 0
+        ):
+            raise ValueError(
+                f"callbacks.early_stopping.patience must be null or an int >= 0, got {patience!r}"
+            )
+        super().__init__(
+            monitor=monitor,
+            patience=0 if patience is None else patience,
+            min_delta=min_delta,
+            mode=mode,
+            strict=True,
+            verbose=True,
+            check_on_train_epoch_end=False,
+        )
+        self.enabled = patience is not None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.enabled:
+            super().on_validation_end(trainer, pl_module)

@@ -1,0 +1,66 @@
+"""``model.freeze``: keep the first stages of a backbone (or all of it) fixed while the rest trains.
+
+Frozen parameters get ``requires_grad=False`` (so the optimizer never sees them: ``optim.param_groups``
+leaves them out) and the BatchNorm layers inside frozen parts stay in eval mode during training (running
+statistics unchanged, normalised with the loaded ones). Weights loaded later (``model.init_from``, a
+resumed checkpoint) are frozen at their loaded values.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ssd_lightning.compat import norm_base_class
+from ssd_lightning.errors import ConfigError
+
+__all__ = ["freeze_backbone", "keep_frozen_norms_in_eval"]
+
+
+def _stages(net: nn.Module, key: str) -> list[list[nn.Module]]:
+    backbone = getattr(net, "feature_extractor", None)
+    stages = getattr(backbone, "stages", None)
+    if not callable(stages):
+        raise ConfigError(f"{key}: this network has no backbone stages to freeze ({type(net).__name__})")
+    return stages()
+
+
+def freeze_backbone(
+    net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
+) -> list[nn.Module]:
+    """Freeze ``net.feature_extractor``'s first ``freeze`` stages (``"backbone"``: all); returns the frozen
+    modules (empty for ``None``/0).
+
+    Raises:
+        ConfigError: ``freeze`` is neither ``"backbone"``, ``None`` nor a stage count the backbone has.
+    """
+    if freeze is None:
+        return []
+    stages = _stages(net, key)
+    if freeze == "backbone":
+        count = len(stages)
+    elif isinstance(freeze, int) and not isinstance(freeze, bool) and 0 <= freeze <= len(stages):
+        count = freeze
+    else:
+        raise ConfigError(
+            f"{key}={freeze!r}: use `backbone`, null, or a number of backbone stages from 0 to {len(stages)} "
+            f"(this backbone's stages, first to last: {', '.join(_stage_names(stages))})"
+        )
+    frozen = [module for stage in stages[:count] for module in stage]
+    for module in frozen:
+        module.requires_grad_(False)
+    return frozen
+
+
+def _stage_names(stages: list[list[nn.Module]]) -> list[str]:
+    return [
+        "+".join(type(m).__name__ for m in stage[:2]) + ("+..." if len(stage) > 2 else "") for stage in stages
+    ]
+
+
+def keep_frozen_norms_in_eval(frozen: list[nn.Module]) -> None:
+    """Put every BatchNorm inside ``frozen`` in eval mode (call after each ``module.train()``)."""
+    norm = norm_base_class()
+    for module in frozen:
+        for layer in module.modules():
+            if isinstance(layer, norm):
+                layer.eval()

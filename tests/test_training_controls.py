@@ -1,0 +1,238 @@
+"""Training controls set from config: freezing, early stopping, gradient accumulation's LR, SyncBatchNorm."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ssd_lightning.callbacks.early_stopping import EarlyStopping
+from ssd_lightning.callbacks.eval_schedule import EvalSchedule
+from ssd_lightning.errors import ConfigError
+from ssd_lightning.models import ssd300
+from ssd_lightning.modules.common import describe_lr
+from ssd_lightning.modules.freezing import freeze_backbone
+from ssd_lightning.modules.ssd import SSDLitModule
+from ssd_lightning.optim import lr_factor, param_groups
+from tests.helpers import (
+    demo_run_overrides,
+    last_checkpoint,
+    metric_by_epoch,
+    metric_by_step,
+    quiet_trainer,
+    requires_dali,
+    run_train_py,
+)
+
+
+def _names(net: nn.Module, frozen: bool) -> set[str]:
+    return {n for n, p in net.named_parameters() if p.requires_grad != frozen}
+
+
+# ------------------------------------------------------------------------------------------------ freezing
+@pytest.mark.parametrize("backbone", ["mobilenet_v2", "resnet18"])
+def test_freeze_backbone_or_its_first_stages(backbone):
+    net = ssd300(backbone=backbone, num_classes=3)
+    freeze_backbone(net, "backbone")
+    assert _names(net, frozen=True) == {
+        f"feature_extractor.{n}" for n, _ in net.feature_extractor.named_parameters()
+    }
+
+    net = ssd300(backbone=backbone, num_classes=3)
+    stages = net.feature_extractor.stages()
+    assert len(stages) == 4
+    freeze_backbone(net, 2)
+    expected = {id(p) for stage in stages[:2] for m in stage for p in m.parameters()}
+    assert {id(p) for p in net.parameters() if not p.requires_grad} == expected
+    # the stages cover the whole backbone, first to last
+    assert sum(p.numel() for s in stages for m in s for p in m.parameters()) == sum(
+        p.numel() for p in net.feature_extractor.parameters()
+    )
+    # frozen parameters never reach the optimizer
+    in_groups = {id(p) for g in param_groups(net, 1e-4) for p in g["params"]}
+    assert in_groups.isdisjoint(expected) and len(in_groups) == sum(p.requires_grad for p in net.parameters())
+
+
+@pytest.mark.parametrize("bad", ["head", 5, -1, True, 1.5])
+def test_freeze_rejects_what_the_backbone_lacks(bad):
+    with pytest.raises(ConfigError, match=r"model\.freeze=.*backbone.*from 0 to 4"):
+        freeze_backbone(ssd300(backbone="resnet18", num_classes=3), bad)
+
+
+def test_frozen_batchnorm_stays_in_eval_mode_while_training():
+    module = SSDLitModule(ssd300(backbone="mobilenet_v2", num_classes=3), optimizer=torch.optim.SGD, freeze=1)
+    module.train()
+    first = {id(m) for s in module.net.feature_extractor.stages()[:1] for x in s for m in x.modules()}
+    norms = [m for m in module.net.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert {id(m) for m in norms if not m.training} == {id(m) for m in norms if id(m) in first} != set()
+    module.eval()
+    module.train()  # Lightning calls train() after every validation
+    assert {id(m) for m in norms if not m.training} == {id(m) for m in norms if id(m) in first}
+
+
+# ------------------------------------------------------------------------------------------ early stopping
+CURVE = [0.10, 0.20, 0.30, 0.40, 0.41, 0.50, 0.45, 0.52, 0.90, 0.95]  # the metric if evaluated at epoch e
+
+
+class _CraftedMetric(pl.LightningModule):
+    """Logs ``val/m`` = CURVE[epoch] at each validation; counts the training epochs it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.epochs_run = 0
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/m", CURVE[self.current_epoch], sync_dist=True)
+
+    def on_train_epoch_end(self) -> None:
+        self.epochs_run += 1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(2, 2)), batch_size=1)
+
+
+@pytest.mark.parametrize(
+    ("eval_epochs", "patience", "min_delta", "stopped_after"),
+    [
+        # evaluated at 1, 3, 5, 7, 9: 0.2, 0.4, 0.5 (+0.1), 0.52 (+0.02), 0.95
+        ([1, 3, 5, 7, 9], 1, 0.05, 7),  # 0.52 is not 0.05 better than 0.50: stop after epoch 7
+        ([1, 3, 5, 7, 9], 1, 0.0, None),  # always improving at those epochs: runs all 10
+        ([5, 6, 7], 1, 0.0, 6),  # 0.50, 0.45: stop; the epochs before are never checked, nor fail
+        ([1, 3, 5, 6, 7, 8], 2, 0.05, 7),  # 0.45 and 0.52 (+0.02): two evaluations without improvement
+        ([0, 2, 4, 6, 8], 2, 0.06, None),  # 0.45 (+0.04) waits one, 0.90 resets, the last (0.95) waits one
+        ([4, 5, 6, 7], 0, 0.0, 6),  # patience 0: the first evaluation without improvement stops
+    ],
+)
+def test_early_stopping_on_a_crafted_metric_curve(eval_epochs, patience, min_delta, stopped_after):
+    module = _CraftedMetric()
+    stopper = EarlyStopping("val/m", patience=patience, min_delta=min_delta)
+    trainer = quiet_trainer(
+        callbacks=[EvalSchedule(eval_epochs, always_last=True), stopper],
+        max_epochs=len(CURVE),
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, _loader(), _loader())
+    if stopped_after is None:
+        assert module.epochs_run == len(CURVE) and stopper.stopped_epoch == 0
+    else:
+        assert stopper.stopped_epoch == stopped_after and module.epochs_run == stopped_after + 1
+
+
+def test_early_stopping_without_patience_never_stops():
+    module = _CraftedMetric()
+    stopper = EarlyStopping("val/m", patience=None, min_delta=1.0)
+    trainer = quiet_trainer(callbacks=[stopper], max_epochs=4, num_sanity_val_steps=0)
+    trainer.fit(module, _loader(), _loader())
+    assert module.epochs_run == 4 and not stopper.enabled
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_early_stopping_patience_is_checked(bad):
+    with pytest.raises(ValueError, match="callbacks.early_stopping.patience"):
+        EarlyStopping("val/m", patience=bad)
+
+
+# ----------------------------------------------------------------------------- LR of an accumulated batch
+def test_lr_line_states_the_accumulated_global_batch():
+    line = describe_lr(2.6e-3, 2.6e-3 * 2 * 8 * 4 / 32, "linear", 2, 8 * 4, 4, 32)
+    assert line == (
+        "LR 0.0052 = base 0.0026 x linear rule of the global batch 64 "
+        "(2 device(s) x 8 per device x 4 accumulated) / 32"
+    )
+    assert describe_lr(1e-3, 1e-3, "none", 4, 1, 2, 32).startswith("LR 0.001 (model.lr_scaling.rule=none")
+
+
+# ------------------------------------------------------------------------------------------- SyncBatchNorm
+def test_sync_batchnorm_is_ignored_on_cpu_with_a_warning():
+    module = SSDLitModule(
+        ssd300(backbone="resnet18", num_classes=3), optimizer=torch.optim.SGD, sync_batchnorm=True
+    )
+
+    class _Trainer:
+        world_size = 2
+        accelerator = pl.accelerators.CPUAccelerator()
+
+    module._trainer = _Trainer()  # noqa: SLF001 - the attribute LightningModule.trainer reads
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.configure_model()
+    assert any("sync_batchnorm=True is ignored on CPU" in str(w.message) for w in caught)
+    assert not any(isinstance(m, nn.SyncBatchNorm) for m in module.net.modules())
+
+
+# ----------------------------------------------------------------------------------- through train.py
+@requires_dali
+@pytest.mark.dali
+@pytest.mark.slow
+def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
+    """model.init_from + model.freeze=backbone + accumulate 2 + linear LR rule + early stopping, one run."""
+    init = tmp_path / "init.pt"
+    torch.manual_seed(123)
+    source = ssd300(backbone="mobilenet_v2", num_classes=5, zero_init_residual=True)
+    for m in source.modules():  # running statistics that differ from a fresh network's
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+    torch.save(source.state_dict(), init)
+    run_dir = tmp_path / "run"
+    done = run_train_py(
+        *demo_run_overrides(shapes_coco),
+        f"hydra.run.dir={run_dir}",
+        "logger=csv",
+        "trainer.max_epochs=4",
+        "eval_epochs=[0,1,2,3]",
+        f"model.init_from={init}",
+        "model.freeze=backbone",
+        "trainer.accumulate_grad_batches=2",
+        "model.lr_scaling.rule=linear",
+        "model.lr_scaling.reference_batch_size=16",
+        "callbacks.early_stopping.patience=1",
+        "callbacks.early_stopping.min_delta=1.0",  # no mAP improves by 1: stop at the second evaluation
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (run_dir / "demo.log").read_text()
+    # the LR rule counts the accumulated batch: 2e-3 x (1 x 4 x 2) / 16
+    rule = "LR 0.001 = base 0.002 x linear rule of the global batch 8"
+    assert f"{rule} (1 device(s) x 4 per device x 2 accumulated) / 16" in log
+    assert sorted(metric_by_epoch(run_dir, "val/mAP")) == [0, 1]  # stopped after the second evaluation
+    ckpt = last_checkpoint(run_dir)
+    assert ckpt["epoch"] == 1
+    # optimizer steps: the batches of two epochs / 2, and the LR the schedule gives at each of them
+    steps_per_epoch = ckpt["global_step"] // 2
+    lrs = metric_by_step(run_dir, "lr-AdamW/other")
+    assert lrs, "LearningRateMonitor logged no LR"
+    for step, lr in lrs.items():
+        expected = 1e-3 * lr_factor(
+            step,
+            schedule="cosine",
+            steps_per_epoch=steps_per_epoch,
+            total_steps=4 * steps_per_epoch,
+            warmup_steps=2,
+        )
+        assert lr == pytest.approx(expected, rel=1e-5), step
+    # frozen: every backbone tensor (BatchNorm statistics too) is the init file's, bit for bit
+    state = ckpt["state_dict"]
+    init_state = torch.load(init, weights_only=True)
+    backbone = [k for k in init_state if k.startswith("feature_extractor.")]
+    assert backbone and all(torch.equal(state[f"net.{k}"], init_state[k]) for k in backbone)
+    trained = [k for k in init_state if k.startswith(("additional_blocks.", "loc.")) and k.endswith("weight")]
+    assert any(not torch.equal(state[f"net.{k}"], init_state[k]) for k in trained)
+    assert not any(math.isnan(v) for v in lrs.values())
+    assert Path(run_dir / "checkpoints" / "last.ckpt").is_file()

@@ -121,11 +121,13 @@ class _Progress:
     """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a log line at every tenth of the inputs."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        from tqdm import tqdm
-
         self.total, self.done, self.next_line = total, 0, total / 10
         on_terminal = enabled and sys.stderr.isatty()
-        self.bar = tqdm(total=total, unit="img", dynamic_ncols=True) if on_terminal else None
+        self.bar = None
+        if on_terminal:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="img", dynamic_ncols=True)
         self.lines = enabled and not on_terminal
 
     def update(self, n: int) -> None:

@@ -184,8 +184,8 @@ def collect_inputs(
 
 # ------------------------------------------------------------------------------------------ annotations
 def _preview(names: Sequence[str]) -> str:
-    shown = ", ".join(names[:_SHOWN])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+    """The first few of ``names``, comma-separated, ``...`` if there are more."""
+    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
 
 
 def match_annotation_ids(

@@ -6,6 +6,8 @@ count as in the official evaluation. A stat is in ``[0, 1]``, or ``-1.0`` where 
 truth to average over (its own convention); no detections at all give what COCOeval gives a detector that
 outputs nothing. Per-class AP (``AP/<name>`` AP@[.5:.95], ``AP50/<name>``) is read from the same run's
 ``eval["precision"]``; a category without ground truth has none (NaN in :class:`ClassAP`, not in the dict).
+:func:`evaluate_coco_detailed` also keeps that array and the ground truth (:class:`CocoEvaluation`) for
+:mod:`ssd_lightning.error_analysis`.
 
 Detections become COCO results one way: :func:`to_coco_array` (the only rounding: bbox to 3 decimals,
 score to 5) then :func:`coco_array_to_results` (or :func:`write_coco_results_json`, the same text).

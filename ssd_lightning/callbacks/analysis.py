@@ -104,8 +104,12 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         return found[0] if found else None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if (self.pr_curves or self.confusion) and self._coco_callback(trainer) is None:
-            self._warn_once("coco", "needs a CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
+        if (
+            (self.pr_curves or self.confusion)
+            and self._coco_callback(trainer) is None
+            and trainer.is_global_zero
+        ):
+            log.info("DetectionAnalysis: no CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:

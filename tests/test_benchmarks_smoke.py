@@ -15,6 +15,7 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 HARNESSES = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 # what docs/benchmarks.md and the harnesses' own docstrings name: none may go missing unnoticed
 EXPECTED = {
+    "benchmark_analysis.py",
     "benchmark_decoder.py",
     "benchmark_eval.py",
     "benchmark_finetune.py",

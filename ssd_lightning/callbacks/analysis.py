@@ -101,7 +101,8 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
 
     def _coco_callback(self, trainer: pl.Trainer) -> CocoMAPCallback | None:
         found = [cb for cb in trainer.callbacks if isinstance(cb, CocoMAPCallback)]
-        return found[0] if found else None
+        main = [cb for cb in found if cb.detections_key == "detections"]  # the run's weights (val/*)
+        return (main or found or [None])[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if (

@@ -135,8 +135,12 @@ class CocoMAPCallback(Callback):
         verbose: print the 12-line COCO summary (and the per-class table) on rank 0.
         annotation_file: overrides ``trainer.datamodule.val_annotation_file``.
         category_map: overrides ``trainer.datamodule.category_map``; anything with ``label_to_category_id``.
-        prefix: metric name prefix.
+        prefix: metric name prefix; another than ``val/`` also prefixes the file names
+            (``val_raw/`` -> ``val_raw_detections_epoch_<e>.json``).
         per_class: log, write and print the AP of every category (see above).
+        detections_key: the key of ``validation_step``'s output to evaluate. Another than ``"detections"``
+            is optional: a validation whose outputs lack it evaluates nothing (e.g. the second set of
+            weights of a module with EMA, only when EMA is on).
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class CocoMAPCallback(Callback):
         category_map: Any = None,
         prefix: str = "val/",
         per_class: bool = True,
+        detections_key: str = "detections",
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -162,6 +167,9 @@ class CocoMAPCallback(Callback):
         self.category_map = category_map
         self.prefix = prefix
         self.per_class = per_class
+        self.detections_key = detections_key
+        self.file_tag = "" if prefix == "val/" else prefix.strip("/").replace("/", "_") + "_"
+        self._absent = False
         self.best_map: float | None = None
         self.best_epoch: int | None = None
         self.last_stats: dict[str, float] | None = None
@@ -212,6 +220,7 @@ class CocoMAPCallback(Callback):
         return Path(trainer.log_dir or trainer.default_root_dir)
 
     def _reset(self) -> None:
+        self._absent = False
         self._per_image = {}
         self._local_duplicates = 0
         self._error = None
@@ -231,7 +240,11 @@ class CocoMAPCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         # Converted (and evaluated at epoch end) in the sanity check too: contract errors show up early.
-        if not isinstance(outputs, Mapping) or "detections" not in outputs:
+        key = self.detections_key
+        if key != "detections" and isinstance(outputs, Mapping) and key not in outputs:
+            self._absent = True  # the module does not produce this set (a setting, the same on every rank)
+            return
+        if not isinstance(outputs, Mapping) or key not in outputs:
             raise ValueError(
                 "CocoMAPCallback: validation_step must return {'detections': [per-image dict, ...]} "
                 f"(see docs/architecture.md), got {type(outputs).__name__}"
@@ -239,7 +252,7 @@ class CocoMAPCallback(Callback):
         _, cmap = self._resolve(trainer)
         if self._error is not None:
             return
-        detections: Sequence[Mapping[str, Any]] = outputs["detections"]
+        detections: Sequence[Mapping[str, Any]] = outputs[key]
         try:
             for det in detections:
                 image_id = int(det["image_id"])
@@ -251,6 +264,9 @@ class CocoMAPCallback(Callback):
             self._error = e
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._absent:
+            self._reset()
+            return
         ann_file, _ = self._resolve(trainer)
         sanity = trainer.sanity_checking
         out_dir = self._output_dir(trainer) if self.save_detections and not sanity else None
@@ -308,7 +324,7 @@ class CocoMAPCallback(Callback):
                 "or a sampler that repeats images."
             )
         if out_dir is not None:
-            _atomic_write_json(out_dir / f"detections_epoch_{epoch}.json", rows)
+            _atomic_write_json(out_dir / f"{self.file_tag}detections_epoch_{epoch}.json", rows)
         if len(image_ids) == 0:
             if not sanity:
                 rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")
@@ -332,7 +348,9 @@ class CocoMAPCallback(Callback):
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""
         if out_dir is not None:
             records = _per_class_records(classes)
-            atomic_write_json(out_dir / f"per_class_epoch_{epoch}.json", records, indent=1, allow_nan=False)
+            atomic_write_json(
+                out_dir / f"{self.file_tag}per_class_epoch_{epoch}.json", records, indent=1, allow_nan=False
+            )
         if self.verbose:
             print(f"Per-class AP (area all, maxDets 100), epoch {epoch}, worst first:")
             print(format_per_class_table(classes))

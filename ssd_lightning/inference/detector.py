@@ -186,6 +186,12 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
     return _numbered(num_classes)
 
 
+def checkpoint_weights_prefix(hparams: Mapping[str, Any]) -> str:
+    """The run's weights in an SSDLitModule checkpoint's state_dict: ``ema.module.`` when it kept an EMA
+    that is the run's weights (``ema_decay`` set, ``use_ema`` true), else ``net.``."""
+    return "ema.module." if hparams.get("ema_decay") is not None and hparams.get("use_ema", True) else "net."
+
+
 def _from_checkpoint(
     ckpt: Path, run_config: str | os.PathLike | None, trust_checkpoint: bool
 ) -> tuple[nn.Module, CategoryMap, Mapping]:
@@ -211,13 +217,17 @@ def _from_checkpoint(
         raise ValueError(
             f"{ckpt} has no 'state_dict': not a Lightning checkpoint (NVIDIA: nvidia_checkpoint=)"
         )
-    net_state = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
+    hparams = checkpoint.get("hyper_parameters") or {}
+    prefix = checkpoint_weights_prefix(hparams)
+    net_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not net_state:
-        raise ValueError(f"{ckpt}: no 'net.*' weights in state_dict; is it an SSDLitModule checkpoint?")
+        raise ValueError(f"{ckpt}: no '{prefix}*' weights in state_dict; is it an SSDLitModule checkpoint?")
     net.load_state_dict(net_state, strict=True)
     if getattr(net, "num_classes", None) is None:
         raise ValueError(f"{config_path}: model.net builds a network without `num_classes`; not an SSD300")
-    saved = (checkpoint.get("hyper_parameters") or {}).get("decoder") or {}
+    if prefix != "net.":
+        log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
+    saved = hparams.get("decoder") or {}
     return net, _categories_from_run(cfg, int(net.num_classes)), saved
 
 

@@ -220,6 +220,7 @@ class MobileNetV2SSDBackbone(nn.Module):
 
     def stages(self) -> list[list[nn.Module]]:
         """The parts in forward order by output resolution, for freezing the first ones: the stem and first
-        block (stride 2), the stride-4 blocks, the stride-8 blocks with the first tap, the rest (stride 16)."""
+        block (stride 2), the stride-4 blocks, the stride-8 blocks with the first tap, the rest (stride 16).
+        """
         first = list(self.stage1)
         return [first[:2], first[2:4], first[4:], list(self.stage2)]

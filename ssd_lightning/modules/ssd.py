@@ -21,7 +21,9 @@ from ssd_lightning.modules.common import (
     load_epoch_metric_states,
     restore_train_loader_state,
     save_epoch_metric_states,
+    steps_per_epoch,
 )
+from ssd_lightning.modules.ema import ExponentialMovingAverage
 from ssd_lightning.modules.freezing import freeze_backbone, keep_frozen_norms_in_eval
 
 
@@ -49,6 +51,15 @@ class SSDLitModule(pl.LightningModule):
         freeze: ``"backbone"`` or the number of backbone stages (from the input) to keep fixed: no
             gradients, out of the optimizer, their BatchNorm layers in eval mode
             (:mod:`ssd_lightning.modules.freezing`); ``None``: everything trains.
+        ema_decay: keep an exponential moving average of the weights (``ema = decay * ema + (1 - decay) *
+            weights`` every ``ema_every_n_steps`` optimizer steps; restarted from the weights during LR
+            warm-up); ``None``: off. Both sets are evaluated at every validation (the second set's
+            detections under ``"detections_secondary"``) and both are in every checkpoint.
+        ema_every_n_steps: optimizer steps between EMA updates.
+        use_ema: with EMA on, the EMA weights are the run's weights: ``"detections"`` (``val/*``, so
+            ``best.ckpt`` and early stopping), test, predict and the detectors loaded from checkpoints
+            (``predict.py``, export) use them, and the raw weights are the second set (``val_raw/*``).
+            ``False``: the raw weights are the run's, the EMA the second set (``val_ema/*``).
         sync_batchnorm: convert BatchNorm to SyncBatchNorm when training on several GPU processes (in
             :meth:`configure_model`, the one place it is done; leave the Trainer's own flag off). Ignored
             with a warning on CPU.
@@ -67,6 +78,9 @@ class SSDLitModule(pl.LightningModule):
         init_from: str | Path | None = None,
         trust_checkpoint: bool = False,
         freeze: str | int | None = None,
+        ema_decay: float | None = None,
+        ema_every_n_steps: int = 1,
+        use_ema: bool = True,
         sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
@@ -98,6 +112,16 @@ class SSDLitModule(pl.LightningModule):
         self.channels_last = channels_last
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
         self.frozen = freeze_backbone(self.net, freeze)
+        if ema_every_n_steps < 1:
+            raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+        self.ema = ExponentialMovingAverage(self.net, ema_decay) if ema_decay is not None else None
+        self._ema_warmup_steps = 0
+        self._ema_last_step = -1
+
+    @property
+    def inference_net(self) -> nn.Module:
+        """The run's weights: the EMA copy with ``ema_decay`` and ``use_ema``, else ``net``."""
+        return self.ema.module if self.ema is not None and self.hparams.use_ema else self.net
 
     def configure_model(self) -> None:
         self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
@@ -107,14 +131,20 @@ class SSDLitModule(pl.LightningModule):
         keep_frozen_norms_in_eval(self.frozen)
         return self
 
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, images: torch.Tensor, net: nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``net`` (default: the trained ``self.net``) on ``images``, in the module's memory format."""
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return self.net(images)
+        return (net or self.net)(images)
 
     def on_fit_start(self) -> None:
         trust = self.hparams.trust_checkpoint
-        init_net_from_file(self, self.net, self.hparams.init_from, trust_checkpoint=trust)
+        loaded = init_net_from_file(self, self.net, self.hparams.init_from, trust_checkpoint=trust)
+        if loaded and self.ema is not None:  # the average starts from the loaded weights
+            self.ema.module.load_state_dict(self.net.state_dict())
+            self.ema.reset()
 
     def on_train_start(self) -> None:
         restore_train_loader_state(self.trainer)
@@ -144,15 +174,31 @@ class SSDLitModule(pl.LightningModule):
         self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
         return loss
 
-    def _detect(self, batch: dict[str, torch.Tensor]) -> list[dict]:
-        """Decoded detections per image, boxes mapped to original-image pixels (ltrb)."""
-        locs, logits = self(batch["images"])
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.ema is None:
+            return
+        step = self.trainer.global_step  # optimizer steps done; unchanged on accumulation micro-batches
+        if step == self._ema_last_step or step % self.hparams.ema_every_n_steps != 0:
+            return
+        self._ema_last_step = step
+        self.ema.update_parameters(self.net)
+        if step <= self._ema_warmup_steps:
+            self.ema.reset()
+
+    def _detect(self, batch: dict[str, torch.Tensor], net: nn.Module | None = None) -> list[dict]:
+        """Decoded detections per image of ``net`` (default: the run's weights), boxes in original-image
+        pixels (ltrb)."""
+        locs, logits = self(batch["images"], net or self.inference_net)
         detections = self.box_coder.detect(locs, logits, batch["image_sizes"], self.decoder_settings)
         image_ids = batch["image_ids"].tolist()
         return [{"image_id": int(i), **det} for i, det in zip(image_ids, detections, strict=True)]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
-        return {"detections": self._detect(batch)}
+        outputs = {"detections": self._detect(batch)}
+        if self.ema is not None:
+            second = self.net if self.hparams.use_ema else self.ema.module
+            outputs["detections_secondary"] = self._detect(batch, second)
+        return outputs
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
         return {"detections": self._detect(batch)}
@@ -161,10 +207,17 @@ class SSDLitModule(pl.LightningModule):
         return self._detect(batch)
 
     def configure_optimizers(self) -> dict:
-        return configure_recipe_optimizers(
+        config = configure_recipe_optimizers(
             self,
             self.net,
             optimizer=self.optimizer_factory,
             lr_scaling=self.hparams.lr_scaling,
             scheduler=self.hparams.scheduler,
         )
+        scheduler = self.hparams.scheduler or {}
+        if self.ema is not None and scheduler:
+            warm_epochs = int(scheduler.get("warmup_epochs", 0) or 0)
+            warm_steps = int(scheduler.get("warmup_steps", 0) or 0)
+            epoch_steps = steps_per_epoch(self.trainer) if warm_epochs else 0
+            self._ema_warmup_steps = warm_steps + warm_epochs * epoch_steps
+        return config

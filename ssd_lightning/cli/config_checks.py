@@ -22,7 +22,7 @@ from ssd_lightning.errors import ConfigError, UserError
 
 __all__ = ["TASKS", "check_writable_dir", "validate_config"]
 
-TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference")
+TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference", "inspect_data")
 _GPU_ACCELERATORS = ("gpu", "cuda")
 
 

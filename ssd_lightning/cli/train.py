@@ -82,6 +82,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
         torch.backends.cudnn.allow_tf32 = cfg.matmul_precision != "highest"
 
     datamodule = hydra.utils.instantiate(cfg.data)
+    if cfg.task == "inspect_data":  # looks at the data only: no model, no Trainer
+        from ssd_lightning.cli.inspect_data import run_inspect_task
+
+        return run_inspect_task(datamodule, cfg.paths.output_dir, **(cfg.get("inspect") or {}))
     _num_classes_from_data(cfg, datamodule)
     model = hydra.utils.instantiate(cfg.model)
     if cfg.get("compile"):

@@ -1,0 +1,458 @@
+"""What ``task=inspect_data`` computes: label statistics, the default-box fit, decoded training targets.
+
+Everything works on numpy arrays read from a COCO annotation file in one ``json.load``
+(:func:`load_coco_arrays`); nothing loops over annotations in Python after that.
+
+The default-box fit (:func:`match_default_boxes`, :func:`default_box_fit`) applies the matching rule of
+DALI's ``fn.box_encoder`` (the training targets of :func:`~ssd_lightning.data.dali_pipelines.
+coco_train_pipeline`), with its float32 IoU and its tie order:
+
+1. every ground truth is forced onto its best default box (IoU set to 2); among equal IoUs the default
+   box with the larger index wins;
+2. every default box takes its best ground truth (forced values included); among equal values the later
+   ground truth wins (so the later one of two ground truths forced onto the same box keeps it);
+3. the default box is a positive when that value is strictly greater than the criteria (0.5).
+
+:class:`~ssd_lightning.models.BoxCoder`'s ``encode`` implements the same rule, except that its argmaxes
+keep the first of equal values; the two differ only on exact float ties.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ssd_lightning.errors import DataError
+
+__all__ = [
+    "SIZE_BUCKETS",
+    "CocoArrays",
+    "decode_targets",
+    "default_box_fit",
+    "label_statistics",
+    "load_coco_arrays",
+    "match_default_boxes",
+]
+
+#: COCO's size buckets by annotation ``area`` (pixels): small < 32², medium < 96², large otherwise.
+SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
+    ("small", 0.0, 32.0**2),
+    ("medium", 32.0**2, 96.0**2),
+    ("large", 96.0**2, float("inf")),
+)
+#: Edges of the aspect-ratio (w/h) histogram: log-spaced from 1/16 to 16; outside values go to the end bins.
+ASPECT_EDGES: np.ndarray = np.geomspace(1 / 16, 16, 17)
+# a "segmentation" value: polygons (lists of number lists) or an RLE dict (no braces inside)
+_SEGMENTATION = re.compile(rb'"segmentation"\s*:\s*(?:\[\s*(?:\[[^\[\]]*\]\s*,?\s*)*\]|\{[^{}]*\})')
+# IoU elements (images x ground truths x default boxes) computed at once by match_default_boxes
+_ELEMENTS_PER_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class CocoArrays:
+    """A COCO instances file as arrays (one row per image / annotation / category).
+
+    Attributes:
+        path: the file read.
+        image_ids: (I,) int64; ``widths``, ``heights``: (I,) float64 as listed.
+        ann_image: (A,) int64 index into the image arrays of each annotation's image.
+        bbox: (A, 4) float64 ``[x, y, w, h]`` in pixels, as listed.
+        area: (A,) float64 ``area`` (``w * h`` where the file has none).
+        iscrowd: (A,) bool.
+        ann_label: (A,) int64 contiguous label 1..K (category order of the file, DALI's order).
+        category_ids: (K,) dataset category ids; ``names``: K + 1 names, ``names[0] == "background"``.
+    """
+
+    path: Path
+    image_ids: np.ndarray
+    widths: np.ndarray
+    heights: np.ndarray
+    ann_image: np.ndarray
+    bbox: np.ndarray
+    area: np.ndarray
+    iscrowd: np.ndarray
+    ann_label: np.ndarray
+    category_ids: np.ndarray
+    names: tuple[str, ...]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_ids)
+
+    @property
+    def num_classes(self) -> int:
+        """K + 1 (includes background)."""
+        return len(self.names)
+
+
+def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
+    """Read a COCO instances JSON (one parse) into :class:`CocoArrays`.
+
+    Raises:
+        DataError: not JSON, or ``images``/``annotations``/``categories`` missing or malformed, an
+            annotation naming an unknown image or category.
+    """
+    path = Path(path)
+    try:
+        # segmentations are never read: dropping them before parsing makes COCO's train file 3x faster
+        data = json.loads(_SEGMENTATION.sub(b'"segmentation":0', path.read_bytes()))
+        images, anns, cats = data["images"], data.get("annotations") or [], data["categories"]
+        n = len(anns)
+        image_ids, widths, heights = _columns(images, ("id", "width", "height"), (np.int64, float, float))
+        category_ids = np.fromiter((c["id"] for c in cats), dtype=np.int64, count=len(cats))
+        names = ("background", *(str(c.get("name", c["id"])) for c in cats))
+        ann_image_id, ann_cat = _columns(anns, ("image_id", "category_id"), (np.int64, np.int64))
+        bbox = np.fromiter(chain.from_iterable(map(itemgetter("bbox"), anns)), np.float64, 4 * n).reshape(
+            n, 4
+        )
+        area = np.fromiter((a.get("area", -1.0) for a in anns), dtype=np.float64, count=n)
+        iscrowd = np.fromiter((a.get("iscrowd", 0) for a in anns), dtype=np.int64, count=n).astype(bool)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(
+            f"cannot read {path} as a COCO instances file ({type(exc).__name__}: {exc}); it needs 'images' "
+            "(id, width, height), 'annotations' (image_id, category_id, bbox of 4 numbers) and 'categories' "
+            "(id, name)"
+        ) from None
+    area = np.where(area < 0, bbox[:, 2] * bbox[:, 3], area)
+    ann_image = _lookup(image_ids, ann_image_id, path, "image_id", "images")
+    ann_label = _lookup(category_ids, ann_cat, path, "category_id", "categories") + 1
+    return CocoArrays(
+        path, image_ids, widths, heights, ann_image, bbox, area, iscrowd, ann_label, category_ids, names
+    )
+
+
+def _columns(rows: list, keys: tuple[str, ...], dtypes: tuple) -> list[np.ndarray]:
+    """Columns ``keys`` of a list of dicts, each as a numpy array of its dtype (one pass per column)."""
+    pairs = zip(keys, dtypes, strict=True)
+    return [np.fromiter(map(itemgetter(k), rows), dtype=t, count=len(rows)) for k, t in pairs]
+
+
+def _lookup(keys: np.ndarray, values: np.ndarray, path: Path, field: str, listing: str) -> np.ndarray:
+    """Index of each of ``values`` in ``keys`` (vectorised), or a DataError naming the unknown ones."""
+    order = np.argsort(keys, kind="stable")
+    pos = np.searchsorted(keys, values, sorter=order)
+    pos = np.clip(pos, 0, max(len(keys) - 1, 0))
+    found = order[pos] if len(keys) else pos
+    bad = (keys[found] != values) if len(keys) else np.ones(len(values), bool)
+    if bad.any():
+        raise DataError(
+            f"{path}: annotations with {field} {np.unique(values[bad])[:5].tolist()} not in '{listing}'"
+        )
+    return found
+
+
+def size_bucket(area: np.ndarray) -> np.ndarray:
+    """(A,) COCO size bucket index (0 small, 1 medium, 2 large) of each area."""
+    return np.searchsorted(np.array([b[2] for b in SIZE_BUCKETS[:-1]]), area, side="right")
+
+
+# -------------------------------------------------------------------------------------------- statistics
+def label_statistics(arrays: CocoArrays) -> dict:
+    """Counts of one annotation file: images, boxes, boxes per image, per class, crowd, sizes, aspect ratios.
+
+    Returns a JSON-ready dict: ``images``, ``boxes``, ``images_without_boxes``, ``crowd_boxes``,
+    ``boxes_per_image`` (``mean``, ``median``, ``max`` and ``histogram``: images with k boxes at index k),
+    ``size_buckets`` (boxes per COCO bucket, by ``area``), ``aspect_ratio`` (w/h: ``edges``, ``counts`` per
+    bin with outside values in the end bins, ``median``, ``degenerate`` boxes with w or h <= 0) and
+    ``classes`` (per label: ``label``, ``category_id``, ``name``, ``boxes``, ``images``, ``crowd``).
+    """
+    a = arrays
+    per_image = np.bincount(a.ann_image, minlength=a.num_images)
+    k = a.num_classes - 1
+    boxes_per_class = np.bincount(a.ann_label - 1, minlength=k)
+    crowd_per_class = np.bincount(a.ann_label[a.iscrowd] - 1, minlength=k)
+    pairs = np.unique(a.ann_image * k + (a.ann_label - 1))
+    images_per_class = np.bincount(pairs % k, minlength=k) if k else np.zeros(0, np.int64)
+    buckets = np.bincount(size_bucket(a.area), minlength=len(SIZE_BUCKETS))
+    w, h = a.bbox[:, 2], a.bbox[:, 3]
+    ok = (w > 0) & (h > 0)
+    ratio = w[ok] / h[ok]
+    bins = np.clip(np.searchsorted(ASPECT_EDGES, ratio, side="right") - 1, 0, len(ASPECT_EDGES) - 2)
+    return {
+        "file": str(a.path),
+        "images": int(a.num_images),
+        "boxes": int(len(a.ann_label)),
+        "images_without_boxes": int((per_image == 0).sum()),
+        "crowd_boxes": int(a.iscrowd.sum()),
+        "boxes_per_image": {
+            "mean": float(per_image.mean()) if len(per_image) else 0.0,
+            "median": float(np.median(per_image)) if len(per_image) else 0.0,
+            "max": int(per_image.max()) if len(per_image) else 0,
+            "histogram": np.bincount(per_image).tolist(),
+        },
+        "size_buckets": {name: int(n) for (name, _, _), n in zip(SIZE_BUCKETS, buckets, strict=True)},
+        "aspect_ratio": {
+            "edges": ASPECT_EDGES.tolist(),
+            "counts": np.bincount(bins, minlength=len(ASPECT_EDGES) - 1).tolist(),
+            "median": float(np.median(ratio)) if len(ratio) else None,
+            "degenerate": int((~ok).sum()),
+        },
+        "classes": [
+            {
+                "label": i + 1,
+                "category_id": int(a.category_ids[i]),
+                "name": a.names[i + 1],
+                "boxes": int(boxes_per_class[i]),
+                "images": int(images_per_class[i]),
+                "crowd": int(crowd_per_class[i]),
+            }
+            for i in range(k)
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------------------- default boxes
+def iou_float32(boxes: Tensor, anchors: Tensor) -> Tensor:
+    """IoU of (..., M, 4) ltrb ``boxes`` with (B, 4) ltrb ``anchors`` -> (..., M, B) float32, with DALI's
+    box_encoder arithmetic (no overlap along either axis: 0)."""
+    gl, gt, gr, gb = (c[..., None] for c in boxes.unbind(-1))  # (..., M, 1) each
+    al, at, ar, ab = anchors.unbind(-1)  # (B,) each
+    width = torch.minimum(gr, ar).sub_(torch.maximum(gl, al))
+    height = torch.minimum(gb, ab).sub_(torch.maximum(gt, at))
+    overlap = (width > 0).logical_and_(height > 0)
+    inter = width.mul_(height)
+    union = ((gb - gt) * (gr - gl)) + ((ab - at) * (ar - al))  # (..., M, B)
+    iou = inter.div_(union.sub_(inter))
+    return iou.masked_fill_(~overlap, 0.0)
+
+
+def _last_argmax(values: Tensor, dim: int) -> Tensor:
+    """Index of the maximum along ``dim``; among equal maxima the largest index (DALI's ``>=`` scan)."""
+    n = values.shape[dim]
+    return n - 1 - values.flip(dim).argmax(dim)
+
+
+def match_default_boxes(
+    boxes_ltrb: Sequence[Tensor | np.ndarray], anchors_ltrb: Tensor, criteria: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per ground-truth box: how many default boxes the training targets assign to it, and its best IoU.
+
+    Args:
+        boxes_ltrb: per image an (M_i, 4) array of ground-truth boxes, ltrb relative to the image (what
+            DALI's reader hands the encoder); images are independent.
+        anchors_ltrb: (B, 4) default boxes, ltrb (``dboxes300_coco().ltrb``).
+        criteria: a default box is positive when its (forced) IoU is > this, as ``fn.box_encoder``.
+
+    Returns:
+        ``matched`` (sum M_i,) int64: default boxes whose target is this box (the forced one included),
+        and ``best_iou`` (sum M_i,) float32: the box's highest IoU with any default box (before forcing),
+        concatenated in image order. ``best_iou <= criteria``: only the forced rule matches the box (and
+        ``matched == 0`` when a later box took its forced default box).
+    """
+    anchors = torch.as_tensor(anchors_ltrb, dtype=torch.float32)
+    num_anchors = anchors.shape[0]
+    counts = np.array([len(b) for b in boxes_ltrb], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    matched = np.zeros(offsets[-1], dtype=np.int64)
+    best_iou = np.zeros(offsets[-1], dtype=np.float32)
+    # images with equally many boxes go together: a chunk is one (n, m, B) tensor without padding waste
+    order = np.argsort(counts, kind="stable")
+    order = order[counts[order] > 0]
+    start = 0
+    while start < len(order):
+        m = int(counts[order[start]])
+        same = int(np.searchsorted(counts[order], m, side="right")) - start
+        take = max(1, min(same, _ELEMENTS_PER_CHUNK // (m * num_anchors)))
+        idx = order[start : start + take]
+        start += take
+        gt = torch.as_tensor(np.stack([np.asarray(boxes_ltrb[i], dtype=np.float32) for i in idx]))
+        ious = iou_float32(gt, anchors)  # (n, m, B)
+        best, _ = ious.max(dim=2)  # (n, m)
+        forced_at = _last_argmax(ious, 2)  # (n, m)
+        ious.scatter_(2, forced_at[..., None], 2.0)
+        per_anchor = ious.transpose(1, 2).contiguous()  # (n, B, m)
+        best_gt = _last_argmax(per_anchor, 2)  # (n, B): the later box wins equal values
+        positive = per_anchor.gather(2, best_gt[..., None]).squeeze(2) > criteria  # (n, B)
+        per_gt = torch.zeros(len(idx), m, dtype=torch.int64)
+        per_gt.scatter_add_(1, best_gt, positive.to(torch.int64))
+        rows = (offsets[idx][:, None] + np.arange(m)).reshape(-1)
+        matched[rows] = per_gt.reshape(-1).numpy()
+        best_iou[rows] = best.reshape(-1).numpy()
+    return matched, best_iou
+
+
+def relative_ltrb(arrays: CocoArrays, rows: np.ndarray) -> np.ndarray:
+    """(len(rows), 4) float32 ltrb relative to each annotation's image, as DALI's reader computes them
+    with ``ltrb=True, ratio=True``: ``(x, y, x + w, y + h) / (W, H, W, H)`` in float32."""
+    xywh = arrays.bbox[rows].astype(np.float32)
+    ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
+    img = arrays.ann_image[rows]
+    size = np.stack([arrays.widths[img], arrays.heights[img]], 1).astype(np.float32)
+    return ltrb / np.concatenate([size, size], axis=1)
+
+
+def default_box_fit(
+    arrays: CocoArrays,
+    anchors_ltrb: Tensor,
+    *,
+    criteria: float = 0.5,
+    include_crowd: bool = True,
+    max_images: int | None = None,
+) -> dict:
+    """How the training targets cover the boxes of an annotation file (see :func:`match_default_boxes`).
+
+    Boxes are taken as training reads them: relative to their image (the resize to the square input keeps
+    relative coordinates), crowd boxes only with ``include_crowd``, images without boxes skipped.
+    ``max_images`` evenly spaced images of those (None: all) bound the cost on large files.
+
+    Returns a JSON-ready dict: ``images``, ``criteria``, ``default_boxes``, ``overall``, ``size_buckets``
+    (by COCO ``area``) and ``classes``, each group with ``boxes``, ``matched_mean``, ``matched_median``
+    (default boxes per box), ``best_iou_mean``, ``forced_only`` (boxes with no default box above the
+    criteria) and its ``forced_only_share``, ``unmatched`` (boxes with no default box at all: a later box
+    took the forced one); plus ``matched_histogram`` (boxes with k default boxes at index k, overall).
+    """
+    keep = np.ones(len(arrays.ann_label), bool) if include_crowd else ~arrays.iscrowd
+    rows = np.flatnonzero(keep)
+    rows = rows[np.argsort(arrays.ann_image[rows], kind="stable")]  # file order inside each image
+    images, starts = np.unique(arrays.ann_image[rows], return_index=True)
+    if max_images is not None and len(images) > max_images:
+        pick = np.unique(np.linspace(0, len(images) - 1, max_images).round().astype(np.int64))
+        ends = np.append(starts[1:], len(rows))
+        rows = np.concatenate([rows[starts[p] : ends[p]] for p in pick]) if len(pick) else rows[:0]
+        images, starts = np.unique(arrays.ann_image[rows], return_index=True)
+    ltrb = relative_ltrb(arrays, rows)
+    matched, best = match_default_boxes(
+        np.split(ltrb, starts[1:]) if len(rows) else [], anchors_ltrb, criteria
+    )
+    forced_only = best <= criteria
+
+    def group(mask: np.ndarray) -> dict:
+        n = int(mask.sum())
+        return {
+            "boxes": n,
+            "matched_mean": float(matched[mask].mean()) if n else None,
+            "matched_median": float(np.median(matched[mask])) if n else None,
+            "best_iou_mean": float(best[mask].mean()) if n else None,
+            "forced_only": int(forced_only[mask].sum()),
+            "forced_only_share": float(forced_only[mask].mean()) if n else None,
+            "unmatched": int((matched[mask] == 0).sum()),
+        }
+
+    bucket = size_bucket(arrays.area[rows])
+    labels = arrays.ann_label[rows]
+    return {
+        "file": str(arrays.path),
+        "images": int(len(images)),
+        "criteria": criteria,
+        "default_boxes": int(anchors_ltrb.shape[0]),
+        "overall": group(np.ones(len(rows), bool)),
+        "size_buckets": {name: group(bucket == i) for i, (name, _, _) in enumerate(SIZE_BUCKETS)},
+        "classes": [
+            {"label": k, "name": arrays.names[k], **group(labels == k)} for k in range(1, arrays.num_classes)
+        ],
+        "matched_histogram": np.bincount(matched).tolist(),
+    }
+
+
+# -------------------------------------------------------------------------------------------- batches
+def decode_targets(boxes_xywh: Tensor, labels: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Training targets back to ground truth: per image the distinct (box, label) pairs of its positives.
+
+    Args:
+        boxes_xywh: (N, B, 4) the batch's ``boxes``: per default box its target (cx, cy, w, h) relative.
+        labels: (N, B) the batch's ``labels`` (0: background).
+
+    Returns:
+        per image ``(boxes (k, 4) float32 ltrb relative, labels (k,) int64)``, one row per distinct target
+        (a ground-truth box that no default box carries, or two identical boxes with one label, show once).
+    """
+    out = []
+    for boxes, lab in zip(boxes_xywh.float(), labels, strict=True):
+        pos = lab > 0
+        xywh = boxes[pos].numpy()
+        ltrb = np.concatenate([xywh[:, :2] - 0.5 * xywh[:, 2:], xywh[:, :2] + 0.5 * xywh[:, 2:]], axis=1)
+        rows = np.concatenate([ltrb, lab[pos].numpy()[:, None].astype(np.float32)], axis=1)
+        uniq = np.unique(rows, axis=0) if len(rows) else rows.reshape(0, 5)
+        out.append((uniq[:, :4].astype(np.float32), uniq[:, 4].astype(np.int64)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------- pictures
+def plot_label_statistics(stats: dict, output: str | os.PathLike, title: str = "") -> Path:
+    """``data_stats.png``: boxes per class, boxes per image, COCO size buckets, aspect ratios (w/h)."""
+    from matplotlib.figure import Figure  # matplotlib only when a picture is drawn
+
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    (ax_cls, ax_per_img), (ax_size, ax_ratio) = fig.subplots(2, 2)
+    names = [c["name"] for c in stats["classes"]]
+    ax_cls.barh(range(len(names)), [c["boxes"] for c in stats["classes"]], color="tab:blue")
+    ax_cls.set_yticks(range(len(names)), names, fontsize=max(4, min(9, 400 // max(1, len(names)))))
+    ax_cls.invert_yaxis()
+    ax_cls.set_xlabel("boxes")
+    ax_cls.set_title(f"boxes per class ({stats['boxes']} boxes, {stats['crowd_boxes']} crowd)")
+    hist = stats["boxes_per_image"]["histogram"]
+    ax_per_img.bar(range(len(hist)), hist, width=1.0, color="tab:green")
+    ax_per_img.set_xlabel("boxes in the image")
+    ax_per_img.set_ylabel("images")
+    ax_per_img.set_title(
+        f"boxes per image ({stats['images']} images, {stats['images_without_boxes']} without boxes)"
+    )
+    sizes = stats["size_buckets"]
+    ax_size.bar(list(sizes), list(sizes.values()), color=["tab:red", "tab:orange", "tab:purple"])
+    ax_size.set_ylabel("boxes")
+    ax_size.set_title("COCO size buckets (area < 32², < 96², larger)")
+    ratio = stats["aspect_ratio"]
+    edges = np.asarray(ratio["edges"])
+    ax_ratio.bar(edges[:-1], ratio["counts"], width=np.diff(edges), align="edge", color="tab:gray")
+    ax_ratio.set_xscale("log")
+    ax_ratio.set_xlabel("aspect ratio w/h (end bins include everything beyond)")
+    ax_ratio.set_ylabel("boxes")
+    ax_ratio.set_title("box aspect ratios")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, output)
+
+
+def plot_default_box_fit(fit: dict, output: str | os.PathLike, title: str = "") -> Path:
+    """``default_box_fit.png``: default boxes per ground truth (histogram) and, per size bucket and class,
+    the mean number of default boxes and the share matched only by the forced rule."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    ax_hist, ax_size, ax_cls = fig.subplot_mosaic([["hist", "size"], ["cls", "cls"]]).values()
+    hist = fit["matched_histogram"]
+    ax_hist.bar(range(len(hist)), hist, width=1.0, color="tab:blue")
+    ax_hist.set_xlabel("default boxes assigned to the box")
+    ax_hist.set_ylabel("ground-truth boxes")
+    ax_hist.set_title(f"{fit['overall']['boxes']} boxes in {fit['images']} images")
+    groups = [("all", fit["overall"]), *fit["size_buckets"].items()]
+    _bars(ax_size, [g for g, _ in groups], [v for _, v in groups])
+    ax_size.set_title(f"per size bucket (positive: IoU > {fit['criteria']})")
+    _bars(ax_cls, [c["name"] for c in fit["classes"]], fit["classes"])
+    ax_cls.set_title("per class")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, output)
+
+
+def _bars(ax, names: list[str], groups: list[dict]) -> None:
+    """Mean default boxes per box (left axis) beside the forced-only share (right axis) per group."""
+    x = np.arange(len(names))
+    mean = [g["matched_mean"] or 0.0 for g in groups]
+    share = [g["forced_only_share"] or 0.0 for g in groups]
+    ax.bar(x - 0.2, mean, width=0.4, color="tab:blue", label="mean default boxes per box")
+    ax.set_ylabel("default boxes per box")
+    twin = ax.twinx()
+    twin.bar(x + 0.2, share, width=0.4, color="tab:red", label="forced-only share")
+    twin.set_ylim(0, 1)
+    twin.set_ylabel("share matched only by the forced rule")
+    ax.set_xticks(x, names, rotation=90 if len(names) > 8 else 0, fontsize=8 if len(names) > 20 else 10)
+    ax.legend(loc="upper left")
+    twin.legend(loc="upper right")
+
+
+def _save(fig, output: str | os.PathLike) -> Path:
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    return output

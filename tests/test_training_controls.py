@@ -136,6 +136,45 @@ def test_early_stopping_on_a_crafted_metric_curve(eval_epochs, patience, min_del
         assert stopper.stopped_epoch == stopped_after and module.epochs_run == stopped_after + 1
 
 
+class _RankCurves(_CraftedMetric):
+    """Rank 0 logs CURVE, rank 1 a value that always improves (not synchronised); each rank writes how many
+    training epochs it ran to ``<out>/rank<r>.txt``."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_validation_epoch_end(self) -> None:
+        value = CURVE[self.current_epoch] if self.global_rank == 0 else float(self.current_epoch)
+        self.log("val/m", value, rank_zero_only=False)
+
+    def on_fit_end(self) -> None:
+        Path(self.out, f"rank{self.global_rank}.txt").write_text(str(self.epochs_run))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_early_stopping_stops_every_ddp_rank_together(tmp_path):
+    """2 CPU processes (gloo): rank 0's metric stalls after epoch 5 (eval list 1, 3, 5, 7), rank 1's keeps
+    improving; Lightning's decision (any rank) stops both after epoch 7, neither waits for the other."""
+    from tests.test_coco_map_callback import DestroyProcessGroupAtExit
+
+    trainer = quiet_trainer(
+        callbacks=[
+            EvalSchedule([1, 3, 5, 7, 9]),
+            EarlyStopping("val/m", patience=1, min_delta=0.05),
+            DestroyProcessGroupAtExit(),
+        ],
+        max_epochs=len(CURVE),
+        num_sanity_val_steps=0,
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    trainer.fit(_RankCurves(str(tmp_path)), _loader(), _loader())
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["8", "8"]
+
+
 def test_early_stopping_without_patience_never_stops():
     module = _CraftedMetric()
     stopper = EarlyStopping("val/m", patience=None, min_delta=1.0)

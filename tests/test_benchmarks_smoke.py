@@ -17,6 +17,7 @@ HARNESSES = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 EXPECTED = {
     "benchmark_analysis.py",
     "benchmark_decoder.py",
+    "benchmark_demo.py",
     "benchmark_eval.py",
     "benchmark_finetune.py",
     "benchmark_loader.py",

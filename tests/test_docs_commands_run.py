@@ -86,6 +86,10 @@ SCRIPT_SIZE: dict[str, list[str]] = {
     "scripts/plot_run.py": [],
     "scripts/export_onnx.py": [],
     "benchmarks/benchmark_analysis.py": ["--images", "20", "--detections", "5"],
+    "benchmarks/benchmark_demo.py": [
+        *("--seeds", "1", "--override", "trainer.max_epochs=1"),
+        *("--override", "data.num_train=24", "--override", "data.num_val=8"),
+    ],
     "benchmarks/benchmark_decoder.py": ["--batch-size", "2", "--repeats", "1", "--ref-repeats", "1"],
     "benchmarks/benchmark_loader.py": [
         *("--num-images", "48", "--batches", "2", "--warmup", "1", "--repeats", "1"),

@@ -196,6 +196,23 @@ def test_mlflow_logger_keeps_one_run_per_run_directory(tmp_path, offline):
     assert (run_dir / "mlartifacts").is_dir()
 
 
+def test_mlflow_store_is_opened_on_rank_zero_only(tmp_path, offline, monkeypatch):
+    from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+    from ssd_lightning.io.loggers import ResumableMLFlowLogger
+
+    cfg = train_config(["logger=mlflow"], output_dir=tmp_path)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    other = hydra.utils.instantiate(cfg.logger.mlflow)
+    other.log_hyperparams({"a": 1})
+    other.log_metrics({"val/mAP": 0.5}, step=1)
+    other.finalize("success")
+    assert not isinstance(other, ResumableMLFlowLogger) and other.log_dir is None
+    assert list(tmp_path.iterdir()) == []  # no mlflow.db, no mlflow_run_id
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    assert isinstance(hydra.utils.instantiate(cfg.logger.mlflow), ResumableMLFlowLogger)
+
+
 # -- through train.py: CSV, TensorBoard, W&B and MLflow together, then resume=<run dir> ----------------------
 def _by_step(rows: list[dict], key: str) -> dict[int, float]:
     return {int(row["step"]): float(row[key]) for row in rows if row.get(key)}

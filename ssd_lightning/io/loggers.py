@@ -20,6 +20,7 @@ from lightning_fabric.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.loggers.logger import DummyLogger
 
 from ssd_lightning import compat
 from ssd_lightning.errors import UserError
@@ -237,3 +238,21 @@ class ResumableMLFlowLogger(MLFlowLogger):
         artifact_path = key if step is None else f"{key}/step_{step}"
         for image in images:
             self.experiment.log_artifact(self.run_id, os.fspath(image), artifact_path)
+
+
+class _OtherRank(DummyLogger):
+    """What a process other than global rank 0 gets for a tracker logger: every call does nothing."""
+
+    @property
+    def log_dir(self) -> None:
+        return None
+
+
+def mlflow_logger(**kwargs: Any) -> ResumableMLFlowLogger | DummyLogger:
+    """``logger=mlflow``: a :class:`ResumableMLFlowLogger` on global rank 0 and a do-nothing logger on the
+    other ranks, which so never open the store (an MLflow client creates its SQLite database, tables and
+    all, when constructed). ``kwargs``: :class:`ResumableMLFlowLogger`'s."""
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        _require("mlflow", "logger=mlflow")
+        return _OtherRank()
+    return ResumableMLFlowLogger(**kwargs)

@@ -77,6 +77,27 @@ def test_frozen_batchnorm_stays_in_eval_mode_while_training():
     assert {id(m) for m in norms if not m.training} == {id(m) for m in norms if id(m) in first}
 
 
+def test_frozen_batchnorm_stays_in_eval_after_syncbatchnorm_conversion():
+    """The conversion in configure_model replaces BatchNorm layers: frozen ones are found again."""
+    module = SSDLitModule(
+        ssd300(backbone="resnet18", num_classes=3),
+        optimizer=torch.optim.SGD,
+        freeze="backbone",
+        sync_batchnorm=True,
+    )
+
+    class _Trainer:  # two GPU processes, as far as the conversion can tell
+        world_size = 2
+        accelerator = object()
+
+    module._trainer = _Trainer()  # noqa: SLF001 - the attribute LightningModule.trainer reads
+    module.configure_model()
+    module.train()
+    synced = [m for m in module.net.feature_extractor.modules() if isinstance(m, nn.SyncBatchNorm)]
+    assert synced and not any(m.training for m in synced)  # the stem's bn1 included
+    assert all(m.training for m in module.net.additional_blocks.modules() if isinstance(m, nn.SyncBatchNorm))
+
+
 # ------------------------------------------------------------------------------------------ early stopping
 CURVE = [0.10, 0.20, 0.30, 0.40, 0.41, 0.50, 0.45, 0.52, 0.90, 0.95]  # the metric if evaluated at epoch e
 
@@ -183,6 +204,19 @@ def test_early_stopping_without_patience_never_stops():
     assert module.epochs_run == 4 and not stopper.enabled
 
 
+def test_early_stopping_resumed_with_another_patience_keeps_the_new_one():
+    saved = EarlyStopping("val/m", patience=None)
+    saved.wait_count, saved.best_score = 1, torch.tensor(0.5)
+    resumed = EarlyStopping("val/m", patience=5)
+    resumed.load_state_dict(saved.state_dict())
+    assert (resumed.patience, resumed.wait_count, float(resumed.best_score), resumed.enabled) == (
+        5,
+        1,
+        0.5,
+        True,
+    )
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_early_stopping_patience_is_checked(bad):
     with pytest.raises(ValueError, match="callbacks.early_stopping.patience"):
@@ -197,6 +231,24 @@ def test_lr_line_states_the_accumulated_global_batch():
         "(2 device(s) x 8 per device x 4 accumulated) / 32"
     )
     assert describe_lr(1e-3, 1e-3, "none", 4, 1, 2, 32).startswith("LR 0.001 (model.lr_scaling.rule=none")
+
+
+# --------------------------------------------------------------------------------------------------- EMA
+def test_checkpoints_without_ema_weights_start_the_average_and_the_reverse_is_an_error():
+    from ssd_lightning.modules.ssd import reconcile_ema_weights
+
+    state = {"net.w": torch.ones(2), "net.bn.num_batches_tracked": torch.tensor(3)}
+    reconcile_ema_weights(state, has_ema=True)
+    assert torch.equal(state["ema.module.w"], state["net.w"]) and state["ema.module.w"] is not state["net.w"]
+    assert int(state["ema.n_averaged"]) == 0 and int(state["ema.module.bn.num_batches_tracked"]) == 3
+    with pytest.raises(ConfigError, match="holds EMA weights.*set model.ema_decay"):
+        reconcile_ema_weights(state, has_ema=False)
+    module = SSDLitModule(
+        ssd300(backbone="resnet18", num_classes=3), optimizer=torch.optim.SGD, ema_decay=0.9
+    )
+    checkpoint = {"state_dict": {f"net.{k}": v for k, v in module.net.state_dict().items()}}
+    module.on_load_checkpoint(checkpoint)
+    module.load_state_dict(checkpoint["state_dict"], strict=True)  # every key of the module is there
 
 
 # ------------------------------------------------------------------------------------------- SyncBatchNorm
@@ -244,6 +296,7 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
         "model.lr_scaling.reference_batch_size=16",
         "callbacks.early_stopping.patience=1",
         "callbacks.early_stopping.min_delta=1.0",  # no mAP improves by 1: stop at the second evaluation
+        "model.ema_decay=0.5",
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -275,7 +328,19 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
     trained = [k for k in init_state if k.startswith(("additional_blocks.", "loc.")) and k.endswith("weight")]
     assert any(not torch.equal(state[f"net.{k}"], init_state[k]) for k in trained)
     assert not any(math.isnan(v) for v in lrs.values())
-    assert Path(run_dir / "checkpoints" / "last.ckpt").is_file()
+    averaged = int(state["ema.n_averaged"])
+    assert averaged > 0 and "val_raw/mAP" in csv_rows(run_dir / "csv" / "metrics.csv")[0]
+
+    # resumed with a patience of 5 (the checkpoint's 1 would stop at once): two more evaluated epochs; frozen
+    # tensors still the file's, the optimizer state (no frozen parameters) and the EMA continued
+    done = run_train_py(
+        f"resume={run_dir}", "trainer.max_epochs=4", "callbacks.early_stopping.patience=5", timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(metric_by_epoch(run_dir, "val/mAP")) == [0, 1, 2, 3]
+    state = last_checkpoint(run_dir)["state_dict"]
+    assert all(torch.equal(state[f"net.{k}"], init_state[k]) for k in backbone)
+    assert int(state["ema.n_averaged"]) > averaged
 
 
 @requires_dali

@@ -139,8 +139,8 @@ class CocoMAPCallback(Callback):
             (``val_raw/`` -> ``val_raw_detections_epoch_<e>.json``).
         per_class: log, write and print the AP of every category (see above).
         detections_key: the key of ``validation_step``'s output to evaluate. Another than ``"detections"``
-            is optional: a validation whose outputs lack it evaluates nothing (e.g. the second set of
-            weights of a module with EMA, only when EMA is on).
+            is optional: when the module's ``validation_output_keys`` do not name it, nothing is
+            evaluated (e.g. the second set of weights of a module with EMA, only when EMA is on).
     """
 
     def __init__(
@@ -220,7 +220,6 @@ class CocoMAPCallback(Callback):
         return Path(trainer.log_dir or trainer.default_root_dir)
 
     def _reset(self) -> None:
-        self._absent = False
         self._per_image = {}
         self._local_duplicates = 0
         self._error = None
@@ -229,6 +228,9 @@ class CocoMAPCallback(Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._evaluated = None
+        # decided by the module's settings, the same on every rank (not by the batches a rank happens to see)
+        produced = getattr(pl_module, "validation_output_keys", ("detections",))
+        self._absent = self.detections_key != "detections" and self.detections_key not in produced
 
     def on_validation_batch_end(
         self,
@@ -241,8 +243,7 @@ class CocoMAPCallback(Callback):
     ) -> None:
         # Converted (and evaluated at epoch end) in the sanity check too: contract errors show up early.
         key = self.detections_key
-        if key != "detections" and isinstance(outputs, Mapping) and key not in outputs:
-            self._absent = True  # the module does not produce this set (a setting, the same on every rank)
+        if self._absent:
             return
         if not isinstance(outputs, Mapping) or key not in outputs:
             raise ValueError(
@@ -265,7 +266,6 @@ class CocoMAPCallback(Callback):
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._absent:
-            self._reset()
             return
         ann_file, _ = self._resolve(trainer)
         sanity = trainer.sanity_checking

@@ -44,6 +44,12 @@ class EarlyStopping(LightningEarlyStopping):
         )
         self.enabled = patience is not None
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Counters and best score from a checkpoint; the patience stays this run's (a resume may set it)."""
+        patience = self.patience
+        super().load_state_dict(state_dict)
+        self.patience = patience
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.enabled:
             super().on_validation_end(trainer, pl_module)

@@ -13,7 +13,7 @@ from torch import nn
 from ssd_lightning.compat import norm_base_class
 from ssd_lightning.errors import ConfigError
 
-__all__ = ["freeze_backbone", "keep_frozen_norms_in_eval"]
+__all__ = ["freeze_backbone", "frozen_modules", "keep_frozen_norms_in_eval"]
 
 
 def _stages(net: nn.Module, key: str) -> list[list[nn.Module]]:
@@ -28,11 +28,20 @@ def freeze_backbone(
     net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
 ) -> list[nn.Module]:
     """Freeze ``net.feature_extractor``'s first ``freeze`` stages (``"backbone"``: all); returns the frozen
-    modules (empty for ``None``/0).
+    modules (empty for ``None``/0), as :func:`frozen_modules`.
 
     Raises:
         ConfigError: ``freeze`` is neither ``"backbone"``, ``None`` nor a stage count the backbone has.
     """
+    frozen = frozen_modules(net, freeze, key=key)
+    for module in frozen:
+        module.requires_grad_(False)
+    return frozen
+
+
+def frozen_modules(net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze") -> list[nn.Module]:
+    """The modules of the first ``freeze`` backbone stages as they are now in ``net`` (look them up again
+    after layers were replaced, e.g. by SyncBatchNorm conversion); changes nothing."""
     if freeze is None:
         return []
     stages = _stages(net, key)
@@ -45,10 +54,7 @@ def freeze_backbone(
             f"{key}={freeze!r}: use `backbone`, null, or a number of backbone stages from 0 to {len(stages)} "
             f"(this backbone's stages, first to last: {', '.join(_stage_names(stages))})"
         )
-    frozen = [module for stage in stages[:count] for module in stage]
-    for module in frozen:
-        module.requires_grad_(False)
-    return frozen
+    return [module for stage in stages[:count] for module in stage]
 
 
 def _stage_names(stages: list[list[nn.Module]]) -> list[str]:

@@ -24,7 +24,7 @@ from ssd_lightning.modules.common import (
     steps_per_epoch,
 )
 from ssd_lightning.modules.ema import ExponentialMovingAverage
-from ssd_lightning.modules.freezing import freeze_backbone, keep_frozen_norms_in_eval
+from ssd_lightning.modules.freezing import freeze_backbone, frozen_modules, keep_frozen_norms_in_eval
 
 
 class SSDLitModule(pl.LightningModule):
@@ -125,6 +125,7 @@ class SSDLitModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
+        self.frozen = frozen_modules(self.net, self.hparams.freeze)  # the converted layers, if any
 
     def train(self, mode: bool = True) -> SSDLitModule:
         super().train(mode)
@@ -137,7 +138,7 @@ class SSDLitModule(pl.LightningModule):
         """``net`` (default: the trained ``self.net``) on ``images``, in the module's memory format."""
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        return (net or self.net)(images)
+        return (self.net if net is None else net)(images)
 
     def on_fit_start(self) -> None:
         trust = self.hparams.trust_checkpoint
@@ -157,7 +158,13 @@ class SSDLitModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         save_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
 
+    @property
+    def validation_output_keys(self) -> tuple[str, ...]:
+        """What :meth:`validation_step` returns: the run's detections, and the second set's with EMA."""
+        return ("detections", "detections_secondary") if self.ema is not None else ("detections",)
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        reconcile_ema_weights(checkpoint.get("state_dict", {}), has_ema=self.ema is not None)
         load_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -188,7 +195,7 @@ class SSDLitModule(pl.LightningModule):
     def _detect(self, batch: dict[str, torch.Tensor], net: nn.Module | None = None) -> list[dict]:
         """Decoded detections per image of ``net`` (default: the run's weights), boxes in original-image
         pixels (ltrb)."""
-        locs, logits = self(batch["images"], net or self.inference_net)
+        locs, logits = self(batch["images"], self.inference_net if net is None else net)
         detections = self.box_coder.detect(locs, logits, batch["image_sizes"], self.decoder_settings)
         image_ids = batch["image_ids"].tolist()
         return [{"image_id": int(i), **det} for i, det in zip(image_ids, detections, strict=True)]
@@ -221,3 +228,20 @@ class SSDLitModule(pl.LightningModule):
             epoch_steps = steps_per_epoch(self.trainer) if warm_epochs else 0
             self._ema_warmup_steps = warm_steps + warm_epochs * epoch_steps
         return config
+
+
+def reconcile_ema_weights(state: dict, *, has_ema: bool) -> None:
+    """Make a checkpoint's ``state_dict`` fit a module with or without EMA, in place: a checkpoint without
+    EMA weights loaded with ``model.ema_decay`` set starts the average from its weights (``n_averaged`` 0:
+    the next update copies them); a checkpoint with EMA weights loaded without it is an error, since its run's
+    weights may be the EMA ones."""
+    has_saved_ema = any(k.startswith("ema.") for k in state)
+    if has_ema and not has_saved_ema:
+        for key in [k for k in state if k.startswith("net.")]:
+            state[f"ema.module.{key[len('net.') :]}"] = state[key].clone()
+        state["ema.n_averaged"] = torch.tensor(0, dtype=torch.long)
+    elif has_saved_ema and not has_ema:
+        raise ConfigError(
+            "the checkpoint holds EMA weights beside the raw ones (its run set model.ema_decay): set "
+            "model.ema_decay to evaluate or continue it (model.use_ema=false makes the raw weights the run's)"
+        )

@@ -130,6 +130,8 @@ def user_errors_as_messages() -> Iterator[None]:
             if isinstance(handler, logging.FileHandler):
                 handler.handle(record)
         where = f"traceback in {files[0]}; " if files else ""
-        sys.stderr.write(f"{_rank_prefix()}Error: {error}\n({where}HYDRA_FULL_ERROR=1 prints it here)\n")
+        # ours raised inside a constructor Hydra called: our one line, not Hydra's wrapping of it
+        shown = error.__cause__ if isinstance(error.__cause__, UserError) else error
+        sys.stderr.write(f"{_rank_prefix()}Error: {shown}\n({where}HYDRA_FULL_ERROR=1 prints it here)\n")
         config_error = isinstance(error, ConfigError) or isinstance(error.__cause__, ConfigError)
         raise SystemExit(2 if config_error else 1) from None

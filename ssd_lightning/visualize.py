@@ -465,8 +465,8 @@ def plot_confusion_matrix(
 
 
 def log_picture(loggers: Sequence[object], tag: str, path: str | os.PathLike, step: int) -> int:
-    """Add the picture at ``path`` to every logger whose experiment takes images (``add_image``, as
-    TensorBoard's ``SummaryWriter``) under ``tag`` at ``step``; other loggers are left alone.
+    """Add the picture at ``path`` under ``tag`` at ``step`` to every logger that takes images: TensorBoard
+    (its ``SummaryWriter.add_image``), W&B and MLflow (their ``log_image``); CSV loggers are left alone.
 
     Returns:
         how many loggers took it.
@@ -475,6 +475,10 @@ def log_picture(loggers: Sequence[object], tag: str, path: str | os.PathLike, st
     image = None
     for logger in loggers:
         if not any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
+            log_image = getattr(logger, "log_image", None)  # WandbLogger, MLFlowLogger
+            if callable(log_image):
+                log_image(tag, [os.fspath(path)], step=step)
+                taken += 1
             continue
         add_image = getattr(getattr(logger, "experiment", None), "add_image", None)
         if not callable(add_image):

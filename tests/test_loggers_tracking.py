@@ -122,7 +122,7 @@ def test_missing_extra_is_an_error_naming_the_install_command(name, tmp_path, mo
         hydra.utils.instantiate(cfg.logger[name])
     assert exit_.value.code == 1
     err = capsys.readouterr().err
-    assert err.startswith("Error: ") and MISSING[name] in err and "Traceback" not in err
+    assert err.splitlines()[0] == f"Error: {MISSING[name]}" and "Traceback" not in err
 
 
 # -- each logger on its own, in-process --------------------------------------------------------------------

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.accelerators import CPUAccelerator
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
@@ -21,6 +20,7 @@ from ssd_lightning.modules.common import (
     BatchMean,
     check_num_classes,
     configure_recipe_optimizers,
+    convert_sync_batchnorm,
     init_net_from_file,
     load_epoch_metric_states,
     per_device_batch_size,
@@ -152,7 +152,6 @@ class ClassifierLitModule(pl.LightningModule):
         self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
         self._ema_warmup_steps = 0
         self._ema_last_step = -1
-        self._sync_bn_done = False
 
         self.train_acc1 = MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro")
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
@@ -171,14 +170,7 @@ class ClassifierLitModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
-        if not self.hparams.sync_batchnorm or self._sync_bn_done or self.trainer.world_size <= 1:
-            return
-        if isinstance(self.trainer.accelerator, CPUAccelerator):
-            rank_zero_warn("sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules")
-            return
-        # Parameters are kept (same tensors), so the optimizer built afterwards sees the same ones.
-        self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
-        self._sync_bn_done = True
+        self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
 
     def on_fit_start(self) -> None:
         loaded = init_net_from_file(

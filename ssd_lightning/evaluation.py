@@ -43,6 +43,7 @@ __all__ = [
     "evaluate_coco",
     "evaluate_coco_detailed",
     "evaluate_coco_per_class",
+    "per_class_records",
     "format_per_class_table",
     "format_summary",
     "per_class_metrics",
@@ -695,3 +696,23 @@ def evaluate_coco_detailed(
         image_ids=np.asarray(params.imgIds, dtype=np.int64),
         gt_dataset=evaluated.gt_dataset,
     )
+
+
+def per_class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
+    """JSON rows of per-class results (``per_class_epoch_<e>.json``, predict's ``coco_eval.json``), category
+    order; an undefined AP (no ground truth) is null."""
+
+    def value(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return [
+        {
+            "category_id": row.category_id,
+            "name": row.name,
+            "metric_key": row.key,
+            "AP": value(row.ap),
+            "AP50": value(row.ap50),
+            "num_gt": row.num_gt,
+        }
+        for row in classes
+    ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,7 @@ from ssd_lightning.evaluation import (
     evaluate_coco_detailed,
     format_per_class_table,
     per_class_metrics,
+    per_class_records,
     write_coco_results_json,
 )
 from ssd_lightning.io.atomic import atomic_write, atomic_write_json
@@ -56,25 +56,6 @@ def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
 def _atomic_write_json(path: Path, array: np.ndarray) -> None:
     """Write the ``(M, 7)`` results ``array`` to ``path`` as a COCO results JSON, atomically."""
     atomic_write(path, lambda f: write_coco_results_json(f, array))
-
-
-def _per_class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
-    """The rows of ``per_class_epoch_<e>.json``: category order, an undefined AP (no ground truth) as null."""
-
-    def value(x: float) -> float | None:
-        return None if math.isnan(x) else x
-
-    return [
-        {
-            "category_id": row.category_id,
-            "name": row.name,
-            "metric_key": row.key,
-            "AP": value(row.ap),
-            "AP50": value(row.ap50),
-            "num_gt": row.num_gt,
-        }
-        for row in classes
-    ]
 
 
 def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -347,7 +328,7 @@ class CocoMAPCallback(Callback):
     def _report_per_class(self, classes: Sequence[ClassAP], out_dir: Path | None, epoch: int) -> None:
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""
         if out_dir is not None:
-            records = _per_class_records(classes)
+            records = per_class_records(classes)
             atomic_write_json(
                 out_dir / f"{self.file_tag}per_class_epoch_{epoch}.json", records, indent=1, allow_nan=False
             )

@@ -36,6 +36,7 @@ from ssd_lightning.evaluation import (
     coco_array_to_results,
     evaluate_coco_per_class,
     format_summary,
+    per_class_records,
     to_coco_array,
 )
 from ssd_lightning.inference.detector import Detector, load_detector_from_settings
@@ -293,25 +294,6 @@ def categories_for_annotations(
     )
 
 
-def _class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
-    """Rows of ``coco_eval.json``'s ``per_class``, category order; an undefined AP (no ground truth) null."""
-
-    def value(x: float) -> float | None:
-        return None if math.isnan(x) else x
-
-    return [
-        {
-            "category_id": row.category_id,
-            "name": row.name,
-            "metric_key": row.key,
-            "AP": value(row.ap),
-            "AP50": value(row.ap50),
-            "num_gt": row.num_gt,
-        }
-        for row in classes
-    ]
-
-
 def _class_table(classes: Sequence[ClassAP]) -> str:
     """The per-class AP as a markdown table, category order; ``-`` where AP is undefined."""
 
@@ -351,7 +333,7 @@ def evaluate_predictions(
         "images": evaluated,
         "annotated_images": annotated_images,
         "stats": {name: stats[name] for name in COCO_STAT_NAMES},
-        "per_class": _class_records(classes),
+        "per_class": per_class_records(classes),
     }
     atomic_write_json(Path(output_dir) / "coco_eval.json", report, indent=1, allow_nan=False)
     scope = f"{evaluated} image(s)"

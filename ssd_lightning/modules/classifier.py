@@ -151,7 +151,6 @@ class ClassifierLitModule(pl.LightningModule):
 
         self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
         self._ema_warmup_steps = 0
-        self._ema_last_step = -1
 
         self.train_acc1 = MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro")
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
@@ -221,13 +220,12 @@ class ClassifierLitModule(pl.LightningModule):
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.ema is None:
             return
-        step = self.trainer.global_step  # optimizer steps done; unchanged on accumulation micro-batches
-        if step == self._ema_last_step or step % self.hparams.ema_every_n_steps != 0:
-            return
-        self._ema_last_step = step
-        self.ema.update_parameters(self.net)
-        if step <= self._ema_warmup_steps:
-            self.ema.reset()
+        self.ema.update_at_step(
+            self.net,
+            self.trainer.global_step,  # optimizer steps done; unchanged on accumulation micro-batches
+            every_n_steps=self.hparams.ema_every_n_steps,
+            warmup_steps=self._ema_warmup_steps,
+        )
 
     # ------------------------------------------------------------- evaluation
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:

@@ -37,6 +37,17 @@ class ExponentialMovingAverage(AveragedModel):
             for avg, cur in zip(averaged, current, strict=True):
                 avg.copy_(cur)
 
+    def update_at_step(self, model: nn.Module, step: int, *, every_n_steps: int, warmup_steps: int) -> None:
+        """Update from ``model`` after optimizer step ``step`` when ``step % every_n_steps == 0``, once per
+        step (accumulation micro-batches share one); up to ``warmup_steps`` the average restarts from the
+        weights after every update (LR warm-up), as torchvision's reference does."""
+        if step == getattr(self, "_last_step", -1) or step % every_n_steps != 0:
+            return
+        self._last_step = step
+        self.update_parameters(model)
+        if step <= warmup_steps:
+            self.reset()
+
     def reset(self) -> None:
         """Make the next update copy the network (used during LR warm-up, as torchvision does)."""
         self.n_averaged.zero_()

@@ -116,7 +116,6 @@ class SSDLitModule(pl.LightningModule):
             raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
         self.ema = ExponentialMovingAverage(self.net, ema_decay) if ema_decay is not None else None
         self._ema_warmup_steps = 0
-        self._ema_last_step = -1
 
     @property
     def inference_net(self) -> nn.Module:
@@ -184,13 +183,12 @@ class SSDLitModule(pl.LightningModule):
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.ema is None:
             return
-        step = self.trainer.global_step  # optimizer steps done; unchanged on accumulation micro-batches
-        if step == self._ema_last_step or step % self.hparams.ema_every_n_steps != 0:
-            return
-        self._ema_last_step = step
-        self.ema.update_parameters(self.net)
-        if step <= self._ema_warmup_steps:
-            self.ema.reset()
+        self.ema.update_at_step(
+            self.net,
+            self.trainer.global_step,  # optimizer steps done; unchanged on accumulation micro-batches
+            every_n_steps=self.hparams.ema_every_n_steps,
+            warmup_steps=self._ema_warmup_steps,
+        )
 
     def _detect(self, batch: dict[str, torch.Tensor], net: nn.Module | None = None) -> list[dict]:
         """Decoded detections per image of ``net`` (default: the run's weights), boxes in original-image

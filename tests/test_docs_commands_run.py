@@ -61,6 +61,8 @@ NOT_RUN: dict[str, str] = {
     'pip install -e ".[dev,cuda130]"': INSTALLS,
     'pip install -e ".[sweeps]"': INSTALLS,
     'pip install -e ".[dev,sweeps]"': INSTALLS,
+    'pip install -e ".[loggers]"': INSTALLS,
+    "make setup": INSTALLS,
     "pip install -e .": INSTALLS,
     "bash benchmarks/gpu_benchmark.sh": "needs a CUDA GPU; test_gpu_benchmark_script runs its CPU smoke plan",
     "OUT=/tmp/gpu_results bash benchmarks/gpu_benchmark.sh --no-compile": "needs a CUDA GPU",

@@ -444,3 +444,47 @@ def test_datamodule_generates_with_its_scale_range(tmp_path: Path) -> None:
     ShapesDataModule(tmp_path / "dm", num_train=2, num_val=1, min_scale=0.3, max_scale=0.5).prepare_data()
     meta = json.loads((tmp_path / "dm" / shapes.METADATA_FILE).read_text())
     assert (meta["min_scale"], meta["max_scale"]) == (0.3, 0.5)
+
+
+# --------------------------------------------------------------------------- denser training images
+def test_max_objects_train_changes_the_train_split_only(det_root: Path, tmp_path: Path) -> None:
+    """max_objects_train=9: the val split is byte-identical to the default dataset's; training images keep
+    their size and background, hold up to 9 shapes (more than 6 in some), and the setting is recorded."""
+    dense = make_detection_dataset(tmp_path / "dense", **SMALL, max_objects_train=9)
+    assert _load(dense, "val") == _load(det_root, "val")
+    for im in _load(det_root, "val")["images"]:
+        name = im["file_name"]
+        assert (dense / "val2017" / name).read_bytes() == (det_root / "val2017" / name).read_bytes()
+    train_default, train_dense = _load(det_root, "train"), _load(dense, "train")
+    assert [(i["width"], i["height"]) for i in train_dense["images"]] == [
+        (i["width"], i["height"]) for i in train_default["images"]
+    ]
+    counts = [len(render_detection_image(5, "train", i, max_objects=9)[1]) for i in range(40)]
+    default_counts = [len(render_detection_image(5, "train", i)[1]) for i in range(40)]
+    assert max(counts) > 6 >= max(default_counts) and max(counts) <= 9
+    assert sum(counts) > 1.2 * sum(default_counts)  # uniform 1..9 (mean 5) vs 1..6 (mean 3.5)
+    assert [c == 0 for c in counts] == [c == 0 for c in default_counts]  # the same empty images
+    meta = json.loads((dense / shapes.METADATA_FILE).read_text())
+    assert meta["max_objects_train"] == 9
+    assert "max_objects_train" not in json.loads((det_root / shapes.METADATA_FILE).read_text())
+
+
+@pytest.mark.parametrize("bad", [0, 10])
+def test_max_objects_train_validated(bad: int, tmp_path: Path) -> None:
+    from ssd_lightning.data.shapes_datamodule import ShapesDataModule
+
+    with pytest.raises(ValueError, match=r"max_objects must be in \[1, 9\]"):
+        make_detection_dataset(tmp_path / "d", num_train=1, num_val=1, max_objects_train=bad)
+    with pytest.raises(ValueError, match=r"max_objects must be in \[1, 9\]"):
+        ShapesDataModule(tmp_path / "dm", max_objects_train=bad)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "dm").exists()
+
+
+def test_datamodule_warns_when_reusing_a_dataset_of_other_density(
+    det_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="ssd_lightning.data.shapes"):
+        ensure_detection_dataset(det_root, **SMALL, max_objects_train=6)
+        assert not caplog.records
+        ensure_detection_dataset(det_root, **SMALL, max_objects_train=9)
+    assert len(caplog.records) == 1 and "max_objects_train" in caplog.records[0].getMessage()

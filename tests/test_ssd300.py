@@ -67,6 +67,27 @@ def test_builder_errors_and_mobilenet():
     assert model.out_channels[2:] == [512, 256, 256, 256]
 
 
+def test_mobilenet_width_mult_thins_the_backbone_only():
+    """width_mult=0.5: backbone taps of 6 x 16 and 6 x 48 channels (torchvision's rounding to multiples of 8),
+    the same extra layers, heads per level and 8732 boxes; ResNets refuse it."""
+    full = ssd300(backbone="mobilenet_v2", num_classes=5)
+    half = ssd300(backbone="mobilenet_v2", num_classes=5, width_mult=0.5).eval()
+    assert full.out_channels[:2] == [192, 576] and half.out_channels[:2] == [96, 288]
+    assert half.out_channels[2:] == full.out_channels[2:]
+    assert [h.out_channels for h in half.conf] == [h.out_channels for h in full.conf]
+
+    def count(m):
+        return sum(p.numel() for p in m.parameters())
+
+    assert count(half.feature_extractor) < 0.35 * count(full.feature_extractor)
+    assert count(half.additional_blocks) < count(full.additional_blocks)  # only the first extra block's input
+    with torch.no_grad():
+        locs, logits = half(torch.randn(1, 3, 300, 300))
+    assert locs.shape == (1, 4, 8732) and logits.shape == (1, 5, 8732)
+    with pytest.raises(ValueError, match="width_mult applies to the mobilenet_v2 backbone only"):
+        ssd300(backbone="resnet18", width_mult=0.5)
+
+
 class _TinyBackbone(nn.Module):
     """A small backbone following the protocol: one 38x38 map for a 300x300 input."""
 

@@ -1,7 +1,8 @@
 """Synthetic "shapes" datasets, deterministic from ``seed``, to train and evaluate without COCO.
 
 * detection (:func:`make_detection_dataset`): the COCO 2017 layout (``root/{train,val}2017/*.jpg``,
-  ``root/annotations/instances_{train,val}2017.json``); 0-6 shapes per image of :data:`SHAPE_CATEGORIES`
+  ``root/annotations/instances_{train,val}2017.json``); 1-6 shapes per image (1-``max_objects_train`` in the
+  train split) of :data:`SHAPE_CATEGORIES`
   (or ``categories`` drawn from :data:`SHAPE_CATALOGUE`) on textured backgrounds; every 20th image (index 3,
   23, 43, ...) has none. Annotations follow COCO: ``bbox`` ``[x, y, w, h]`` in pixels of the *visible*
   pixels (pixel ``i`` covers ``[i, i + 1)``), ``area`` the visible pixel count, ``segmentation`` the full
@@ -36,6 +37,7 @@ __all__ = [
     "SHAPE_CATALOGUE",
     "SHAPE_CATEGORIES",
     "ShapeObject",
+    "check_max_objects",
     "make_classification_dataset",
     "make_detection_dataset",
     "ensure_classification_dataset",
@@ -65,7 +67,7 @@ SHAPE_CATALOGUE: list[dict] = [
 """Every shape the detection generator can draw, in id order; ``categories=`` picks a subset by name."""
 
 JPEG_QUALITY = 90
-MAX_OBJECTS = 6
+MAX_OBJECTS = 6  # shapes per image: 1..MAX_OBJECTS (the val split always; the train split by default)
 EMPTY_EVERY = 20  # image index i of a split has no objects when i % EMPTY_EVERY == EMPTY_OFFSET
 EMPTY_OFFSET = 3
 MIN_VISIBLE_FRACTION = 0.25
@@ -78,7 +80,12 @@ METADATA_FILE = "shapes_dataset.json"
 _KINDS = [c["name"] for c in SHAPE_CATEGORIES]  # the default class set, in id order
 _CATALOGUE_IDS = {c["name"]: c["id"] for c in SHAPE_CATALOGUE}
 # Settings a dataset's metadata file records only when they differ from these defaults.
-_UNRECORDED_DEFAULTS = {"min_scale": DEFAULT_MIN_SCALE, "max_scale": DEFAULT_MAX_SCALE, "categories": _KINDS}
+_UNRECORDED_DEFAULTS = {
+    "min_scale": DEFAULT_MIN_SCALE,
+    "max_scale": DEFAULT_MAX_SCALE,
+    "categories": _KINDS,
+    "max_objects_train": MAX_OBJECTS,
+}
 # Upper bound of objects per image, used to build unique annotation ids: image_id * 10 + k.
 _ANN_ID_STRIDE = 10
 
@@ -325,6 +332,7 @@ def render_detection_image(
     min_scale: float = DEFAULT_MIN_SCALE,
     max_scale: float = DEFAULT_MAX_SCALE,
     categories: Sequence[str] | None = None,
+    max_objects: int = MAX_OBJECTS,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
 
@@ -333,6 +341,8 @@ def render_detection_image(
     ``(seed, split, index)`` (they are drawn first); positions, colours and noise follow from the sizes.
     ``categories`` (names from :data:`SHAPE_CATALOGUE`; ``None``: the four of :data:`SHAPE_CATEGORIES`)
     is the set each shape's kind is drawn from, uniformly; the set counts, not the order it is given in.
+    An image holds 1..``max_objects`` shapes (uniformly; none for every 20th index); another
+    ``max_objects`` keeps the image size and background of the same ``(seed, split, index)``.
 
     Returns:
         image: ``(H, W, 3)`` uint8 RGB, before JPEG compression; ``min_size <= H, W <= max_size``.
@@ -342,11 +352,12 @@ def render_detection_image(
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     _check_sizes(min_size, max_size)
     _check_scales(min_scale, max_scale)
+    check_max_objects(max_objects)
     names = resolve_categories(categories)
     rng = _rng(seed, SPLITS[split][1], index)
     width, height = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
     img = _background(rng, height, width)
-    n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, MAX_OBJECTS + 1))
+    n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, max_objects + 1))
     short = min(width, height)
     kinds = [names[int(i)] for i in rng.integers(0, len(names), n)]
     # Log-uniform scale from min_scale (7 %) to max_scale (75 %) of the short side (at least 10 px).
@@ -414,6 +425,15 @@ def _check_scales(min_scale: float, max_scale: float) -> None:
         raise ValueError(
             f"need 0 < min_scale <= max_scale <= 1 (fractions of the short side), "
             f"got min_scale={min_scale}, max_scale={max_scale}"
+        )
+
+
+def check_max_objects(max_objects: int) -> None:
+    """Raise ``ValueError`` unless ``max_objects`` (shapes per image) is in 1..9."""
+    if not 1 <= max_objects < _ANN_ID_STRIDE:
+        raise ValueError(
+            f"max_objects must be in [1, {_ANN_ID_STRIDE - 1}] (annotation ids are image_id * "
+            f"{_ANN_ID_STRIDE} + k), got {max_objects}"
         )
 
 
@@ -521,6 +541,7 @@ def make_detection_dataset(
     min_scale: float = DEFAULT_MIN_SCALE,
     max_scale: float = DEFAULT_MAX_SCALE,
     categories: Sequence[str] | None = None,
+    max_objects_train: int = MAX_OBJECTS,
 ) -> Path:
     """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
 
@@ -532,7 +553,9 @@ def make_detection_dataset(
     shapes. ``categories`` picks another class set from :data:`SHAPE_CATALOGUE` (see
     :func:`render_detection_image`); the annotation files list exactly those categories, with their
     catalogue ids, and the metadata file records them (:func:`ensure_detection_dataset` refuses to reuse a
-    folder of another class set).
+    folder of another class set). ``max_objects_train`` is the most shapes a *training* image holds
+    (1..9); the val split always holds 1..:data:`MAX_OBJECTS`, so another value changes the training images
+    only and scores on the val split keep their meaning.
 
     Returns:
         ``root`` as a :class:`~pathlib.Path`.
@@ -541,6 +564,7 @@ def make_detection_dataset(
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
     _check_sizes(min_size, max_size)
     _check_scales(min_scale, max_scale)
+    check_max_objects(max_objects_train)
     names = resolve_categories(categories)
     params = {
         "num_train": num_train,
@@ -550,8 +574,9 @@ def make_detection_dataset(
         "max_size": max_size,
     }
     render = {"min_size": min_size, "max_size": max_size}
-    # Scales and categories are recorded only when they differ from the defaults: default datasets stay
-    # byte-identical, metadata file included, to those generated before either was configurable.
+    # Scales, categories and max_objects_train are recorded only when they differ from the defaults:
+    # default datasets stay byte-identical, metadata file included, to those generated before they were
+    # configurable.
     for key, value, default in (
         ("min_scale", min_scale, DEFAULT_MIN_SCALE),
         ("max_scale", max_scale, DEFAULT_MAX_SCALE),
@@ -560,9 +585,11 @@ def make_detection_dataset(
         render[key] = value
         if value != default:
             params[key] = value
+    if max_objects_train != MAX_OBJECTS:
+        params["max_objects_train"] = max_objects_train
 
     def fill(tmp: Path) -> None:
-        _write_detection_split(tmp, "train", num_train, 0, seed, render)
+        _write_detection_split(tmp, "train", num_train, 0, seed, {**render, "max_objects": max_objects_train})
         _write_detection_split(tmp, "val", num_val, num_train, seed, render)
         _write_metadata(tmp, "detection", params)
 

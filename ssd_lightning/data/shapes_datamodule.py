@@ -10,6 +10,8 @@ from ssd_lightning.data.imagefolder_datamodule import ImageFolderDALIDataModule
 from ssd_lightning.data.shapes import (
     DEFAULT_MAX_SCALE,
     DEFAULT_MIN_SCALE,
+    MAX_OBJECTS,
+    check_max_objects,
     ensure_classification_dataset,
     ensure_detection_dataset,
     resolve_categories,
@@ -27,6 +29,7 @@ class ShapesDataModule(CocoDALIDataModule):
     from :data:`~ssd_lightning.data.shapes.SHAPE_CATALOGUE`; ``None``: the demo's four): another set
     needs another ``root`` (by convention ``<data dir>/shapes_<names>``, e.g. ``shapes_cross_hexagon_arrow``)
     and ``num_classes`` = its size + 1; a ``root`` holding another class set is an error, never reused.
+    ``max_objects_train`` (1-9) is the most shapes in a training image; the val split keeps 1-6.
     """
 
     def __init__(
@@ -39,9 +42,11 @@ class ShapesDataModule(CocoDALIDataModule):
         min_scale: float = DEFAULT_MIN_SCALE,
         max_scale: float = DEFAULT_MAX_SCALE,
         categories: Sequence[str] | None = None,
+        max_objects_train: int = MAX_OBJECTS,
         **kwargs,
     ) -> None:
         categories = None if categories is None else resolve_categories(categories)  # fail at config time
+        check_max_objects(max_objects_train)
         super().__init__(root, **kwargs)
         self.dataset_root = Path(root)
         self.dataset_kwargs = {
@@ -51,6 +56,7 @@ class ShapesDataModule(CocoDALIDataModule):
             "min_scale": min_scale,
             "max_scale": max_scale,
             "categories": categories,
+            "max_objects_train": max_objects_train,
         }
 
     def prepare_data(self) -> None:

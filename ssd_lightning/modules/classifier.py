@@ -21,6 +21,7 @@ from ssd_lightning.modules.common import (
     check_num_classes,
     configure_recipe_optimizers,
     convert_sync_batchnorm,
+    float32_strided_depthwise_on_cpu,
     init_net_from_file,
     load_epoch_metric_states,
     per_device_batch_size,
@@ -170,6 +171,7 @@ class ClassifierLitModule(pl.LightningModule):
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
         self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
+        float32_strided_depthwise_on_cpu(self, self.net, self.ema.module if self.ema is not None else None)
 
     def on_fit_start(self) -> None:
         loaded = init_net_from_file(

@@ -18,6 +18,7 @@ from torchmetrics import Metric
 from ssd_lightning import compat
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.weights import init_from_checkpoint
+from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,18 @@ def convert_sync_batchnorm(module: pl.LightningModule, net: nn.Module, enabled: 
         rank_zero_warn("sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules")
         return net
     return nn.SyncBatchNorm.convert_sync_batchnorm(net)
+
+
+def float32_strided_depthwise_on_cpu(module: pl.LightningModule, *nets: nn.Module | None) -> None:
+    """On CPU with bf16-mixed precision, run ``nets``' strided depthwise convolutions in float32 (call in
+    ``configure_model``): oneDNN's bf16 kernels for them are the slow part of a MobileNetV2 step there
+    (:mod:`ssd_lightning.models.cpu_bf16`). Anywhere else nothing changes."""
+    trainer = module.trainer
+    if not isinstance(trainer.accelerator, CPUAccelerator) or trainer.precision != "bf16-mixed":
+        return
+    changed = sum(run_strided_depthwise_in_float32(net) for net in nets if net is not None)
+    if changed:
+        log.info("CPU bf16: %d strided depthwise convolutions run in float32 (faster there)", changed)
 
 
 def _has_sync_bn(net: nn.Module) -> bool:

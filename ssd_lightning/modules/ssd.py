@@ -17,6 +17,7 @@ from ssd_lightning.modules.common import (
     check_num_classes,
     configure_recipe_optimizers,
     convert_sync_batchnorm,
+    float32_strided_depthwise_on_cpu,
     init_net_from_file,
     load_epoch_metric_states,
     restore_train_loader_state,
@@ -124,6 +125,7 @@ class SSDLitModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
+        float32_strided_depthwise_on_cpu(self, self.net, self.ema.module if self.ema is not None else None)
         self.frozen = frozen_modules(self.net, self.hparams.freeze)  # the converted layers, if any
 
     def train(self, mode: bool = True) -> SSDLitModule:

@@ -1,0 +1,44 @@
+"""Strided depthwise convolutions in float32 under CPU bf16 autocast: the same network, faster steps.
+
+On CPUs, oneDNN's bfloat16 kernels for stride-2 depthwise convolutions (MobileNetV2 has four, three in
+the SSD backbone) are much slower than its float32 ones, backward above all: 2-6x for one layer alone,
+about 10 % of a whole SSD300-MobileNetV2 training step (docs/benchmarks.md). Everything else keeps running
+in bf16. The swap changes the class of the layers only: parameters, state_dict keys and checkpoints stay
+as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Float32Conv2d", "run_strided_depthwise_in_float32"]
+
+
+class Float32Conv2d(nn.Conv2d):
+    """:class:`torch.nn.Conv2d` that runs in float32 whatever the autocast state; returns float32."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Conv2d's own argument name)
+        with torch.autocast(device_type=input.device.type, enabled=False):
+            return super().forward(input.float())
+
+
+def _is_strided_depthwise(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Conv2d
+        and module.groups > 1
+        and module.groups == module.in_channels
+        and max(module.stride) > 1
+    )
+
+
+def run_strided_depthwise_in_float32(net: nn.Module) -> int:
+    """Make every strided depthwise ``nn.Conv2d`` of ``net`` a :class:`Float32Conv2d` (in place).
+
+    Returns:
+        how many layers were changed (0 for networks without them, e.g. ResNets).
+    """
+    layers = [m for m in net.modules() if _is_strided_depthwise(m)]
+    for layer in layers:
+        layer.__class__ = Float32Conv2d
+    return len(layers)

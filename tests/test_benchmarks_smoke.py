@@ -16,6 +16,7 @@ HARNESSES = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 # what docs/benchmarks.md and the harnesses' own docstrings name: none may go missing unnoticed
 EXPECTED = {
     "benchmark_analysis.py",
+    "benchmark_cpu_step.py",
     "benchmark_decoder.py",
     "benchmark_demo.py",
     "benchmark_eval.py",

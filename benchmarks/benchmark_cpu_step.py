@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["w1.0", "w1.0+fp32dw", "w0.5", "w0.5+fp32dw"],
+        default=["w1.0", "w1.0+fp32dw", "w0.5", "w0.5+fp32dw", "w0.35+fp32dw"],
         help="w<width>[+fp32dw] each; ratios are to the first",
     )
     parser.add_argument("--batch", type=int, default=8, help="images per step (the demo's 8)")

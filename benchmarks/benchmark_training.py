@@ -33,6 +33,7 @@ from ssd_lightning.callbacks.throughput import ThroughputBenchmark, device_name,
 from ssd_lightning.cli.benchmark import run_benchmark_task
 from ssd_lightning.data.synthetic import SyntheticDetectionDataModule
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, ssd300
+from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
 from ssd_lightning.modules.ssd import SSDLitModule
 from ssd_lightning.optim import build_optimizer
 from ssd_lightning.tables import markdown_table
@@ -125,6 +126,8 @@ def _autocast(precision: str):
 
 def bare_training(args: argparse.Namespace, precision: str, channels_last: bool) -> list[float]:
     net = _net(args)
+    if precision == "bf16":  # what the Lightning module does on a CPU with bf16-mixed (no-op for ResNets)
+        run_strided_depthwise_in_float32(net)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     net.to(memory_format=memory_format).train()
     loss_fn = SSDLoss(dboxes300_coco())

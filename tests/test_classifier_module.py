@@ -412,3 +412,19 @@ def test_confusion_matrix_picture_and_top_confusions(tmp_path, caplog):
     assert off.val_confusion is None
     _trainer(default_root_dir=tmp_path / "off").validate(off, datamodule=data, verbose=False)
     assert not (tmp_path / "off" / "analysis").exists()
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("bf16-mixed", 2), ("32-true", 0)])
+def test_cpu_bf16_runs_the_strided_depthwise_layers_in_float32(precision, expected):
+    """Like the detector: on a CPU with bf16-mixed the classifier's stride-2 depthwise layers (two in this
+    table) become Float32Conv2d, weights untouched; 32-true leaves them alone."""
+    from ssd_lightning.models.cpu_bf16 import Float32Conv2d
+
+    setting = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 1, 2]]
+    net = mobilenet_v2(num_classes=4, width_mult=0.35, inverted_residual_setting=setting)
+    module = ClassifierLitModule(net, optimizer=_sgd(lr=0.0, weight_decay=0.0))
+    data = TensorDataModule(_random_images(8, 4), _random_images(8, 4), batch_size=4)
+    keys = list(net.state_dict())
+    _trainer(max_steps=1, limit_val_batches=0, precision=precision).fit(module, datamodule=data)
+    assert sum(isinstance(m, Float32Conv2d) for m in module.net.modules()) == expected
+    assert list(module.net.state_dict()) == keys

@@ -70,6 +70,21 @@ def test_experiment_overrides_only_what_it_states(make_cfg):
     assert demo.model.net.backbone == "mobilenet_v2"
     assert "momentum" not in demo.model.optimizer  # optimizer group swapped, not merged into SGD's keys
     assert demo.model.decoder == base.model.decoder  # untouched keys inherited
+    assert base.model.net.width_mult == 1.0 and base.eval_epochs == [21, 31, 37, 42, 48, 53, 59, 64]
+
+
+def test_demo_recipe(make_cfg):
+    """The demo of README's "What make train does": half-width MobileNetV2, 3,400 training images of 1-9
+    shapes, 4 epochs, evaluated after every one; the held-out split's settings as before (200 images, seed 0,
+    shapes 15-75 % of the short side)."""
+    demo = make_cfg(["experiment=demo"])
+    assert demo.model.net.width_mult == 0.5 and demo.model.net.backbone == "mobilenet_v2"
+    assert (demo.data.num_train, demo.data.max_objects_train) == (3400, 9)
+    assert (demo.data.num_val, demo.data.dataset_seed, demo.data.min_scale, demo.data.max_scale) == (
+        200, 0, 0.15, 0.75,
+    )  # fmt: skip
+    assert demo.trainer.max_epochs == 4 and list(demo.eval_epochs) == [0, 1, 2]  # + the last, always
+    assert demo.callbacks.eval_schedule.always_last
 
 
 def test_save_switch_keeps_every_epoch(make_cfg):

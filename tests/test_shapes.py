@@ -441,9 +441,11 @@ def test_concurrent_generation_keeps_first_complete_dataset(tmp_path: Path) -> N
 def test_datamodule_generates_with_its_scale_range(tmp_path: Path) -> None:
     from ssd_lightning.data.shapes_datamodule import ShapesDataModule
 
-    ShapesDataModule(tmp_path / "dm", num_train=2, num_val=1, min_scale=0.3, max_scale=0.5).prepare_data()
+    ShapesDataModule(
+        tmp_path / "dm", num_train=2, num_val=1, min_scale=0.3, max_scale=0.5, max_objects_train=9
+    ).prepare_data()
     meta = json.loads((tmp_path / "dm" / shapes.METADATA_FILE).read_text())
-    assert (meta["min_scale"], meta["max_scale"]) == (0.3, 0.5)
+    assert (meta["min_scale"], meta["max_scale"], meta["max_objects_train"]) == (0.3, 0.5, 9)
 
 
 # --------------------------------------------------------------------------- denser training images

@@ -115,6 +115,7 @@ def config_summary_from_cfg(cfg: Any) -> dict[str, Any]:
     return {
         "task_name": cfg.get("task_name"),
         "backbone": net.get("backbone"),
+        "width_mult": net.get("width_mult"),
         "num_classes": net.get("num_classes"),
         "channels_last": bool(cfg.model.get("channels_last", False)) if "model" in cfg else False,
         "compile": bool(cfg.get("compile", False)),

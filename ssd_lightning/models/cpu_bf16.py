@@ -16,11 +16,12 @@ __all__ = ["Float32Conv2d", "run_strided_depthwise_in_float32"]
 
 
 class Float32Conv2d(nn.Conv2d):
-    """:class:`torch.nn.Conv2d` that runs in float32 whatever the autocast state; returns float32."""
+    """:class:`torch.nn.Conv2d` that runs outside autocast, in its weight's dtype (float32 under mixed
+    precision, so the output is float32 there)."""
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Conv2d's own argument name)
         with torch.autocast(device_type=input.device.type, enabled=False):
-            return super().forward(input.float())
+            return super().forward(input.to(self.weight.dtype))
 
 
 def _is_strided_depthwise(module: nn.Module) -> bool:

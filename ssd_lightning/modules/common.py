@@ -180,7 +180,8 @@ def float32_strided_depthwise_on_cpu(module: pl.LightningModule, *nets: nn.Modul
     ``configure_model``): oneDNN's bf16 kernels for them are the slow part of a MobileNetV2 step there
     (:mod:`ssd_lightning.models.cpu_bf16`). Anywhere else nothing changes."""
     trainer = module.trainer
-    if not isinstance(trainer.accelerator, CPUAccelerator) or trainer.precision != "bf16-mixed":
+    bf16_mixed = getattr(trainer, "precision", None) == "bf16-mixed"
+    if not isinstance(trainer.accelerator, CPUAccelerator) or not bf16_mixed:
         return
     changed = sum(run_strided_depthwise_in_float32(net) for net in nets if net is not None)
     if changed:

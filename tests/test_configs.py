@@ -85,6 +85,10 @@ def test_demo_recipe(make_cfg):
     )  # fmt: skip
     assert demo.trainer.max_epochs == 4 and list(demo.eval_epochs) == [0, 1, 2]  # + the last, always
     assert demo.callbacks.eval_schedule.always_last
+    # the demo on the user's own COCO-layout data (README): no shapes-only key reaches CocoDALIDataModule
+    own = make_cfg(["experiment=demo", "data=coco"])
+    assert own.data._target_.endswith("CocoDALIDataModule") and own.data.augment is False
+    assert not {"num_train", "max_objects_train", "min_scale", "dataset_seed"} & set(own.data)
 
 
 def test_save_switch_keeps_every_epoch(make_cfg):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -67,9 +69,9 @@ def test_builder_errors_and_mobilenet():
     assert model.out_channels[2:] == [512, 256, 256, 256]
 
 
-def test_mobilenet_width_mult_thins_the_backbone_only():
+def test_mobilenet_width_mult_thins_the_backbone_only(caplog):
     """width_mult=0.5: backbone taps of 6 x 16 and 6 x 48 channels (torchvision's rounding to multiples of 8),
-    the same extra layers, heads per level and 8732 boxes; ResNets refuse it."""
+    the same extra layers, heads per level and 8732 boxes; ResNets ignore it with a warning."""
     full = ssd300(backbone="mobilenet_v2", num_classes=5)
     half = ssd300(backbone="mobilenet_v2", num_classes=5, width_mult=0.5).eval()
     assert full.out_channels[:2] == [192, 576] and half.out_channels[:2] == [96, 288]
@@ -84,8 +86,11 @@ def test_mobilenet_width_mult_thins_the_backbone_only():
     with torch.no_grad():
         locs, logits = half(torch.randn(1, 3, 300, 300))
     assert locs.shape == (1, 4, 8732) and logits.shape == (1, 5, 8732)
-    with pytest.raises(ValueError, match="width_mult applies to the mobilenet_v2 backbone only"):
-        ssd300(backbone="resnet18", width_mult=0.5)
+    # ResNets have no width multiplier (experiment=demo model.net.backbone=resnet18 carries the demo's 0.5)
+    with caplog.at_level(logging.WARNING, logger="ssd_lightning.models.ssd300"):
+        resnet = ssd300(backbone="resnet18", num_classes=5, width_mult=0.5)
+    assert "applies to the mobilenet_v2 backbone only" in caplog.text
+    assert resnet.out_channels == ssd300(backbone="resnet18", num_classes=5).out_channels
 
 
 class _TinyBackbone(nn.Module):

@@ -206,14 +206,13 @@ def ssd300(
             given. From scratch the CPU demo reached AP@0.5 0.44 with it instead of 0.33 after 948 steps.
         width_mult: channel multiplier of the ``mobilenet_v2`` backbone (MobileNetV2's own width
             multiplier; torchvision weights exist for 1.0 only). The heads, extra layers, default boxes and
-            loss do not change.
+            loss do not change. ResNets have none: another value is ignored for them, with a warning.
     """
     if backbone not in _LEVEL_CHANNELS:
         raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(BACKBONES)}")
-    if backbone in RESNET_NAMES and width_mult != 1.0:
-        raise ValueError(
-            f"width_mult applies to the mobilenet_v2 backbone only, got {width_mult} for {backbone}"
-        )
+    if backbone in RESNET_NAMES and width_mult != 1.0:  # e.g. experiment=demo model.net.backbone=resnet18
+        log.warning("width_mult=%s applies to the mobilenet_v2 backbone only: %s is built at full width",
+                    width_mult, backbone)  # fmt: skip
     if backbone in RESNET_NAMES:
         net: nn.Module = resnet_backbone(backbone, weights=weights_backbone)
     else:

@@ -74,11 +74,11 @@ def test_experiment_overrides_only_what_it_states(make_cfg):
 
 
 def test_demo_recipe(make_cfg):
-    """The demo of README's "What make train does": MobileNetV2 at width 0.35, 3,400 training images of 1-9
+    """The demo of README's "What make train does": half-width MobileNetV2, 3,400 training images of 1-9
     shapes, 4 epochs, evaluated after every one; the held-out split's settings as before (200 images, seed 0,
     shapes 15-75 % of the short side)."""
     demo = make_cfg(["experiment=demo"])
-    assert demo.model.net.width_mult == 0.35 and demo.model.net.backbone == "mobilenet_v2"
+    assert demo.model.net.width_mult == 0.5 and demo.model.net.backbone == "mobilenet_v2"
     assert (demo.data.num_train, demo.data.max_objects_train) == (3400, 9)
     assert (demo.data.num_val, demo.data.dataset_seed, demo.data.min_scale, demo.data.max_scale) == (
         200, 0, 0.15, 0.75,

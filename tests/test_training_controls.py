@@ -277,7 +277,7 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
     """model.init_from + model.freeze=backbone + accumulate 2 + linear LR rule + early stopping, one run."""
     init = tmp_path / "init.pt"
     torch.manual_seed(123)
-    source = ssd300(backbone="mobilenet_v2", num_classes=5, zero_init_residual=True, width_mult=0.35)
+    source = ssd300(backbone="mobilenet_v2", num_classes=5, zero_init_residual=True, width_mult=0.5)
     for m in source.modules():  # running statistics that differ from a fresh network's
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)

@@ -75,8 +75,8 @@ def test_experiment_overrides_only_what_it_states(make_cfg):
 
 def test_demo_recipe(make_cfg):
     """The demo of README's "What make train does": half-width MobileNetV2, 3,400 training images of 1-9
-    shapes, 4 epochs, evaluated after every one; the held-out split's settings as before (200 images, seed 0,
-    shapes 15-75 % of the short side)."""
+    shapes, 4 epochs of a cosine LR ending at 10 % of its peak, evaluated after every one; the held-out
+    split's settings as before (200 images, seed 0, shapes 15-75 % of the short side)."""
     demo = make_cfg(["experiment=demo"])
     assert demo.model.net.width_mult == 0.5 and demo.model.net.backbone == "mobilenet_v2"
     assert (demo.data.num_train, demo.data.max_objects_train) == (3400, 9)
@@ -84,6 +84,7 @@ def test_demo_recipe(make_cfg):
         200, 0, 0.15, 0.75,
     )  # fmt: skip
     assert demo.trainer.max_epochs == 4 and list(demo.eval_epochs) == [0, 1, 2]  # + the last, always
+    assert (demo.model.scheduler.name, demo.model.scheduler.min_factor) == ("cosine", 0.1)
     assert demo.callbacks.eval_schedule.always_last
     # the demo on the user's own COCO-layout data (README): no shapes-only key reaches CocoDALIDataModule
     own = make_cfg(["experiment=demo", "data=coco"])

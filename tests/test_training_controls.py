@@ -318,6 +318,7 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
             steps_per_epoch=steps_per_epoch,
             total_steps=4 * steps_per_epoch,
             warmup_steps=2,
+            min_factor=0.1,  # the demo's cosine ends at 10 % of the peak
         )
         assert lr == pytest.approx(expected, rel=1e-5), step
     # frozen: every backbone tensor (BatchNorm statistics too) is the init file's, bit for bit

@@ -55,6 +55,17 @@ def parse_variant(name: str) -> tuple[float, bool]:
     return float(width[1:]), extra == "fp32dw"
 
 
+def random_batch(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fixed random images (channels_last) and encoded targets: boxes (cx, cy, w, h) in (0.25, 0.75), ~1 %
+    of the default boxes positive."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(size, 3, 300, 300, generator=g).contiguous(memory_format=torch.channels_last)
+    boxes = torch.rand(size, 4, NUM_BOXES, generator=g) * 0.5 + 0.25
+    positive = torch.rand(size, NUM_BOXES, generator=g) < 0.01
+    labels = positive.long() * torch.randint(1, 5, (size, NUM_BOXES), generator=g)
+    return images, boxes, labels
+
+
 class Step:
     """One variant's network, optimizer and loss, stepping on fixed random data."""
 
@@ -87,12 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.variants:
         parse_variant(name)
     torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(1)
-    images = torch.randn(args.batch, 3, 300, 300, generator=g).contiguous(memory_format=torch.channels_last)
-    boxes = torch.rand(args.batch, 4, NUM_BOXES, generator=g) * 0.5 + 0.25  # (cx, cy, w, h) in (0.25, 0.75)
-    positive = torch.rand(args.batch, NUM_BOXES, generator=g) < 0.01
-    labels = positive.long() * torch.randint(1, 5, (args.batch, NUM_BOXES), generator=g)
-    steps = {name: Step(name, images, boxes, labels) for name in args.variants}
+    batch = random_batch(args.batch)
+    steps = {name: Step(name, *batch) for name in args.variants}
     for step in steps.values():
         for _ in range(args.warmup):
             step()

@@ -21,6 +21,7 @@ EXPECTED = {
     "benchmark_demo.py",
     "benchmark_eval.py",
     "benchmark_finetune.py",
+    "benchmark_host_memory.py",
     "benchmark_loader.py",
     "benchmark_onnx.py",
     "benchmark_startup.py",

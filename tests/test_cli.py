@@ -63,3 +63,5 @@ def test_demo_run_writes_the_documented_run_directory(shapes_coco, tmp_path):
     saved = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
     assert saved["data"]["root"] == str(shapes_coco)
     assert "val/mAP" in (run_dir / "csv" / "metrics.csv").read_text()
+    # train.py reuses host memory before torch runs (ssd_lightning/cli/host_memory.py)
+    assert "host memory reused between steps" in (run_dir / "demo.log").read_text()

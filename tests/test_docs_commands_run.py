@@ -93,6 +93,7 @@ SCRIPT_SIZE: dict[str, list[str]] = {
         *("--seeds", "1", "--override", "trainer.max_epochs=1"),
         *("--override", "data.num_train=24", "--override", "data.num_val=8"),
     ],
+    "benchmarks/benchmark_host_memory.py": ["--rounds", "1", "--steps", "1", "--warmup", "1", "--batch", "2"],
     "benchmarks/benchmark_decoder.py": ["--batch-size", "2", "--repeats", "1", "--ref-repeats", "1"],
     "benchmarks/benchmark_loader.py": [
         *("--num-images", "48", "--batches", "2", "--warmup", "1", "--repeats", "1"),

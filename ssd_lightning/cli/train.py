@@ -6,8 +6,10 @@ composed by Hydra's compose API.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -177,8 +179,15 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
     workers of a failed job themselves.
     """
     launcher = compat.subprocess_script_launcher(trainer)
-    if launcher is not None:
-        launcher.kill(signal.SIGKILL)
+    if launcher is None:
+        return
+    launcher.kill(signal.SIGKILL)
+    for proc in launcher.procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    # Lightning's process observer polls this same list every 5 s and SIGKILLs this process when it finds a
+    # rank that ended badly: emptied, it lets this process report its own error and exit with its own code
+    launcher.procs.clear()
 
 
 def _release_process_group() -> None:

@@ -1,4 +1,4 @@
-"""Detect objects in your own images with a trained SSD300.
+"""Detect objects in (or classify) your own images with a trained model: the checkpoint says which.
 
 python predict.py ckpt_path=outputs/demo/<run>/checkpoints/last.ckpt input=photos/ output=predictions
 python predict.py nvidia_checkpoint=nvidia_ssdpyt_amp.pt input='photos/*.jpg' output=predictions
@@ -10,8 +10,10 @@ python predict.py ckpt_path=... input=data/shapes/val2017 \
 file (``@list.txt``). Writes <output>/<name>.jpg (boxes with score >= draw_score_thresh; the input's path
 relative to its folder, suffix .jpg) and <output>/predictions.json (COCO results format plus file_name);
 with ``annotations=<COCO instances JSON>`` image ids are that file's and <output>/coco_eval.json holds the
-COCO metrics. Unreadable files are skipped with a message; the exit status is non-zero only if no image
-could be processed. Settings: configs/predict.yaml.
+COCO metrics. A classifier checkpoint (MobileNetV2 run) writes each image's ``top_k`` classes with scores
+to <output>/predictions.json; ``annotations=<ImageFolder root>`` scores top-1/top-5
+(<output>/classification_eval.json). Unreadable files are skipped with a message; the exit status is
+non-zero only if no image could be processed. Settings: configs/predict.yaml.
 """
 
 import sys

@@ -1,12 +1,15 @@
-"""Export a trained SSD300 to ONNX: the network alone, or with decoding and NMS in the graph.
+"""Export a trained model to ONNX: an SSD300's network alone or with decoding and NMS in the graph, or a
+classifier (its class names and input transform in the metadata).
 
     python scripts/export_onnx.py ckpt_path=outputs/demo/<run>/checkpoints/last.ckpt output=model.onnx
     python scripts/export_onnx.py nvidia_checkpoint=nvidia_ssdpyt_amp.pt output=ssd300_coco.onnx
     python scripts/export_onnx.py ckpt_path=<run>/checkpoints/last.ckpt end_to_end=true output=e2e.onnx
+    python scripts/export_onnx.py ckpt_path=<MobileNetV2 run>/checkpoints/last.ckpt output=classifier.onnx
 
 Arguments are ``key=value``: ``ckpt_path`` or ``nvidia_checkpoint`` (+ ``backbone``, ``num_classes``),
 ``trust_checkpoint`` (false: read with ``torch.load(weights_only=True)``; true unpickles fully, which can run
-code from the file), ``run_config`` (default ``<run>/.hydra/config.yaml``), ``output``, ``opset`` (17),
+code from the file), ``run_config`` (only for checkpoints written before they recorded their model: default
+``<run>/.hydra/config.yaml``), ``output``, ``opset`` (17),
 ``check`` (true: run the file with onnxruntime at batch 2 and print the largest difference to PyTorch),
 ``end_to_end`` (false), ``decoder.<key>`` (end-to-end only: ``score_thresh``, ``nms_iou``,
 ``topk_per_class``, ``max_detections`` overriding the checkpoint's).
@@ -16,7 +19,8 @@ outputs ``locs`` (N, 4, 8732) and ``logits`` (N, C, 8732); decode them with
 ``BoxCoder(dboxes300_coco()).decode(locs, logits)``. End to end: outputs ``boxes`` (N, K, 4) ltrb in [0, 1],
 ``scores`` (N, K), ``labels`` (N, K), ``num_detections`` (N,), K = ``max_detections``, class names and
 decoder settings in the metadata; ``python predict.py onnx=e2e.onnx input=...`` runs it.
-Code: :mod:`ssd_lightning.inference.export`.
+A classifier checkpoint (the file says which it is): input ``images`` (N, 3, S, S), output ``logits`` (N, K);
+``python predict.py onnx=classifier.onnx input=...`` runs it. Code: :mod:`ssd_lightning.inference.export`.
 """
 
 from __future__ import annotations
@@ -54,31 +58,55 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.decoder and not cfg.end_to_end:
         print("decoder.* settings are part of end_to_end=true exports only", file=sys.stderr)
         return 2
-    from ssd_lightning.inference.detector import load_detector_from_settings
-    from ssd_lightning.inference.export import compare_with_decoder, export_detector, network_difference
+    from ssd_lightning.errors import user_errors_as_messages
     from ssd_lightning.models import DecoderSettings
 
     unknown = sorted(set(cfg.decoder) - set(DecoderSettings()))
     if unknown:
         print(f"unknown decoder key(s) {unknown}; accepted: {sorted(DecoderSettings())}", file=sys.stderr)
         return 2
-    detector = load_detector_from_settings(OmegaConf.to_container(cfg, resolve=True))
-    path, model = export_detector(detector, cfg.output, end_to_end=cfg.end_to_end, opset=cfg.opset)
+    with user_errors_as_messages():
+        return _export(cfg)
+
+
+def _export(cfg) -> int:
+    from ssd_lightning.inference.classifier import Classifier
+    from ssd_lightning.inference.export import (
+        compare_with_decoder,
+        export_classifier,
+        export_detector,
+        network_difference,
+    )
+    from ssd_lightning.inference.loading import load_model_from_settings
+
+    model = load_model_from_settings(OmegaConf.to_container(cfg, resolve=True))
+    if isinstance(model, Classifier):
+        path = export_classifier(model, cfg.output, opset=cfg.opset)
+        side = model.image_size
+        print(
+            f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): images (N, 3, {side}, {side}) -> logits"
+        )
+        print("classes:", ", ".join(model.class_names))
+        if cfg.check:
+            diff = network_difference(model.net, path, image_size=side)
+            print(f"onnxruntime vs PyTorch, batch 2: max |diff| = {diff:.2e}")
+        return 0
+    path, exported = export_detector(model, cfg.output, end_to_end=cfg.end_to_end, opset=cfg.opset)
     size = f"{path.stat().st_size / 2**20:.1f} MiB"
     if not cfg.end_to_end:
         print(f"wrote {path} ({size}): images (N, 3, 300, 300) -> locs, logits")
     else:
         print(
             f"wrote {path} ({size}): images (N, 3, 300, 300) -> boxes, scores, labels, num_detections; "
-            f"decoder {dict(model.decoder_settings)}"
+            f"decoder {dict(exported.decoder_settings)}"
         )
-    print("classes:", ", ".join(detector.class_names[1:]))
+    print("classes:", ", ".join(model.class_names[1:]))
     if not cfg.check:
         return 0
     if not cfg.end_to_end:
-        print(f"onnxruntime vs PyTorch, batch 2: max |diff| = {network_difference(model, path):.2e}")
+        print(f"onnxruntime vs PyTorch, batch 2: max |diff| = {network_difference(exported, path):.2e}")
         return 0
-    diff = compare_with_decoder(model, path)
+    diff = compare_with_decoder(exported, path)
     if diff == float("inf"):
         print("onnxruntime and BoxCoder.decode found different detections on a random batch", file=sys.stderr)
         return 1

@@ -23,7 +23,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
 from ssd_lightning.data.coco_validation import check_coco_split
-from ssd_lightning.data.dali_pipelines import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.data.imagefolder_datamodule import ImageFolderDALIDataModule, list_image_folder
 from ssd_lightning.data.inspection import (
     decode_targets,
@@ -35,7 +34,7 @@ from ssd_lightning.data.inspection import (
 )
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.atomic import atomic_write_json
-from ssd_lightning.models import dboxes300_coco
+from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD, dboxes300_coco
 from ssd_lightning.visualize import draw_detections
 
 __all__ = ["run_inspect_task"]

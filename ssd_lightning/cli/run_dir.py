@@ -237,3 +237,26 @@ def save_run_config(cfg: DictConfig, folder: Path) -> None:
     if launcher_rank() != 0:
         return
     atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))
+
+
+def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
+    """Write values decided at run time (``model.net.num_classes`` read from the data, the network a
+    ``ckpt_path`` records) into the config file this invocation saved (``<output_dir>/.hydra/config.yaml``,
+    or ``.hydra/resume_<time>/run_config.yaml``): Hydra saves it before the job runs, and whoever reads it
+    (a person, ``resume=``, ``run_dir=``) must see what the model was built with. Rank 0 only; nothing
+    without a saved config (in-process ``train()``, DDP children)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not values or launcher_rank() != 0 or not HydraConfig.initialized():
+        return
+    subdir = HydraConfig.get().output_subdir
+    if not subdir:
+        return
+    folder = Path(HydraConfig.get().runtime.output_dir) / subdir
+    for file in (folder / "config.yaml", folder / RUN_CONFIG):
+        if not file.is_file():
+            continue
+        saved = OmegaConf.load(file)
+        for key, value in values.items():
+            OmegaConf.update(saved, key, value, force_add=True)
+        atomic_write_text(file, OmegaConf.to_yaml(saved))

@@ -26,9 +26,16 @@ from ssd_lightning.callbacks.interrupt import InterruptCheckpoint
 from ssd_lightning.cli.benchmark import config_summary_from_cfg, run_benchmark_task
 from ssd_lightning.cli.config_checks import check_writable_dir, validate_config
 from ssd_lightning.cli.resolvers import register_resolvers
-from ssd_lightning.cli.run_dir import requeued_run, resolve_run_reference, save_run_config
-from ssd_lightning.errors import user_errors_as_messages
+from ssd_lightning.cli.run_dir import (
+    record_resolved_values,
+    requeued_run,
+    resolve_run_reference,
+    save_run_config,
+)
+from ssd_lightning.errors import ConfigError, user_errors_as_messages
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
+from ssd_lightning.io.model_record import read_model_record
+from ssd_lightning.io.weights import read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +95,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         from ssd_lightning.cli.inspect_data import run_inspect_task
 
         return run_inspect_task(datamodule, cfg.paths.output_dir, **(cfg.get("inspect") or {}))
-    _num_classes_from_data(cfg, datamodule)
+    resolved = {**_num_classes_from_data(cfg, datamodule), **_model_from_checkpoint(cfg)}
+    record_resolved_values(cfg, resolved)
     model = hydra.utils.instantiate(cfg.model)
     if cfg.get("compile"):
         # The network only, in place: the SSD decoder and losses have data-dependent shapes (graph breaks,
@@ -145,17 +153,69 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> None:
+def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[str, int]:
     """``model.net.num_classes=null``: the data's class count (annotation categories + background, or the
-    image folders), read before the network is built."""
+    image folders), read before the network is built. Returns ``{key: value}`` of what it set."""
     if (
         "num_classes" not in (OmegaConf.select(cfg, "model.net") or {})
         or cfg.model.net.num_classes is not None
     ):
-        return
+        return {}
     with open_dict(cfg):
         cfg.model.net.num_classes = int(datamodule.num_classes)
     log.info("model.net.num_classes=null: %d, from the data", cfg.model.net.num_classes)
+    return {"model.net.num_classes": cfg.model.net.num_classes}
+
+
+#: The LightningModule of each kind of model record.
+_MODULE_OF_KIND = {
+    "detector": "ssd_lightning.modules.ssd.SSDLitModule",
+    "classifier": "ssd_lightning.modules.classifier.ClassifierLitModule",
+}
+
+
+def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
+    """``ckpt_path=<file>``: build the network the file records (its model record), whatever the config
+    says, so that ``task=validate ckpt_path=<file>`` needs nothing but the file and the data. Also takes
+    the file's EMA setting (its weights may be the EMA ones) and fills unset decoder keys with the ones
+    the model was validated with. Returns the keys set. A file without a record changes nothing."""
+    path = cfg.get("ckpt_path")
+    if not path or "://" in str(path):
+        return {}
+    trust = bool(OmegaConf.select(cfg, "model.trust_checkpoint", default=False))
+    checkpoint = read_checkpoint(path, trust_checkpoint=trust, what="ckpt_path")
+    record = read_model_record(checkpoint, source=f"ckpt_path={path}")
+    if record is None:
+        return {}
+    module = OmegaConf.select(cfg, "model._target_")
+    if module != _MODULE_OF_KIND[record["kind"]]:
+        raise ConfigError(
+            f"ckpt_path={path} is a {record['kind']} ({record['architecture']['builder']}) but model= "
+            f"builds {module}: pick the model of that kind (model=ssd300 / model=mobilenetv2, or an "
+            "experiment= of it)"
+        )
+    values: dict[str, object] = {
+        f"model.net.{k}": v for k, v in record["architecture"]["args"].items() if v is not None
+    }
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("ema_decay") is not None and OmegaConf.select(cfg, "model.ema_decay") is None:
+        values["model.ema_decay"] = hparams["ema_decay"]
+        if "use_ema" in hparams:
+            values["model.use_ema"] = hparams["use_ema"]
+    for key, value in (record.get("decoder") or {}).items():
+        if OmegaConf.select(cfg, f"model.decoder.{key}", default=0) is None:
+            values[f"model.decoder.{key}"] = value
+    changed = {k: v for k, v in values.items() if OmegaConf.select(cfg, k) != v}
+    with open_dict(cfg):
+        for key, value in values.items():
+            OmegaConf.update(cfg, key, value, force_add=True)
+    if changed:
+        log.info(
+            "ckpt_path=%s: the model it records: %s",
+            path,
+            ", ".join(f"{k}={v}" for k, v in changed.items()),
+        )
+    return changed
 
 
 def _command_line_overrides() -> list[str]:

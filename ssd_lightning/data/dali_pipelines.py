@@ -21,6 +21,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from ssd_lightning.data.dali_compat import reader_shuffle_kwargs
+from ssd_lightning.models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -32,8 +33,6 @@ __all__ = [
     "classification_val_pipeline",
 ]
 
-IMAGENET_MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-IMAGENET_STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 _DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}
 
 
@@ -59,8 +58,8 @@ def _normalize(images, *, dtype: types.DALIDataType, device: str, crop=None, mir
     return fn.crop_mirror_normalize(
         images,
         device=device,
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
+        mean=list(IMAGENET_MEAN),
+        std=list(IMAGENET_STD),
         dtype=dtype,
         output_layout="CHW",
         **kwargs,

@@ -19,12 +19,27 @@ from torch import Tensor, nn
 
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
+from ssd_lightning.io.model_record import model_weights, read_model_record
 from ssd_lightning.io.run_config import update_moved_targets
-from ssd_lightning.io.weights import read_checkpoint, read_nvidia_state_dict
-from ssd_lightning.models import BoxCoder, DecoderSettings, dboxes300_coco, nvidia_state_dict, ssd300
+from ssd_lightning.io.weights import CheckpointReadError, read_checkpoint, read_nvidia_state_dict
+from ssd_lightning.models import (
+    BoxCoder,
+    DecoderSettings,
+    build_network,
+    dboxes300_coco,
+    nvidia_state_dict,
+    ssd300,
+)
 from ssd_lightning.models.boxes import scale_to_pixels
 
-__all__ = ["Detector", "load_detector", "load_detector_from_settings", "load_nvidia_checkpoint"]
+__all__ = [
+    "Detector",
+    "detector_from_onnx",
+    "load_detector",
+    "load_detector_from_settings",
+    "load_nvidia_checkpoint",
+    "open_onnx",
+]
 
 log = logging.getLogger(__name__)
 
@@ -187,22 +202,44 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
 
 
 def checkpoint_weights_prefix(hparams: Mapping[str, Any]) -> str:
-    """The run's weights in an SSDLitModule checkpoint's state_dict: ``ema.module.`` when it kept an EMA
-    that is the run's weights (``ema_decay`` set, ``use_ema`` true), else ``net.``."""
+    """The run's weights in an SSDLitModule checkpoint without a model record (written before records
+    existed): ``ema.module.`` when it kept an EMA that is the run's weights (``ema_decay`` set, ``use_ema``
+    true), else ``net.``."""
     return "ema.module." if hparams.get("ema_decay") is not None and hparams.get("use_ema", True) else "net."
+
+
+def categories_of_record(record: Mapping[str, Any]) -> CategoryMap:
+    """The class names and dataset category ids a detector's model record holds."""
+    classes = record["classes"]
+    return CategoryMap(tuple(classes["category_ids"]), tuple(classes["names"]))
 
 
 def _from_checkpoint(
     ckpt: Path, run_config: str | os.PathLike | None, trust_checkpoint: bool
-) -> tuple[nn.Module, CategoryMap, Mapping]:
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt} does not exist")
+) -> tuple[nn.Module, CategoryMap, Mapping, int]:
+    """(network with the model's weights, categories, saved decoder settings, input size) of a checkpoint:
+    from its model record, or (no record, or ``run_config`` given) from the run's config."""
+    checkpoint = read_checkpoint(ckpt, trust_checkpoint=trust_checkpoint, what="ckpt_path")
+    source = f"ckpt_path={ckpt}"
+    record = read_model_record(checkpoint, source=source)
+    if record is not None and run_config is None:
+        if record["kind"] != "detector":
+            raise CheckpointReadError(
+                f"{source} is a {record['kind']} ({record['architecture']['builder']}), not a detector: "
+                "predict.py and scripts/export_onnx.py take it as it is"
+            )
+        net = build_network(record["architecture"])
+        net.load_state_dict(model_weights(checkpoint, record["weights"], source=source), strict=True)
+        if record["weights"] != "net.":
+            log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
+        size = int(record["input"]["image_size"])
+        return net, categories_of_record(record), record.get("decoder") or {}, size
     config_path = Path(run_config) if run_config is not None else _run_config_path(ckpt)
     if not config_path.is_file():
-        raise FileNotFoundError(
-            f"{config_path} not found: a Lightning checkpoint holds weights only, the network is rebuilt "
-            "from the run's .hydra/config.yaml. Keep the checkpoint inside its run directory "
-            "(<run>/checkpoints/*.ckpt) or pass run_config=<run>/.hydra/config.yaml"
+        raise CheckpointReadError(
+            f"{source} records no model (written by an ssd_lightning before checkpoints did, or by another "
+            f"project) and {config_path} is not there to rebuild it from: keep the checkpoint inside its run "
+            "directory (<run>/checkpoints/*.ckpt) or pass run_config=<run>/.hydra/config.yaml"
         )
     import hydra
 
@@ -211,24 +248,15 @@ def _from_checkpoint(
     if "weights_backbone" in net_cfg:
         net_cfg.weights_backbone = None  # the checkpoint has every weight; never download
     net = hydra.utils.instantiate(net_cfg)
-    checkpoint = read_checkpoint(ckpt, trust_checkpoint=trust_checkpoint, what="ckpt_path")
-    state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            f"{ckpt} has no 'state_dict': not a Lightning checkpoint (NVIDIA: nvidia_checkpoint=)"
-        )
     hparams = checkpoint.get("hyper_parameters") or {}
     prefix = checkpoint_weights_prefix(hparams)
-    net_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    if not net_state:
-        raise ValueError(f"{ckpt}: no '{prefix}*' weights in state_dict; is it an SSDLitModule checkpoint?")
-    net.load_state_dict(net_state, strict=True)
+    net.load_state_dict(model_weights(checkpoint, prefix, source=source), strict=True)
     if getattr(net, "num_classes", None) is None:
         raise ValueError(f"{config_path}: model.net builds a network without `num_classes`; not an SSD300")
     if prefix != "net.":
         log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
     saved = hparams.get("decoder") or {}
-    return net, _categories_from_run(cfg, int(net.num_classes)), saved
+    return net, _categories_from_run(cfg, int(net.num_classes)), saved, 300
 
 
 def _onnx_providers(device: str | torch.device) -> list[str]:
@@ -249,12 +277,23 @@ def _onnx_providers(device: str | torch.device) -> list[str]:
     return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
-def _from_onnx(path: Path, decoder: Mapping | None, device: str | torch.device) -> Detector:
+def open_onnx(path: Path, device: str | torch.device) -> tuple[Any, dict[str, Any]]:
+    """An onnxruntime session of an export of this project and its metadata (``kind``: ``detector`` when
+    the file predates the entry)."""
     import onnxruntime as ort
 
     if not path.is_file():
         raise FileNotFoundError(f"onnx={path} does not exist")
     session = ort.InferenceSession(str(path), providers=_onnx_providers(device))
+    meta = read_metadata(session.get_modelmeta().custom_metadata_map)
+    meta.setdefault("kind", "detector")
+    return session, meta
+
+
+def detector_from_onnx(
+    session: Any, meta: Mapping[str, Any], path: Path, decoder: Mapping | None
+) -> Detector:
+    """A :class:`Detector` running an end-to-end export (:func:`open_onnx`)."""
     outputs = tuple(o.name for o in session.get_outputs())
     if outputs != END_TO_END_OUTPUTS:
         raise ValueError(
@@ -262,7 +301,6 @@ def _from_onnx(path: Path, decoder: Mapping | None, device: str | torch.device) 
             "runs end-to-end exports; write one with `python scripts/export_onnx.py ckpt_path=... "
             "end_to_end=true`"
         )
-    meta = read_metadata(session.get_modelmeta().custom_metadata_map)
     missing = set(METADATA_KEYS) - set(meta)
     if missing:
         raise ValueError(
@@ -301,10 +339,12 @@ def load_detector(
     """A :class:`Detector` from exactly one source, in ``eval()`` mode on ``device`` (``auto``: CUDA when
     available; for ONNX when onnxruntime has it).
 
-    * ``ckpt_path``: a Lightning checkpoint of ``SSDLitModule``. The network is rebuilt from the run's
-      composed config (``run_config``, default ``<run>/.hydra/config.yaml``) with
-      ``hydra.utils.instantiate(cfg.model.net)`` (backbone weights never downloaded) and its ``net.*``
-      weights loaded strictly; names and ids from the run's annotation file if still there, else
+    * ``ckpt_path``: a Lightning checkpoint of ``SSDLitModule``. The network, its class names and dataset
+      category ids, input size and decoder settings come from the file's model record
+      (:mod:`ssd_lightning.io.model_record`); the file alone is enough. A checkpoint written before records
+      existed (or any, with ``run_config`` given) is rebuilt from the run's composed config (``run_config``,
+      default ``<run>/.hydra/config.yaml``) with ``hydra.utils.instantiate(cfg.model.net)`` (backbone
+      weights never downloaded); names and ids from the run's annotation file if still there, else
       ``class_<k>``; decoder settings from ``hyper_parameters["decoder"]``.
     * ``nvidia_checkpoint``: ``ssd300(backbone, num_classes)`` with the NVIDIA reference's weights; COCO
       names and ids when ``num_classes == 81``.
@@ -315,8 +355,10 @@ def load_detector(
     ``torch.load(weights_only=True)``; ``trust_checkpoint=True`` unpickles them fully (can run code).
 
     Raises:
-        ValueError: none or several sources; a file of the wrong kind; an ONNX decoder override.
-        FileNotFoundError: a file or the run config missing (the message says what to pass).
+        ValueError: none or several sources; an ONNX decoder override.
+        CheckpointReadError: a file of the wrong kind or a newer format; a checkpoint without a model
+            record whose run config is gone (the message says what to pass).
+        FileNotFoundError: a file missing.
         UntrustedCheckpointError: the file holds more than tensors and plain values.
     """
     if sum(x is not None for x in (ckpt_path, nvidia_checkpoint, onnx)) != 1:
@@ -324,7 +366,10 @@ def load_detector(
             "give exactly one of ckpt_path=<Lightning .ckpt>, nvidia_checkpoint=<NVIDIA .pt> or onnx=<.onnx>"
         )
     if onnx is not None:
-        return _from_onnx(Path(onnx), decoder, device)
+        session, meta = open_onnx(Path(onnx), device)
+        if meta["kind"] != "detector":
+            raise ValueError(f"onnx={onnx} is a {meta['kind']} export, not a detector")
+        return detector_from_onnx(session, meta, Path(onnx), decoder)
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if nvidia_checkpoint is not None:
@@ -341,11 +386,18 @@ def load_detector(
         categories = coco if num_classes == coco.num_classes else _numbered(num_classes)
         saved: Mapping = {}
         source = str(nvidia_checkpoint)
+        image_size = 300
     else:
-        net, categories, saved = _from_checkpoint(Path(ckpt_path), run_config, trust_checkpoint)
+        net, categories, saved, image_size = _from_checkpoint(Path(ckpt_path), run_config, trust_checkpoint)
         source = str(ckpt_path)
     settings = DecoderSettings.from_mapping(decoder, base=DecoderSettings.from_mapping(saved))
-    return Detector(categories=categories, settings=settings, net=net.eval().to(device), source=source)
+    return Detector(
+        categories=categories,
+        settings=settings,
+        net=net.eval().to(device),
+        source=source,
+        image_size=image_size,
+    )
 
 
 def load_detector_from_settings(settings: Mapping[str, Any]) -> Detector:

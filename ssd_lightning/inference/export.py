@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ssd_lightning.inference.classifier import CLASSIFIER_OUTPUTS, Classifier
 from ssd_lightning.inference.detector import Detector
 from ssd_lightning.inference.onnx_format import (
     END_TO_END_OUTPUTS,
@@ -47,6 +48,7 @@ __all__ = [
     "EndToEndSSD",
     "compare_with_decoder",
     "detection_difference",
+    "export_classifier",
     "export_detector",
     "export_end_to_end",
     "export_network",
@@ -225,17 +227,37 @@ def export_end_to_end(
     """
     if opset < 11:
         raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
+    output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
+    entries = {
+        "kind": "detector",
+        **dict(metadata or {}),
+        "decoder": dict(model.decoder_settings),
+        "image_size": image_size,
+    }
+    return _with_metadata(output, entries)
+
+
+def _with_metadata(output: Path, entries: Mapping[str, Any]) -> Path:
+    """Add ``entries`` (JSON-able values) to the ONNX file ``output``'s metadata, check it, save it."""
     import onnx
 
-    output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
     proto = onnx.load(str(output))
-    entries = {**dict(metadata or {}), "decoder": dict(model.decoder_settings), "image_size": image_size}
     for key, value in entries.items():
         prop = proto.metadata_props.add()
         prop.key, prop.value = metadata_entry(key, value)
     onnx.checker.check_model(proto)
     onnx.save(proto, str(output))
     return output
+
+
+def export_classifier(classifier: Classifier, output: str | os.PathLike, *, opset: int = 17) -> Path:
+    """Write ``classifier``'s network as ONNX: input ``images`` (N, 3, S, S) float32 (its
+    :meth:`~ssd_lightning.inference.classifier.Classifier.preprocess`), output ``logits`` (N, K), N dynamic;
+    class names and the input transform in the metadata, so ``predict.py onnx=<file>`` runs it as it is."""
+    if classifier.net is None:
+        raise ValueError(f"{classifier.source} is already an ONNX export")
+    output = _trace(classifier.net, output, CLASSIFIER_OUTPUTS, image_size=classifier.image_size, opset=opset)
+    return _with_metadata(output, classifier.metadata())
 
 
 def _trace(
@@ -277,16 +299,18 @@ def export_network(
 
 
 def network_difference(
-    net: nn.Module, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0
+    net: nn.Module, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0, image_size: int = 300
 ) -> float:
-    """Largest |PyTorch - onnxruntime (CPU)| over both outputs of a network-only export, random batch."""
+    """Largest |PyTorch - onnxruntime (CPU)| over the outputs of a network export (a detector's network
+    or a classifier), random batch."""
     import onnxruntime as ort
 
-    images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(seed))
+    images = torch.randn(batch_size, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         expected = net.eval()(images)
+    expected = (expected,) if isinstance(expected, Tensor) else expected
     session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
-    got = session.run(list(NETWORK_OUTPUTS), {"images": images.numpy()})
+    got = session.run(None, {"images": images.numpy()})
     return max(float((torch.from_numpy(g) - e).abs().max()) for g, e in zip(got, expected, strict=True))
 
 

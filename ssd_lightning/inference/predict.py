@@ -17,9 +17,10 @@ import os
 import sys
 import time
 import warnings
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -39,7 +40,9 @@ from ssd_lightning.evaluation import (
     per_class_records,
     to_coco_array,
 )
-from ssd_lightning.inference.detector import Detector, load_detector_from_settings
+from ssd_lightning.inference.classifier import Classifier
+from ssd_lightning.inference.detector import Detector
+from ssd_lightning.inference.loading import load_model_from_settings
 from ssd_lightning.inference.sources import (
     IMAGE_EXTENSIONS,
     InputImage,
@@ -48,13 +51,16 @@ from ssd_lightning.inference.sources import (
     match_annotation_ids,
 )
 from ssd_lightning.io.atomic import atomic_write_json
+from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.tables import markdown_table
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "InputImage",
     "categories_for_annotations",
+    "classify_images",
     "collect_inputs",
+    "evaluate_classification",
     "evaluate_predictions",
     "open_image",
     "predict_from_settings",
@@ -64,16 +70,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-IMAGENET_MEAN_255 = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD_255 = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-
 
 def preprocess(image: Image.Image, size: int = 300) -> Tensor:
     """PIL image -> (3, size, size) float32, RGB, resized without letterbox, ImageNet-normalised."""
     rgb = image.convert("RGB").resize((size, size), Image.BILINEAR)
     array = torch.from_numpy(np.asarray(rgb, dtype=np.float32).copy()).permute(2, 0, 1)  # (3, S, S) 0..255
-    mean = torch.tensor(IMAGENET_MEAN_255).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD_255).view(3, 1, 1)
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
     return (array - mean) / std
 
 
@@ -88,34 +91,38 @@ def open_image(path: Path) -> Image.Image:
 _READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
 
 
-def _read(item: InputImage, size: int) -> tuple[InputImage, Image.Image | None, Tensor | None, str]:
-    """``(item, image, preprocessed, "")``, or ``(item, None, None, reason)`` for an unreadable file."""
+def _read(
+    item: InputImage, transform: Callable[[Image.Image], Tensor]
+) -> tuple[InputImage, Image.Image | None, Tensor | None, str]:
+    """``(item, image, transform(image), "")``, or ``(item, None, None, reason)`` for an unreadable file."""
     try:
         image = open_image(item.path)
     except _READ_ERRORS as e:
         return item, None, None, f"{type(e).__name__}: {e}"
-    return item, image, preprocess(image, size), ""
+    return item, image, transform(image), ""
 
 
-def _read_ahead(inputs: Sequence[InputImage], size: int, workers: int, window: int) -> Iterator[tuple]:
+def _read_ahead(
+    inputs: Sequence[InputImage], transform: Callable[[Image.Image], Tensor], workers: int, window: int
+) -> Iterator[tuple]:
     """:func:`_read` of every input, in input order; ``workers`` threads keep at most ``window`` reads
     ahead (0 workers: read in this thread)."""
     if workers <= 0:
         for item in inputs:
-            yield _read(item, size)
+            yield _read(item, transform)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="predict-read") as pool:
         pending: deque[Future] = deque()
         items = iter(inputs)
         for item in items:
-            pending.append(pool.submit(_read, item, size))
+            pending.append(pool.submit(_read, item, transform))
             if len(pending) >= window:
                 break
         while pending:
             yield pending.popleft().result()
             item = next(items, None)
             if item is not None:
-                pending.append(pool.submit(_read, item, size))
+                pending.append(pool.submit(_read, item, transform))
 
 
 class _Progress:
@@ -191,8 +198,6 @@ def predict_images(
     """
     from ssd_lightning.visualize import draw_detections
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     items = [_as_input(item) for item in inputs]
     ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
     if len(ids) != len(items):
@@ -201,9 +206,7 @@ def predict_images(
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
-    failures: list[tuple[Path, str]] = []
     used: set[str] = set()
-    bar = _Progress(len(items), progress)
 
     def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
         images = torch.stack([tensor for *_, tensor in batch])
@@ -231,12 +234,33 @@ def predict_images(
                 path = output_dir / _picture_name(item.name, used)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 picture.save(path, quality=92, subsampling=0)
-        bar.update(len(batch))
 
+    transform = partial(preprocess, size=detector.image_size)
+    failures = _run_batches(items, transform, run, batch_size=batch_size, workers=workers, progress=progress)
+    with open(output_dir / "predictions.json", "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    return results, failures
+
+
+def _run_batches(
+    items: Sequence[InputImage],
+    transform: Callable[[Image.Image], Tensor],
+    run: Callable[[list[tuple[int, InputImage, Image.Image, Tensor]]], None],
+    *,
+    batch_size: int,
+    workers: int,
+    progress: bool,
+) -> list[tuple[Path, str]]:
+    """Read ``items`` ahead in ``workers`` threads and call ``run`` on batches of ``(index, item, image,
+    tensor)``; unreadable files are logged and skipped. Returns them as ``(path, reason)``; logs the rate."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    failures: list[tuple[Path, str]] = []
+    bar = _Progress(len(items), progress)
     start = time.perf_counter()
     batch: list[tuple[int, InputImage, Image.Image, Tensor]] = []
     try:
-        reads = _read_ahead(items, detector.image_size, workers, window=max(2 * batch_size, 4 * workers))
+        reads = _read_ahead(items, transform, workers, window=max(2 * batch_size, 4 * workers))
         for index, (item, image, tensor, reason) in enumerate(reads):
             if image is None:
                 failures.append((item.path, reason))
@@ -246,17 +270,150 @@ def predict_images(
             batch.append((index, item, image, tensor))
             if len(batch) == batch_size:
                 run(batch)
+                bar.update(len(batch))
                 batch = []
         if batch:
             run(batch)
+            bar.update(len(batch))
     finally:
         bar.close()
     seconds = time.perf_counter() - start
     done = len(items) - len(failures)
     log.info("%d images in %.1f s, %.1f images/s", done, seconds, done / seconds if seconds > 0 else 0.0)
-    with open(output_dir / "predictions.json", "w", encoding="utf-8") as f:
-        json.dump(results, f)
+    return failures
+
+
+def classify_images(
+    classifier: Classifier,
+    inputs: Sequence[InputImage | str | os.PathLike],
+    output_dir: str | os.PathLike,
+    *,
+    top_k: int = 5,
+    batch_size: int = 8,
+    draw: bool = False,
+    workers: int = 4,
+    progress: bool = False,
+) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
+    """Classify ``inputs``; write ``predictions.json`` (and, with ``draw``, pictures) to ``output_dir``.
+
+    ``predictions.json`` holds one entry per readable image, in input order: ``image_id`` (the input's
+    index), ``file_name`` (its name, as for detection), ``top_k``: the ``top_k`` most likely classes as
+    ``{"label", "name", "score"}`` (softmax probability, to 1e-5), best first. Pictures
+    ``<output_dir>/<name>.jpg`` show the image framed in the top class's colour with its name and score.
+
+    Returns:
+        (the entries, the unreadable files as ``(path, reason)``).
+    """
+    from ssd_lightning.visualize import draw_detections
+
+    items = [_as_input(item) for item in inputs]
+    names = classifier.class_names
+    k = max(1, min(int(top_k), len(names)))
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    used: set[str] = set()
+
+    def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
+        probs = classifier.classify(torch.stack([tensor for *_, tensor in batch]))
+        scores, labels = probs.topk(k, dim=1)
+        for (index, item, img, _), score_row, label_row in zip(batch, scores, labels, strict=True):
+            top = [
+                {"label": int(label), "name": names[int(label)], "score": round(float(score), 5)}
+                for score, label in zip(score_row, label_row, strict=True)
+            ]
+            results.append({"image_id": index, "file_name": item.name, "top_k": top})
+            if draw:
+                best = top[0]
+                picture = draw_detections(
+                    img,
+                    [[0, 0, img.width - 1, img.height - 1]],
+                    [best["label"] + 1],
+                    [best["score"]],
+                    class_names=("", *names),
+                )
+                path = output_dir / _picture_name(item.name, used)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                picture.save(path, quality=92)
+
+    failures = _run_batches(
+        items, classifier.preprocess, run, batch_size=batch_size, workers=workers, progress=progress
+    )
+    atomic_write_json(output_dir / "predictions.json", results)
     return results, failures
+
+
+def evaluate_classification(
+    results: Sequence[Mapping[str, Any]],
+    inputs: Sequence[InputImage],
+    class_names: Sequence[str],
+    root: str | os.PathLike,
+    output_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Top-1/top-5 accuracy of ``results`` (:func:`classify_images`) against an ImageFolder layout: the
+    true class of an image is the first folder of its path below ``root``. Logs the numbers and a
+    per-class table and writes them to ``<output_dir>/classification_eval.json``.
+
+    Raises:
+        DataError: an image outside ``root``, or in a folder that is not one of the model's classes.
+    """
+    root = Path(root)
+    label_of = {name: k for k, name in enumerate(class_names)}
+    path_of = {item.name: item.path for item in inputs}
+    outside, unknown = [], set()
+    hits1: Counter[str] = Counter()
+    hits5: Counter[str] = Counter()
+    seen: Counter[str] = Counter()
+    for entry in results:
+        path = Path(path_of[entry["file_name"]]).resolve()
+        try:
+            folder = path.relative_to(root.resolve()).parts[0]
+        except (ValueError, IndexError):
+            outside.append(str(path))
+            continue
+        if folder not in label_of:
+            unknown.add(folder)
+            continue
+        predicted = [p["name"] for p in entry["top_k"]]
+        seen[folder] += 1
+        hits1[folder] += predicted[0] == folder
+        hits5[folder] += folder in predicted[:5]
+    if outside:
+        raise DataError(
+            f"annotations={root}: {len(outside)} input image(s) are not inside it, e.g. {outside[0]}; for a "
+            "classifier, annotations= is the ImageFolder root whose class folders hold the input images"
+        )
+    if unknown:
+        raise DataError(
+            f"annotations={root}: class folder(s) {sorted(unknown)[:10]} are not classes of the model "
+            f"({', '.join(class_names[:10])}{', ...' if len(class_names) > 10 else ''})"
+        )
+    total = sum(seen.values())
+    report = {
+        "annotations": str(root),
+        "images": total,
+        "top1": sum(hits1.values()) / total if total else float("nan"),
+        "top5": sum(hits5.values()) / total if total else float("nan"),
+        "per_class": [
+            {"name": name, "images": seen[name], "top1": hits1[name] / seen[name] if seen[name] else None}
+            for name in class_names
+        ],
+    }
+    atomic_write_json(Path(output_dir) / "classification_eval.json", report, indent=1)
+    rows = [
+        (c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}")
+        for c in report["per_class"]
+    ]
+    log.info(
+        "Classification on %d image(s) of %s: top-1 %.4f, top-5 %.4f\n%s",
+        total,
+        root,
+        report["top1"],
+        report["top5"],
+        markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True),
+    )
+    log.info("-> %s", Path(output_dir) / "classification_eval.json")
+    return report
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -349,32 +506,47 @@ def evaluate_predictions(
 def _predict(settings: Mapping[str, Any]) -> int:
     inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
     where = f"annotations={settings['annotations']}"
-    dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
-    image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
-    detector = load_detector_from_settings(settings)
-    categories = categories_for_annotations(detector.categories, dataset, where=where) if dataset else None
-    log.info("%d input file(s); weights from %s; device %s", len(inputs), detector.source, detector.runs_on)
-    results, failures = predict_images(
-        detector,
-        inputs,
-        settings["output"],
-        batch_size=settings["batch_size"],
-        draw_score_thresh=settings["draw_score_thresh"],
-        draw=settings["draw"],
-        image_ids=image_ids,
-        categories=categories,
-        workers=settings["workers"],
-        progress=settings["progress"],
-    )
-    done = len(inputs) - len(failures)
-    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"])
+    model = load_model_from_settings(settings)
+    log.info("%d input file(s); weights from %s; device %s", len(inputs), model.source, model.runs_on)
+    common = {
+        "batch_size": settings["batch_size"],
+        "draw": settings["draw"],
+        "workers": settings["workers"],
+        "progress": settings["progress"],
+    }
+    if isinstance(model, Classifier):
+        results, failures = classify_images(
+            model, inputs, settings["output"], top_k=settings.get("top_k", 5), **common
+        )
+        log.info("%d image(s) classified -> %s/predictions.json", len(results), settings["output"])
+    else:
+        dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
+        image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
+        categories = categories_for_annotations(model.categories, dataset, where=where) if dataset else None
+        results, failures = predict_images(
+            model,
+            inputs,
+            settings["output"],
+            draw_score_thresh=settings["draw_score_thresh"],
+            image_ids=image_ids,
+            categories=categories,
+            **common,
+        )
+        done = len(inputs) - len(failures)
+        log.info(
+            "%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"]
+        )
     if failures:
         shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
         log.error("%d file(s) skipped: %s", len(failures), shown)
-    if done == 0:
+    if len(failures) == len(inputs):
         log.error("no image could be read")
         return 1
-    if dataset is not None:
+    if settings["annotations"] and isinstance(model, Classifier):
+        evaluate_classification(
+            results, inputs, model.class_names, settings["annotations"], settings["output"]
+        )
+    elif settings["annotations"]:
         evaluate_predictions(
             settings["annotations"],
             results,
@@ -387,7 +559,8 @@ def _predict(settings: Mapping[str, Any]) -> int:
 
 def predict_from_settings(settings: Mapping[str, Any]) -> int:
     """What ``python predict.py`` does with its resolved settings (``configs/predict.yaml``): collect the
-    inputs (and their ids in ``annotations``, checked before the detector loads), detect, write, evaluate.
+    inputs, load the model the file holds, detect (and match the inputs to ``annotations``' image ids) or
+    classify, write, evaluate.
 
     Returns:
         The exit status: 0, or 1 when no image could be read. Input errors (a missing list entry, images

@@ -170,6 +170,17 @@ def mobilenet_v2(
     if resolved is not None:
         state = resolved.get_state_dict(progress=True, check_hash=True)
         load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")
+    # what rebuilds it (models/registry.py); `weights` only initialises them
+    model.architecture = {
+        "builder": "mobilenet_v2",
+        "args": {
+            "num_classes": int(num_classes),
+            "width_mult": float(width_mult),
+            "inverted_residual_setting": setting,
+            "round_nearest": int(round_nearest),
+            "dropout": float(dropout),
+        },
+    }
     return model
 
 

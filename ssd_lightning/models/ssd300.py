@@ -226,4 +226,13 @@ def ssd300(
     extra = _LEVEL_CHANNELS[backbone][len(net.out_channels) :]
     model = SSD300(net, extra, num_classes, background_prior=background_prior)
     model.backbone_name = backbone  # recorded for checkpoint import and benchmark reports
+    # what rebuilds it (models/registry.py); the arguments that only initialise weights are left out
+    model.architecture = {
+        "builder": "ssd300",
+        "args": {
+            "backbone": backbone,
+            "num_classes": int(num_classes),
+            "width_mult": float(width_mult) if backbone not in RESNET_NAMES else 1.0,
+        },
+    }
     return model

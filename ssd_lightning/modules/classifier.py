@@ -27,6 +27,7 @@ from ssd_lightning.modules.common import (
     per_device_batch_size,
     restore_train_loader_state,
     save_epoch_metric_states,
+    save_model_record,
     steps_per_epoch,
     total_epochs,
 )
@@ -193,6 +194,7 @@ class ClassifierLitModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         save_epoch_metric_states(self, checkpoint, self._epoch_metrics())
+        save_model_record(self, checkpoint, kind="classifier", net=self.net, weights="net.")
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         load_epoch_metric_states(self, checkpoint, self._epoch_metrics())

@@ -17,7 +17,9 @@ from torchmetrics import Metric
 
 from ssd_lightning import compat
 from ssd_lightning.errors import ConfigError
+from ssd_lightning.io.model_record import MODEL_KEY, make_model_record
 from ssd_lightning.io.weights import init_from_checkpoint
+from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
 from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr
 
@@ -303,3 +305,60 @@ def init_net_from_file(
         log_summary=module.trainer.is_global_zero,
     )
     return True
+
+
+def save_model_record(
+    module: pl.LightningModule,
+    checkpoint: dict,
+    *,
+    kind: str,
+    net: nn.Module,
+    weights: str,
+    decoder: Mapping | None = None,
+) -> None:
+    """Put the record that rebuilds and names the model (:mod:`ssd_lightning.io.model_record`) into
+    ``checkpoint`` (call in ``on_save_checkpoint``). Class names, category ids and the input size come from
+    the trainer's datamodule (``category_map``, ``class_names``, ``image_size``, ``val_resize``); without
+    one, classes are named ``class_<k>``. A network without ``architecture`` (not built by
+    :data:`ssd_lightning.models.NETWORK_BUILDERS`) gets no record: its checkpoints need their run config."""
+    architecture = getattr(net, "architecture", None)
+    if architecture is None:
+        return
+    trainer = module.trainer
+    datamodule = getattr(trainer, "datamodule", None)
+    num_classes = int(architecture["args"]["num_classes"])
+    detector = kind == "detector"
+    categories = getattr(datamodule, "category_map", None)
+    if detector:
+        if categories is None or categories.num_classes != num_classes:
+            names, ids = ["background", *(f"class_{k}" for k in range(1, num_classes))], range(1, num_classes)
+        else:
+            names, ids = categories.names, categories.category_ids
+    else:
+        names = list(getattr(datamodule, "class_names", None) or [])
+        if len(names) != num_classes:
+            names = [f"class_{k}" for k in range(num_classes)]
+        ids = None
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    lr = optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"]) if optimizer else None
+    batch = getattr(datamodule, "batch_size", None)
+    training = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "precision": str(trainer.precision),
+        "lr": lr,  # after the scaling rule: the peak LR of the schedule
+        "global_batch_size": None if batch is None else trainer.world_size * int(batch),
+    }
+    checkpoint[MODEL_KEY] = make_model_record(
+        kind=kind,
+        architecture=architecture,
+        weights=weights,
+        class_names=names,
+        category_ids=ids,
+        image_size=getattr(datamodule, "image_size", 300 if detector else 224),
+        resize=None if detector else getattr(datamodule, "val_resize", None),
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        decoder=decoder,
+        training=training,
+    )

@@ -22,6 +22,7 @@ from ssd_lightning.modules.common import (
     load_epoch_metric_states,
     restore_train_loader_state,
     save_epoch_metric_states,
+    save_model_record,
     steps_per_epoch,
 )
 from ssd_lightning.modules.ema import ExponentialMovingAverage
@@ -158,6 +159,10 @@ class SSDLitModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         save_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
+        weights = "ema.module." if self.inference_net is not self.net else "net."
+        save_model_record(
+            self, checkpoint, kind="detector", net=self.net, weights=weights, decoder=self.decoder_settings
+        )
 
     @property
     def validation_output_keys(self) -> tuple[str, ...]:

@@ -80,7 +80,7 @@ def test_onnxruntime_gives_the_decoders_detections_at_any_batch_size(real_export
 def test_metadata_and_padding_when_fewer_candidates_than_max_detections(real_export, tmp_path):
     _, session = real_export
     meta = read_metadata(session.get_modelmeta().custom_metadata_map)
-    assert meta == {"class_names": list("_abcd"), "image_size": 300,
+    assert meta == {"kind": "detector", "class_names": list("_abcd"), "image_size": 300,
                     "decoder": {"score_thresh": 0.2, "nms_iou": 0.5, "topk_per_class": 200,
                                 "max_detections": 100}}  # fmt: skip
     # 4 classes x 3 candidates < max_detections = 20: the outputs are still padded to K = 20

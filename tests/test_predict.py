@@ -16,6 +16,7 @@ from PIL import Image
 from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
 from ssd_lightning.inference.detector import load_detector
 from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
+from ssd_lightning.io.weights import CheckpointReadError
 from ssd_lightning.models import ssd300
 from ssd_lightning.modules.ssd import SSDLitModule
 from tests.helpers import REPO_ROOT, compose_config, run_script
@@ -28,7 +29,8 @@ DECODER = {"score_thresh": 0.05, "nms_iou": 0.5, "topk_per_class": 200, "max_det
 
 @pytest.fixture(scope="module")
 def fake_run(tmp_path_factory, shapes_coco) -> tuple[Path, torch.nn.Module]:
-    """<run>/.hydra/config.yaml as train.py saves it (unresolved) + <run>/checkpoints/last.ckpt."""
+    """<run>/.hydra/config.yaml as train.py saves it (unresolved) + <run>/checkpoints/last.ckpt in the format
+    of checkpoints written before they recorded their model (weights and decoder only): those keep working."""
     run = tmp_path_factory.mktemp("run")
     cfg = compose_config(["experiment=demo", "model.net.backbone=resnet18", f"data.root={shapes_coco}"])
     (run / ".hydra").mkdir()
@@ -130,11 +132,12 @@ def test_loading_errors_say_what_to_do(fake_run, tmp_path):
     run, _ = fake_run
     with pytest.raises(ValueError, match="exactly one"):
         load_detector()
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="not found: no such file"):
         load_detector(tmp_path / "missing.ckpt")
+    # a checkpoint written before checkpoints recorded their model, moved out of its run directory
     lone = tmp_path / "last.ckpt"
     lone.write_bytes((run / "checkpoints" / "last.ckpt").read_bytes())
-    with pytest.raises(FileNotFoundError, match="run_config"):
+    with pytest.raises(CheckpointReadError, match="records no model .* pass run_config=<run>"):
         load_detector(lone)
     detector = load_detector(lone, run_config=run / ".hydra" / "config.yaml")
     assert detector.net.num_classes == 5

@@ -185,7 +185,8 @@ def test_predict_nvidia_checkpoint(tmp_path, small_ssd):
     _assert_refused(error, path, marker)
 
 
-def test_export_onnx_script(tmp_path, small_ssd):
+def test_export_onnx_script(tmp_path, small_ssd, monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the error itself, not its one-line message
     spec = spec_from_file_location("export_onnx", REPO_ROOT / "scripts" / "export_onnx.py")
     script = module_from_spec(spec)
     spec.loader.exec_module(script)

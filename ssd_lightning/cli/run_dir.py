@@ -250,9 +250,10 @@ def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
     if not values or launcher_rank() != 0 or not HydraConfig.initialized():
         return
     subdir = HydraConfig.get().output_subdir
-    if not subdir:
+    output_dir = OmegaConf.select(HydraConfig.get(), "runtime.output_dir", default=None)
+    if not subdir or not output_dir:  # a config composed without a run (tests' compose API)
         return
-    folder = Path(HydraConfig.get().runtime.output_dir) / subdir
+    folder = Path(output_dir) / subdir
     for file in (folder / "config.yaml", folder / RUN_CONFIG):
         if not file.is_file():
             continue

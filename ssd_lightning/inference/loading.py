@@ -33,7 +33,9 @@ def load_model_from_settings(settings: Mapping[str, Any]) -> Detector | Classifi
     checkpoint or ONNX file says so, else
     :func:`~ssd_lightning.inference.detector.load_detector_from_settings`."""
     device = settings.get("device", "cpu")
-    if settings.get("onnx") and not settings.get("ckpt_path") and not settings.get("nvidia_checkpoint"):
+    if sum(bool(settings.get(key)) for key in ("ckpt_path", "nvidia_checkpoint", "onnx")) != 1:
+        return load_detector_from_settings(settings)  # its error says which sources there are
+    if settings.get("onnx"):
         path = Path(settings["onnx"])
         session, meta = open_onnx(path, device)
         if meta["kind"] == "classifier":

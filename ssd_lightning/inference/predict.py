@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -60,8 +60,8 @@ __all__ = [
     "categories_for_annotations",
     "classify_images",
     "collect_inputs",
-    "evaluate_classification",
     "evaluate_predictions",
+    "imagefolder_labels",
     "open_image",
     "predict_from_settings",
     "predict_images",
@@ -283,6 +283,42 @@ def _run_batches(
     return failures
 
 
+def imagefolder_labels(
+    inputs: Sequence[InputImage], root: str | os.PathLike, class_names: Sequence[str]
+) -> list[int]:
+    """The true label of each input in an ImageFolder layout: its first folder below ``root``, by name
+    among ``class_names``.
+
+    Raises:
+        DataError: an image outside ``root``, or in a folder that is not one of the classes (checked before
+            anything runs; the message names them).
+    """
+    root = Path(root)
+    label_of = {name: k for k, name in enumerate(class_names)}
+    labels, outside, unknown = [], [], set()
+    for item in inputs:
+        try:
+            folder = item.path.resolve().relative_to(root.resolve()).parts[0]
+        except (ValueError, IndexError):
+            outside.append(str(item.path))
+            continue
+        if folder not in label_of:
+            unknown.add(folder)
+        labels.append(label_of.get(folder, -1))
+    if outside:
+        raise DataError(
+            f"annotations={root}: {len(outside)} input image(s) are not inside it, e.g. {outside[0]}; for a "
+            "classifier, annotations= is the ImageFolder root whose class folders hold the input images"
+        )
+    if unknown:
+        shown = ", ".join(class_names[:10]) + (", ..." if len(class_names) > 10 else "")
+        raise DataError(
+            f"annotations={root}: class folder(s) {sorted(unknown)[:10]} are not classes of the model "
+            f"({shown})"
+        )
+    return labels
+
+
 def classify_images(
     classifier: Classifier,
     inputs: Sequence[InputImage | str | os.PathLike],
@@ -293,6 +329,7 @@ def classify_images(
     draw: bool = False,
     workers: int = 4,
     progress: bool = False,
+    labels: Sequence[int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Classify ``inputs``; write ``predictions.json`` (and, with ``draw``, pictures) to ``output_dir``.
 
@@ -300,6 +337,8 @@ def classify_images(
     index), ``file_name`` (its name, as for detection), ``top_k``: the ``top_k`` most likely classes as
     ``{"label", "name", "score"}`` (softmax probability, to 1e-5), best first. Pictures
     ``<output_dir>/<name>.jpg`` show the image framed in the top class's colour with its name and score.
+    With the true ``labels`` of the inputs (:func:`imagefolder_labels`), top-1 and top-5 accuracy (overall
+    and per class) are logged and written to ``<output_dir>/classification_eval.json``.
 
     Returns:
         (the entries, the unreadable files as ``(path, reason)``).
@@ -313,16 +352,20 @@ def classify_images(
     output_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     used: set[str] = set()
+    hits = np.zeros((len(names), 3), dtype=np.int64)  # per true class: images, top-1 hits, top-5 hits
 
     def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
         probs = classifier.classify(torch.stack([tensor for *_, tensor in batch]))
-        scores, labels = probs.topk(k, dim=1)
-        for (index, item, img, _), score_row, label_row in zip(batch, scores, labels, strict=True):
+        scores, ranked = probs.topk(max(k, min(5, len(names))), dim=1)
+        for (index, item, img, _), score_row, label_row in zip(batch, scores, ranked, strict=True):
             top = [
                 {"label": int(label), "name": names[int(label)], "score": round(float(score), 5)}
-                for score, label in zip(score_row, label_row, strict=True)
+                for score, label in zip(score_row[:k], label_row[:k], strict=True)
             ]
             results.append({"image_id": index, "file_name": item.name, "top_k": top})
+            if labels is not None:
+                true = labels[index]
+                hits[true] += (1, int(label_row[0]) == true, true in label_row[:5].tolist())
             if draw:
                 best = top[0]
                 picture = draw_detections(
@@ -340,80 +383,36 @@ def classify_images(
         items, classifier.preprocess, run, batch_size=batch_size, workers=workers, progress=progress
     )
     atomic_write_json(output_dir / "predictions.json", results)
+    if labels is not None:
+        _report_accuracy(hits, names, output_dir)
     return results, failures
 
 
-def evaluate_classification(
-    results: Sequence[Mapping[str, Any]],
-    inputs: Sequence[InputImage],
-    class_names: Sequence[str],
-    root: str | os.PathLike,
-    output_dir: str | os.PathLike,
-) -> dict[str, Any]:
-    """Top-1/top-5 accuracy of ``results`` (:func:`classify_images`) against an ImageFolder layout: the
-    true class of an image is the first folder of its path below ``root``. Logs the numbers and a
-    per-class table and writes them to ``<output_dir>/classification_eval.json``.
-
-    Raises:
-        DataError: an image outside ``root``, or in a folder that is not one of the model's classes.
-    """
-    root = Path(root)
-    label_of = {name: k for k, name in enumerate(class_names)}
-    path_of = {item.name: item.path for item in inputs}
-    outside, unknown = [], set()
-    hits1: Counter[str] = Counter()
-    hits5: Counter[str] = Counter()
-    seen: Counter[str] = Counter()
-    for entry in results:
-        path = Path(path_of[entry["file_name"]]).resolve()
-        try:
-            folder = path.relative_to(root.resolve()).parts[0]
-        except (ValueError, IndexError):
-            outside.append(str(path))
-            continue
-        if folder not in label_of:
-            unknown.add(folder)
-            continue
-        predicted = [p["name"] for p in entry["top_k"]]
-        seen[folder] += 1
-        hits1[folder] += predicted[0] == folder
-        hits5[folder] += folder in predicted[:5]
-    if outside:
-        raise DataError(
-            f"annotations={root}: {len(outside)} input image(s) are not inside it, e.g. {outside[0]}; for a "
-            "classifier, annotations= is the ImageFolder root whose class folders hold the input images"
-        )
-    if unknown:
-        raise DataError(
-            f"annotations={root}: class folder(s) {sorted(unknown)[:10]} are not classes of the model "
-            f"({', '.join(class_names[:10])}{', ...' if len(class_names) > 10 else ''})"
-        )
-    total = sum(seen.values())
+def _report_accuracy(hits: np.ndarray, names: Sequence[str], output_dir: Path) -> None:
+    """Log and write ``classification_eval.json`` from per-class ``(images, top-1 hits, top-5 hits)``."""
+    total, top1, top5 = (int(x) for x in hits.sum(axis=0))
     report = {
-        "annotations": str(root),
         "images": total,
-        "top1": sum(hits1.values()) / total if total else float("nan"),
-        "top5": sum(hits5.values()) / total if total else float("nan"),
+        "top1": top1 / total if total else None,
+        "top5": top5 / total if total else None,
         "per_class": [
-            {"name": name, "images": seen[name], "top1": hits1[name] / seen[name] if seen[name] else None}
-            for name in class_names
+            {"name": name, "images": int(n), "top1": int(h1) / int(n) if n else None}
+            for name, (n, h1, _) in zip(names, hits, strict=True)
         ],
     }
-    atomic_write_json(Path(output_dir) / "classification_eval.json", report, indent=1)
+    atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
     rows = [
         (c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}")
         for c in report["per_class"]
     ]
     log.info(
-        "Classification on %d image(s) of %s: top-1 %.4f, top-5 %.4f\n%s",
+        "Classification of %d image(s): top-1 %.4f, top-5 %.4f\n%s\n-> %s",
         total,
-        root,
-        report["top1"],
-        report["top5"],
+        report["top1"] or 0.0,
+        report["top5"] or 0.0,
         markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True),
+        output_dir / "classification_eval.json",
     )
-    log.info("-> %s", Path(output_dir) / "classification_eval.json")
-    return report
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -515,8 +514,11 @@ def _predict(settings: Mapping[str, Any]) -> int:
         "progress": settings["progress"],
     }
     if isinstance(model, Classifier):
+        labels = None
+        if settings["annotations"]:
+            labels = imagefolder_labels(inputs, settings["annotations"], model.class_names)
         results, failures = classify_images(
-            model, inputs, settings["output"], top_k=settings.get("top_k", 5), **common
+            model, inputs, settings["output"], top_k=settings.get("top_k", 5), labels=labels, **common
         )
         log.info("%d image(s) classified -> %s/predictions.json", len(results), settings["output"])
     else:
@@ -542,11 +544,7 @@ def _predict(settings: Mapping[str, Any]) -> int:
     if len(failures) == len(inputs):
         log.error("no image could be read")
         return 1
-    if settings["annotations"] and isinstance(model, Classifier):
-        evaluate_classification(
-            results, inputs, model.class_names, settings["annotations"], settings["output"]
-        )
-    elif settings["annotations"]:
+    if settings["annotations"] and not isinstance(model, Classifier):
         evaluate_predictions(
             settings["annotations"],
             results,

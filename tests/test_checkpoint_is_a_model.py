@@ -231,7 +231,12 @@ def test_unusable_files_are_one_error_line(detector_file, tmp_path):
     for name, message in cases.items():
         with pytest.raises(CheckpointReadError, match=message):
             load_detector(tmp_path / name)
-    result = run_script(PREDICT_PY, f"ckpt_path={tmp_path / 'cut.ckpt'}", f"input={detector_file['data']}")
+    result = run_script(
+        PREDICT_PY,
+        f"ckpt_path={tmp_path / 'cut.ckpt'}",
+        f"input={detector_file['data']}",
+        f"output={tmp_path}",
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.startswith("Error: ckpt_path=") and "cut.ckpt" in result.stderr
     result = run_script(EXPORT_PY, f"ckpt_path={tmp_path / 'newer.ckpt'}", f"output={tmp_path / 'x.onnx'}")

@@ -5,13 +5,17 @@ A CPU training step allocates and frees dozens of activations and gradients of a
 ``mmap`` and unmaps them on ``free``, and hands the free top of its heap back to the kernel; torch asks for
 no huge pages. So every step the kernel maps and zeroes the same memory again, one 4 KiB page fault at a
 time: ~10 % of the demo's step on a 2-core box (docs/benchmarks.md, "Host memory"). Two process-wide
-settings, together, bring the faults of a repeated allocation to zero:
+settings, together, let an allocation reuse the pages a freed one left (a training step's faults: ~25,000
+-> ~130):
 
-- ``THP_MEM_ALLOC_ENABLE=1``, torch's own switch: blocks of 2 MiB and more are 2 MiB-aligned and advised
-  onto transparent huge pages. torch reads it once, at its first CPU allocation, so it must be in the
-  environment before torch runs (``train.py`` calls :func:`reuse_host_memory` before importing torch;
-  processes it starts, DDP ranks included, inherit it).
+- ``THP_MEM_ALLOC_ENABLE=1``, torch's own switch: blocks of 2 MiB and more are advised onto transparent
+  huge pages (page-aligned, not 2 MiB-aligned, in torch 2.14). torch reads it once, at its first CPU
+  allocation, so it must be in the environment before torch runs (``train.py`` calls
+  :func:`reuse_host_memory` before importing torch; processes it starts, DDP ranks included, inherit it).
 - glibc's ``mallopt``: every block from the heap (no ``mmap``), and freed memory kept for the next one.
+  A freed block serves a later request that fits in it; a request of exactly its size may not fit (the
+  aligned allocation's small leftover tail can sit between the block and the heap's top, depending on the
+  heap's earlier history), so such a request can still take fresh pages.
 
 The resident size then stays near its peak instead of shrinking between steps. Linux only; the
 ``mallopt`` part needs glibc (not musl), elsewhere only what applies is set.

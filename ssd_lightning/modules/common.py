@@ -328,8 +328,8 @@ def save_model_record(
     datamodule = getattr(trainer, "datamodule", None)
     num_classes = int(architecture["args"]["num_classes"])
     detector = kind == "detector"
-    categories = getattr(datamodule, "category_map", None)
     if detector:
+        categories = getattr(datamodule, "category_map", None)
         if categories is None or categories.num_classes != num_classes:
             names, ids = ["background", *(f"class_{k}" for k in range(1, num_classes))], range(1, num_classes)
         else:
@@ -347,7 +347,9 @@ def save_model_record(
         "global_step": trainer.global_step,
         "precision": str(trainer.precision),
         "lr": lr,  # after the scaling rule: the peak LR of the schedule
-        "global_batch_size": None if batch is None else trainer.world_size * int(batch),
+        "global_batch_size": (
+            None if batch is None else trainer.world_size * int(batch) * trainer.accumulate_grad_batches
+        ),
     }
     checkpoint[MODEL_KEY] = make_model_record(
         kind=kind,

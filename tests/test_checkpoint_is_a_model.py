@@ -242,6 +242,20 @@ def test_unusable_files_are_one_error_line(detector_file, tmp_path):
     result = run_script(EXPORT_PY, f"ckpt_path={tmp_path / 'newer.ckpt'}", f"output={tmp_path / 'x.onnx'}")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "written by a newer ssd_lightning" in result.stderr
+    # resume= of a run whose last.ckpt was cut short (a copy interrupted): one line naming the good ones
+    run = tmp_path / "run"
+    shutil.copytree(detector_file["legacy"].parent.parent, run)
+    shutil.copy(ckpt, run / "checkpoints" / "epoch_0.ckpt")
+    shutil.copy(tmp_path / "cut.ckpt", run / "checkpoints" / "last.ckpt")
+    result = run_train_py(f"resume={run}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        f"Error: ckpt_path={run / 'checkpoints' / 'last.ckpt'} is not a checkpoint"
+    )
+    assert (
+        f"Complete checkpoints beside it: epoch_0.ckpt; continue from one with ckpt_path={run}"
+        in result.stderr
+    )
 
 
 # ------------------------------------------------------------------------------------------ classifier

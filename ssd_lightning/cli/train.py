@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import hydra
@@ -35,7 +36,7 @@ from ssd_lightning.cli.run_dir import (
 from ssd_lightning.errors import ConfigError, user_errors_as_messages
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.io.model_record import read_model_record
-from ssd_lightning.io.weights import read_checkpoint
+from ssd_lightning.io.weights import CheckpointReadError, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,10 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
     if not path or "://" in str(path):
         return {}
     trust = bool(OmegaConf.select(cfg, "model.trust_checkpoint", default=False))
-    checkpoint = read_checkpoint(path, trust_checkpoint=trust, what="ckpt_path")
+    try:
+        checkpoint = read_checkpoint(path, trust_checkpoint=trust, what="ckpt_path")
+    except CheckpointReadError as e:
+        raise CheckpointReadError(f"{e}{_other_complete_checkpoints(Path(path))}") from e.__cause__
     record = read_model_record(checkpoint, source=f"ckpt_path={path}")
     if record is None:
         return {}
@@ -216,6 +220,24 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
             ", ".join(f"{k}={v}" for k, v in changed.items()),
         )
     return changed
+
+
+def _other_complete_checkpoints(path: Path) -> str:
+    """For the message about an unreadable ``path``: the other checkpoints in its folder whose zip directory
+    is complete (a file cut short has none), newest first, and the override that uses one; else ``""``."""
+    complete = []
+    for other in sorted(path.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if other.resolve() == path.resolve():
+            continue
+        try:
+            with zipfile.ZipFile(other):
+                complete.append(other)
+        except (OSError, zipfile.BadZipFile):
+            continue
+    if not complete:
+        return ""
+    names = ", ".join(p.name for p in complete)
+    return f" Complete checkpoints beside it: {names}; continue from one with ckpt_path={complete[0]}"
 
 
 def _command_line_overrides() -> list[str]:

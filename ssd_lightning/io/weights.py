@@ -116,7 +116,8 @@ def read_checkpoint(
 def _unreadable_message(what: str, path: Path, error: BaseException) -> str:
     text = str(error)
     found = re.search(r"WeightsUnpickler error: \s*([^\n]{1,120})", text)
-    detail = found.group(1) if found else text.splitlines()[0][:200] if text else type(error).__name__
+    first_sentence = text.splitlines()[0].split(". ")[0][:200] if text else type(error).__name__
+    detail = found.group(1) if found else first_sentence
     return (
         f"{what}={path} is not a checkpoint torch.load can read ({type(error).__name__}: {detail}); is it "
         "truncated, or another kind of file?"

@@ -181,8 +181,8 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
     the file's EMA setting (its weights may be the EMA ones) and fills unset decoder keys with the ones
     the model was validated with. Returns the keys set. A file without a record changes nothing."""
     path = cfg.get("ckpt_path")
-    if not path or "://" in str(path):
-        return {}
+    if not path or "://" in str(path) or not Path(str(path)).expanduser().is_file():
+        return {}  # "last"/"best" (Lightning's own), a URL, or a missing file: Lightning's to resolve
     trust = bool(OmegaConf.select(cfg, "model.trust_checkpoint", default=False))
     try:
         checkpoint = read_checkpoint(path, trust_checkpoint=trust, what="ckpt_path")

@@ -90,6 +90,28 @@ def test_fp16_on_a_cpu_is_a_warning_not_an_error(make_cfg):
     assert validate_config(make_cfg(["precision=fp16"]), cuda_device_count=1) == []
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_runs_float32(native, make_cfg, monkeypatch, caplog):
+    from ssd_lightning import compat
+    from ssd_lightning.cli.train import _float32_on_cpus_without_bf16
+
+    monkeypatch.setattr(compat, "cpu_has_native_bf16", lambda: native)
+    cfg = make_cfg(["experiment=demo"])  # precision bf16 on the CPU
+    changed = _float32_on_cpus_without_bf16(cfg)
+    if native:
+        assert changed == {} and cfg.trainer.precision == "bf16-mixed" and cfg.data.output_dtype == "bfloat16"
+    else:
+        assert changed == {"trainer.precision": "32-true", "data.output_dtype": "float32"}
+        assert (cfg.trainer.precision, cfg.data.output_dtype) == ("32-true", "float32")
+        assert "no native bf16 kernels" in caplog.text and "cpu_bf16=always keeps bf16" in caplog.text
+    kept = make_cfg(["experiment=demo", "cpu_bf16=always"])
+    assert _float32_on_cpus_without_bf16(kept) == {} and kept.trainer.precision == "bf16-mixed"
+    fp32 = make_cfg(["experiment=demo", "precision=fp32"])
+    assert _float32_on_cpus_without_bf16(fp32) == {}
+    gpu = make_cfg(["experiment=ssd300_fp16_1gpu", "trainer.accelerator=gpu"])  # not a CPU run: untouched
+    assert _float32_on_cpus_without_bf16(gpu) == {} and gpu.trainer.precision == "16-mixed"
+
+
 # -- the command line, as a user sees it ------------------------------------------------------------------
 
 

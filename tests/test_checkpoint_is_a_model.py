@@ -154,11 +154,14 @@ def test_the_file_alone_predicts_exports_and_validates(detector_file, tmp_path):
     assert {c["name"] for c in report["per_class"]} == own_names
     assert len(list(out.rglob("*.jpg"))) == len(val["images"])
 
-    # both exports, from the file alone; the end-to-end one predicts what the checkpoint predicts
+    # both exports, from the file alone; the end-to-end one predicts what the checkpoint predicts (its own
+    # random-batch check is off: at score_thresh 0.001 near-equal scores of a six-step model reorder)
     output = _no_traceback(run_script(EXPORT_PY, f"ckpt_path={ckpt}", f"output={tmp_path / 'net.onnx'}"))
     assert "classes: bolt, nut, washer, gear" in output
     e2e = tmp_path / "e2e.onnx"
-    _no_traceback(run_script(EXPORT_PY, f"ckpt_path={ckpt}", f"output={e2e}", "end_to_end=true", low))
+    _no_traceback(
+        run_script(EXPORT_PY, f"ckpt_path={ckpt}", f"output={e2e}", "end_to_end=true", low, "check=false")
+    )
     onnx_out = tmp_path / "pred_onnx"
     _no_traceback(
         run_script(PREDICT_PY, f"onnx={e2e}", f"input=@{listed}", f"output={onnx_out}", "draw=false")

@@ -162,6 +162,13 @@ def _picture_name(name: str, used: set[str]) -> str:
     return picture
 
 
+def _save_picture(picture: Image.Image, output_dir: Path, name: str, used: set[str], **options: Any) -> None:
+    """``picture`` as ``<output_dir>/<name>.jpg`` (:func:`_picture_name`), subfolders made."""
+    path = output_dir / _picture_name(name, used)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    picture.save(path, **options)
+
+
 def _as_input(item: InputImage | str | os.PathLike) -> InputImage:
     return item if isinstance(item, InputImage) else InputImage(Path(item), Path(item).name)
 
@@ -231,9 +238,7 @@ def predict_images(
                     class_names=categories.names,
                     score_thresh=draw_score_thresh,
                 )
-                path = output_dir / _picture_name(item.name, used)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                picture.save(path, quality=92, subsampling=0)
+                _save_picture(picture, output_dir, item.name, used, quality=92, subsampling=0)
 
     transform = partial(preprocess, size=detector.image_size)
     failures = _run_batches(items, transform, run, batch_size=batch_size, workers=workers, progress=progress)
@@ -375,9 +380,7 @@ def classify_images(
                     [best["score"]],
                     class_names=("", *names),
                 )
-                path = output_dir / _picture_name(item.name, used)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                picture.save(path, quality=92)
+                _save_picture(picture, output_dir, item.name, used, quality=92)
 
     failures = _run_batches(
         items, classifier.preprocess, run, batch_size=batch_size, workers=workers, progress=progress

@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= dev,cuda130
 PYTEST_ARGS ?=
+# The suite runs on up to four cores (pytest-xdist): a test file stays on one worker (its module fixtures are
+# made once), the longest files first (tests/conftest.py). PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 # Extra pytest arguments for test-dali-lines (its selection is `-m dali`).
 DALI_PYTEST_ARGS ?=
 # The install stamp is keyed on pyproject.toml, this Makefile and EXTRAS: changing any of them re-runs setup.
@@ -46,11 +50,11 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 test: setup lint  ## what CI runs: lint, the test suite (GPU tests skip without CUDA), the DALI tests per line
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-dali-lines
 
 test-all: setup  ## every test, without lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
-import re
 import shutil
 import tempfile
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -17,31 +16,96 @@ from omegaconf import DictConfig
 
 from tests.helpers import train_config
 
-# Two cores: keep each test process from oversubscribing them.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# pytest-xdist (`make test` runs `-n auto --dist loadfile`): each worker, and every process it starts, gets
+# its share of the cores (torch threads here, OMP_NUM_THREADS in children): workers do not oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+torch.set_num_threads(min(2, _THREADS))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 # The COCO split-check cache (ssd_lightning.data.split_cache) of this test session, not the user's
 # ~/.cache: subprocesses (train.py, torchrun ranks) inherit it; removed when the session ends.
 os.environ["SSD_LIGHTNING_CACHE_DIR"] = tempfile.mkdtemp(prefix="ssd_lightning_tests_cache_")
 atexit.register(shutil.rmtree, os.environ["SSD_LIGHTNING_CACHE_DIR"], ignore_errors=True)
 
-# A test module that mentions any of these can run DALI pipelines (directly, through a datamodule, or through
-# train()/train.py): its tests get the `dali` marker, which `make test-dali-lines` runs under every DALI line
-# (`no_dali` opts a test on synthetic data out).
-_USES_DALI = re.compile(
-    r"dali|datamodule|shapes_coco|shapes_imagefolder|make_cfg|train_config|train\(|train\.py|train_py|experiment=",
-    re.I,
+# The DALI guard (tests/dali_guard/sitecustomize.py): every DALI pipeline built, in this process or a child,
+# is logged with what was running. A test that builds one (or uses a shared fixture that does) must be marked
+# `dali` (`make test-dali-lines` repeats those under every DALI line) or `no_dali` (with the reason it runs
+# once); an unmarked one fails. SSD_LIGHTNING_TEST_DALI_RECORD=<file> lists every test that builds one in
+# <file> instead (marked or not; how the markers were set).
+_GUARD_DIR = Path(__file__).parent / "dali_guard"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(_GUARD_DIR), os.environ.get("PYTHONPATH"))))
+_guard_spec = importlib.util.spec_from_file_location("dali_guard", _GUARD_DIR / "sitecustomize.py")
+dali_guard = importlib.util.module_from_spec(_guard_spec)
+_guard_spec.loader.exec_module(dali_guard)
+_BUILDS_LOG = Path(os.environ["SSD_LIGHTNING_CACHE_DIR"]) / "dali_builds.log"
+os.environ[dali_guard.BUILDS_LOG] = str(_BUILDS_LOG)
+dali_guard.install()
+_RECORD = os.environ.get("SSD_LIGHTNING_TEST_DALI_RECORD")
+_dali_fixtures: set[str] = set()  # shared (module/session) fixtures seen building pipelines
+
+
+def _builds_by(context: str) -> bool:
+    return _BUILDS_LOG.is_file() and context in _BUILDS_LOG.read_text(encoding="utf-8").splitlines()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope == "function":
+        return (yield)
+    context = f"fixture {fixturedef.argname}"
+    outer = os.environ.get(dali_guard.BUILD_CONTEXT)
+    os.environ[dali_guard.BUILD_CONTEXT] = context
+    try:
+        return (yield)
+    finally:
+        if outer is None:
+            del os.environ[dali_guard.BUILD_CONTEXT]
+        else:
+            os.environ[dali_guard.BUILD_CONTEXT] = outer
+        if _builds_by(context):
+            _dali_fixtures.add(fixturedef.argname)
+
+
+@pytest.fixture(autouse=True)
+def _dali_builds_need_a_marker(request, monkeypatch):
+    monkeypatch.setenv(dali_guard.BUILD_CONTEXT, request.node.nodeid)
+    yield
+    marked = any(request.node.get_closest_marker(m) for m in ("dali", "no_dali"))
+    if marked and not _RECORD:
+        return
+    fixtures = sorted(_dali_fixtures.intersection(request.fixturenames))
+    if _builds_by(request.node.nodeid) or fixtures:
+        if _RECORD:
+            with open(_RECORD, "a", encoding="utf-8") as out:
+                out.write(request.node.nodeid + "\n")
+            return
+        through = f" (through the shared fixture {', '.join(fixtures)})" if fixtures else ""
+        pytest.fail(
+            f"this test builds a DALI pipeline{through} but has no `dali` marker: mark it @pytest.mark.dali "
+            "(`make test-dali-lines` runs those under every DALI line), or @pytest.mark.no_dali with the "
+            "reason it need not"
+        )
+
+
+# The longest files (`--durations` of `make test`), started first so that no worker is left with one of them
+# at the end (`make test` runs `--dist loadfile --no-loadscope-reorder`: a file runs on one worker, in order).
+LONGEST_FIRST = (
+    "test_docs_commands_run.py",
+    "test_readme_commands.py",
+    "test_benchmark_tasks.py",
+    "test_signals_multiprocess.py",
+    "test_gpu_benchmark_script.py",
+    "test_checkpoint_is_a_model.py",
+    "test_training_controls.py",
+    "test_sweeps.py",
+    "test_distributed.py",
 )
 
 
-@cache
-def _module_uses_dali(path: Path) -> bool:
-    return bool(_USES_DALI.search(path.read_text(encoding="utf-8")))
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if _module_uses_dali(Path(item.fspath)) and item.get_closest_marker("no_dali") is None:
-            item.add_marker(pytest.mark.dali)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.fspath).name, len(rank)))  # stable: file order kept
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,8 @@ from ssd_lightning.io.model_record import FORMAT_VERSION, MODEL_KEY, read_model_
 from ssd_lightning.io.weights import CheckpointReadError
 from tests.helpers import REPO_ROOT, load_checkpoint, run_script, run_train_py
 
-pytestmark = pytest.mark.slow
+# what the checkpoint file carries: DALI only carries the data
+pytestmark = [pytest.mark.slow, pytest.mark.no_dali]
 
 PREDICT_PY = REPO_ROOT / "predict.py"
 EXPORT_PY = REPO_ROOT / "scripts" / "export_onnx.py"

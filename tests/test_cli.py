@@ -38,7 +38,7 @@ def test_unknown_experiment_fails_with_the_accepted_names():
     assert "ssd300_fp16_8gpu" in result.stderr  # Hydra lists the available options
 
 
-@pytest.mark.dali
+@pytest.mark.no_dali  # the run directory: DALI only carries the data
 @pytest.mark.slow
 def test_demo_run_writes_the_documented_run_directory(shapes_coco, tmp_path):
     run_dir = tmp_path / "run"

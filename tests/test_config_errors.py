@@ -165,6 +165,7 @@ def test_cli_read_only_output_dir_fails_before_training(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.dali
 @pytest.mark.slow
 def test_cli_batch_larger_than_the_training_split_is_one_line(tmp_path):
     """Fewer training images than one batch per rank: found when the DALI reader opens; one line."""

@@ -115,6 +115,7 @@ def test_every_format_gives_its_size_and_its_end(tmp_path, fmt):
     assert check_image_headers([path]) == []  # without check_ends: headers only, as before
 
 
+@pytest.mark.dali
 def test_damage_the_check_cannot_see_is_named_by_dalis_decoder(root, tmp_path):
     """A JPEG with its start and end marker but noise between passes the start-up check (no decode there);
     DALI fails on it and the loader names the file (PIL decodes the split's files to find it)."""
@@ -207,6 +208,7 @@ def test_non_finite_or_non_numeric_bbox_names_the_annotation(root, tmp_path, val
 
 
 @pytest.mark.parametrize("damage", ["width as a string", "NaN in a bbox"])
+@pytest.mark.dali
 def test_dali_parse_errors_name_the_annotation_file(root, tmp_path, monkeypatch, damage):
     """Should a file the check passed still trip DALI's own parser, its error names the annotation file."""
     import dataclasses

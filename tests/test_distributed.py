@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import ProcessGroup, csv_rows, last_checkpoint, launch_train_py, requires_dali
 
-pytestmark = [pytest.mark.slow, pytest.mark.dali, pytest.mark.multiprocess, requires_dali]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, requires_dali]
 
 TIMEOUT_S = 240  # a hang, not a slow machine: these runs take 30-100 s on 2 cores
 
@@ -43,6 +43,7 @@ def _run_all(*runs: ProcessGroup) -> list[str]:
         return [run.finish(timeout=TIMEOUT_S).stdout for run in runs]
 
 
+@pytest.mark.dali  # the shards of each DALI reader
 def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
     from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
     from ssd_lightning.evaluation import evaluate_coco
@@ -103,6 +104,7 @@ def test_torchrun_two_nodes_train_on_shards_and_agree(shapes_coco, tmp_path):
     assert evaluate_coco(ann, detections, verbose=False)["mAP"] == pytest.approx(logged, abs=1e-6)
 
 
+@pytest.mark.no_dali  # the LR rule: DALI only carries the data
 def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
     base_lr, batch = 0.01, 4
     run = launch_train_py(
@@ -131,6 +133,7 @@ def test_two_process_ddp_scales_the_lr_by_the_world_size(shapes_coco, tmp_path):
     assert _first(rows, "lr-SGD/other") == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.no_dali  # the launchers: DALI only carries the data
 def test_multirun_with_ddp_spawn_runs_each_job_once(shapes_coco, tmp_path):
     sweep_dir = tmp_path / "sweep"
     run = launch_train_py(

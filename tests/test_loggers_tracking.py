@@ -218,6 +218,7 @@ def _by_step(rows: list[dict], key: str) -> dict[int, float]:
     return {int(row["step"]): float(row[key]) for row in rows if row.get(key)}
 
 
+@pytest.mark.no_dali  # the loggers: DALI only carries the data
 @pytest.mark.slow
 def test_train_py_logs_to_wandb_and_mlflow_and_resume_continues_their_runs(shapes_coco, tmp_path, offline):
     from mlflow.tracking import MlflowClient

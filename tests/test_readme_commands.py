@@ -33,6 +33,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,10 +229,20 @@ def _check_hydra_app(args: list[str], config_name: str) -> str:
 
 @functools.cache
 def _help_text(script: str) -> str:
-    result = subprocess.run(
-        [sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
+    """``script --help`` run from another directory, with the caller's ``PYTHONPATH`` only: a script finds the
+    package (installed) and the repository files it reads (``configs/``, ``tests/reference_ssd.py``) from its
+    own location, not the working directory."""
+    with tempfile.TemporaryDirectory() as elsewhere:
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / script), "--help"],
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert result.returncode == 0, f"{script} --help failed:\n{result.stderr[-2000:]}"
+    assert result.stdout.startswith(f"usage: {Path(script).name} "), result.stdout[:300]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
     return result.stdout
 
 
@@ -367,7 +378,7 @@ def check_overrides(span: str) -> str:
         return "composed with the default config"
     except Exception as default_error:
         attempts = [([f"experiment={e}", *overrides], "train", f"experiment={e}") for e in EXPERIMENTS]
-        for attempt, config_name, name in [*attempts, (overrides, "predict", "predict.py's config")]:
+        for attempt, config_name, name in [(overrides, "predict", "predict.py's config"), *attempts]:
             try:
                 compose_config(attempt, config_name=config_name)
             except Exception:
@@ -393,6 +404,30 @@ def test_readme_command(command: Command):
 def test_not_checked_entries_are_still_in_the_readme():
     stale = set(NOT_CHECKED) - {c.text for c in COMMANDS}
     assert not stale, f"remove from NOT_CHECKED: {stale}"
+
+
+BENCHMARKS = REPO_ROOT / "benchmarks"
+# what docs/benchmarks.md and the harnesses' own docstrings name: none may go missing unnoticed
+HARNESSES = {
+    *("benchmark_analysis.py", "benchmark_cpu_step.py", "benchmark_decoder.py", "benchmark_demo.py"),
+    *("benchmark_eval.py", "benchmark_finetune.py", "benchmark_host_memory.py", "benchmark_loader.py"),
+    *("benchmark_onnx.py", "benchmark_startup.py", "benchmark_training.py", "gpu_benchmark.py"),
+    *("make_coco_scale_fixture.py", "stress_tests.py"),
+}
+
+
+def test_the_harnesses_live_in_benchmarks_and_not_in_scripts():
+    assert {p.name for p in BENCHMARKS.glob("*.py")} == HARNESSES
+    assert not {p.name for p in (REPO_ROOT / "scripts").glob("*")} & (HARNESSES | {"gpu_benchmark.sh"})
+    # benchmark_decoder.py imports tests/reference_ssd.py by its own path
+    assert (REPO_ROOT / "tests" / "reference_ssd.py").is_file()
+    assert 'parents[1] / "tests"' in (BENCHMARKS / "benchmark_decoder.py").read_text()
+
+
+@pytest.mark.parametrize("harness", sorted(HARNESSES))
+def test_every_harness_starts_from_any_directory(harness: str):
+    """Documented or not: ``--help`` exits 0 with its usage line (shared with the documented commands')."""
+    _help_text(f"benchmarks/{harness}")
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda d: d.name)

@@ -310,9 +310,8 @@ def test_submitit_local_runs_each_job_in_its_own_process_and_the_parent_writes_t
 
 
 @needs_sweep_plugins
-@pytest.mark.dali
+@pytest.mark.no_dali  # Hydra's multirun: DALI only carries the data
 @pytest.mark.slow
-@pytest.mark.timeout(480)  # may run the shared sweep itself (`-m dali`)
 def test_train_py_multirun_writes_job_dirs_and_summary(lr_sweep):
     result, sweep_dir = lr_sweep
     assert result.returncode == 0, result.stderr[-3000:]

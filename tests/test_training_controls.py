@@ -271,10 +271,16 @@ def test_sync_batchnorm_is_ignored_on_cpu_with_a_warning():
 
 # ----------------------------------------------------------------------------------- through train.py
 @requires_dali
-@pytest.mark.dali
+@pytest.mark.no_dali  # the recipe's switches: DALI only carries the data
 @pytest.mark.slow
 def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
-    """model.init_from + model.freeze=backbone + accumulate 2 + linear LR rule + early stopping, one run."""
+    """model.init_from + model.freeze=backbone + accumulate 2 + linear LR rule + early stopping + EMA, one run
+    (then its validation and its resume). EMA: val/* are the EMA weights, val_raw/* the raw ones; the detector
+    loads the EMA; a validation with model.use_ema=false swaps the two (val/* raw, val_ema/* the EMA) with the
+    same numbers."""
+    from ssd_lightning.evaluation import evaluate_coco
+    from ssd_lightning.inference.detector import load_detector
+
     init = tmp_path / "init.pt"
     torch.manual_seed(123)
     source = ssd300(backbone="mobilenet_v2", num_classes=5, zero_init_residual=True, width_mult=0.5)
@@ -330,7 +336,39 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
     assert any(not torch.equal(state[f"net.{k}"], init_state[k]) for k in trained)
     assert not any(math.isnan(v) for v in lrs.values())
     averaged = int(state["ema.n_averaged"])
-    assert averaged > 0 and "val_raw/mAP" in csv_rows(run_dir / "csv" / "metrics.csv")[0]
+    assert averaged > 0
+
+    # EMA: both evaluations logged and written, the checkpoint holds both weights, the detector takes the EMA
+    ema_map, raw_map = metric_by_epoch(run_dir, "val/mAP"), metric_by_epoch(run_dir, "val_raw/mAP")
+    assert sorted(ema_map) == sorted(raw_map) == [0, 1]
+    ann = shapes_coco / "annotations" / "instances_val2017.json"
+    for name, logged in (
+        ("detections_epoch_1.json", ema_map[1]),
+        ("val_raw_detections_epoch_1.json", raw_map[1]),
+    ):
+        assert evaluate_coco(ann, str(run_dir / name), verbose=False)["mAP"] == pytest.approx(
+            logged, abs=1e-6
+        )
+    ema = {k[len("ema.module.") :]: v for k, v in state.items() if k.startswith("ema.module.")}
+    raw = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
+    assert ema.keys() == raw.keys() and any(not torch.equal(ema[k], raw[k]) for k in raw)
+    detector = load_detector(ckpt_path=run_dir / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(v, ema[k]) for k, v in detector.net.state_dict().items())
+    check = tmp_path / "validate"
+    done = run_train_py(
+        "task=validate",
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        *demo_run_overrides(shapes_coco),
+        "logger=csv",
+        "model.ema_decay=0.5",
+        "model.use_ema=false",
+        f"hydra.run.dir={check}",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in csv_rows(next(check.glob("csv/**/metrics.csv"))) if r.get("val/mAP")]
+    assert float(rows[-1]["val/mAP"]) == pytest.approx(raw_map[1], abs=1e-6)
+    assert float(rows[-1]["val_ema/mAP"]) == pytest.approx(ema_map[1], abs=1e-6)
 
     # resumed with a patience of 5 (the checkpoint's 1 would stop at once): two more evaluated epochs; frozen
     # tensors still the file's, the optimizer state (no frozen parameters) and the EMA continued
@@ -342,49 +380,3 @@ def test_finetune_recipe_through_train_py(tmp_path, shapes_coco):
     state = last_checkpoint(run_dir)["state_dict"]
     assert all(torch.equal(state[f"net.{k}"], init_state[k]) for k in backbone)
     assert int(state["ema.n_averaged"]) > averaged
-
-
-@requires_dali
-@pytest.mark.dali
-@pytest.mark.slow
-def test_detector_ema_is_evaluated_checkpointed_and_followed(tmp_path, shapes_coco):
-    """model.ema_decay: val/* are the EMA weights, val_raw/* the raw ones; the detector loads the EMA; a
-    validation with model.use_ema=false swaps the two (val/* raw, val_ema/* the EMA) with the same numbers."""
-    from ssd_lightning.evaluation import evaluate_coco
-    from ssd_lightning.inference.detector import load_detector
-
-    run_dir = tmp_path / "run"
-    common = [*demo_run_overrides(shapes_coco), "logger=csv", "model.ema_decay=0.5"]
-    done = run_train_py(*common, f"hydra.run.dir={run_dir}", timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ema_map, raw_map = metric_by_epoch(run_dir, "val/mAP"), metric_by_epoch(run_dir, "val_raw/mAP")
-    assert sorted(ema_map) == sorted(raw_map) == [0, 1]
-    ann = shapes_coco / "annotations" / "instances_val2017.json"
-    for name, logged in (
-        ("detections_epoch_1.json", ema_map[1]),
-        ("val_raw_detections_epoch_1.json", raw_map[1]),
-    ):
-        assert evaluate_coco(ann, str(run_dir / name), verbose=False)["mAP"] == pytest.approx(
-            logged, abs=1e-6
-        )
-    ckpt = last_checkpoint(run_dir)
-    state = ckpt["state_dict"]
-    ema = {k[len("ema.module.") :]: v for k, v in state.items() if k.startswith("ema.module.")}
-    raw = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
-    assert ema.keys() == raw.keys() and any(not torch.equal(ema[k], raw[k]) for k in raw)
-    detector = load_detector(ckpt_path=run_dir / "checkpoints" / "last.ckpt")
-    assert all(torch.equal(v, ema[k]) for k, v in detector.net.state_dict().items())
-
-    check = tmp_path / "validate"
-    done = run_train_py(
-        *common,
-        "task=validate",
-        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
-        "model.use_ema=false",
-        f"hydra.run.dir={check}",
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [r for r in csv_rows(next(check.glob("csv/**/metrics.csv"))) if r.get("val/mAP")]
-    assert float(rows[-1]["val/mAP"]) == pytest.approx(raw_map[1], abs=1e-6)
-    assert float(rows[-1]["val_ema/mAP"]) == pytest.approx(ema_map[1], abs=1e-6)

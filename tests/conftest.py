@@ -92,6 +92,7 @@ def _dali_builds_need_a_marker(request, monkeypatch):
 # at the end (`make test` runs `--dist loadfile --no-loadscope-reorder`: a file runs on one worker, in order).
 LONGEST_FIRST = (
     "test_docs_commands_run.py",
+    "test_docs_harnesses_run.py",
     "test_readme_commands.py",
     "test_benchmark_tasks.py",
     "test_signals_multiprocess.py",

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import TRAIN_PY, ProcessGroup, last_checkpoint, metric_by_epoch, metric_by_step
+from tests.helpers import (
+    TRAIN_PY,
+    ProcessGroup,
+    last_checkpoint,
+    metric_by_epoch,
+    metric_by_step,
+    run_train_py,
+)
 from tests.test_resume import COMMON as RESUME_COMMON
 from tests.test_resume import _run as run_with_resume_settings
 
@@ -108,8 +116,13 @@ def test_cli_sigterm_from_outside(tmp_path):
     ]
     with ProcessGroup(argv, merge_stderr=False) as run:
         run.wait_for(marks / "step_2", timeout=240)
+        # the folder has one owner: a second train.py there (a resume, a requeue) refuses, naming it
+        second = run_train_py(f"resume={tmp_path / 'run'}", timeout=240)
         run.signal(signal.SIGTERM)
         result = run.finish(timeout=120)
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert f"is in use by pid {run.proc.pid} on host {socket.gethostname()}" in second.stderr
+    assert second.stderr.count("Error: ") == 1 and "Traceback" not in second.stderr
     stdout, stderr = result.stdout, result.stderr
     assert result.returncode == 143, stderr
     assert "Traceback" not in stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -18,7 +19,14 @@ from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
 from ssd_lightning.cli.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.loggers import ContinuingCSVLogger
-from tests.helpers import csv_rows, demo_run_overrides, last_checkpoint, load_checkpoint, run_train_py
+from tests.helpers import (
+    csv_rows,
+    demo_run_overrides,
+    last_checkpoint,
+    load_checkpoint,
+    run_train_py,
+    subprocess_env,
+)
 
 
 def _stored_run(tmp_path: Path, checkpoints=("last.ckpt",)) -> Path:
@@ -295,3 +303,46 @@ def test_resume_in_place_then_validate_the_run(shapes_coco, tmp_path):
         float(r["val/mAP"]) for r in csv_rows(validate_dir / "csv" / "metrics.csv") if r.get("val/mAP")
     ]
     assert validated == [pytest.approx(max(maps.values()), abs=1e-6)]  # the best evaluation, recomputed
+
+
+# ------------------------------------------------------------------------------------- one owner per run
+_HOLD = """
+import sys, time
+from ssd_lightning.cli.run_lock import own_run_dir
+own_run_dir(sys.argv[1])
+print("owned", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_run_directory_has_one_owner_and_a_dead_owner_blocks_nothing(tmp_path, monkeypatch):
+    """The lock is the kernel's: held while the owner lives, gone when it is killed (kill -9, no clean-up)."""
+    import signal
+    import socket
+    import sys
+
+    from ssd_lightning.cli import run_lock
+
+    for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SUBMITIT_LOCAL_GLOBALID", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    hold = [sys.executable, "-c", _HOLD, str(tmp_path)]
+    owner = subprocess.Popen(hold, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert owner.stdout.readline().strip() == "owned"
+        with pytest.raises(
+            run_lock.RunInUseError, match=f"in use by pid {owner.pid} on host {socket.gethostname()}"
+        ):
+            run_lock.own_run_dir(tmp_path)
+        monkeypatch.setenv("LOCAL_RANK", "1")  # another rank of the owner's job takes no lock
+        run_lock.own_run_dir(tmp_path)
+        monkeypatch.delenv("LOCAL_RANK")
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=60)
+    run_lock.own_run_dir(tmp_path)  # the killed owner's file is still there, its lock is not
+    try:
+        assert f"pid {os.getpid()} " in (tmp_path / run_lock.LOCK_NAME).read_text()
+    finally:
+        run_lock.release_run_dirs()
+    run_lock.own_run_dir(tmp_path)  # released: taken again
+    run_lock.release_run_dirs()

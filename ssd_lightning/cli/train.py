@@ -33,6 +33,7 @@ from ssd_lightning.cli.run_dir import (
     resolve_run_reference,
     save_run_config,
 )
+from ssd_lightning.cli.run_lock import own_run_dir, release_run_dirs
 from ssd_lightning.errors import ConfigError, user_errors_as_messages
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.io.model_record import read_model_record
@@ -79,12 +80,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if requeued is not None:
         with open_dict(cfg):
             cfg.resume = str(requeued)
-    cfg = resolve_run_reference(cfg, _command_line_overrides())
-    if cfg.get("resume") and requeued is None:  # a requeue runs the config Hydra saved in .hydra/ again
+    run_dir = cfg.paths.output_dir  # Hydra's run directory: the resumed run's own with resume=
+    check_writable_dir(run_dir, "paths.output_dir")
+    own_run_dir(run_dir)  # a second process in a folder that a live one trains in stops here
+    try:
+        cfg = resolve_run_reference(cfg, _command_line_overrides())
+        return _run_task(cfg, resumed=bool(cfg.get("resume")) and requeued is None)
+    finally:
+        release_run_dirs()
+
+
+def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
+    """:func:`train` in a run directory this process owns."""
+    if resumed:  # a requeue runs the config Hydra saved in .hydra/ again
         _save_resumed_config(cfg)
     for message in validate_config(cfg):
         log.warning(message)
-    check_writable_dir(cfg.paths.output_dir, "paths.output_dir")
     float32_precision = _float32_on_cpus_without_bf16(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -140,6 +151,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     except SIGTERMException:
         _release_process_group()  # every rank stopped at the same step and saved: nobody waits for a peer
         interrupt = next((c for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
+        release_run_dirs()  # the requeued job may start before this process ends
         if interrupt is not None:
             interrupt.hand_over()  # SIGUSR1/SIGUSR2: the scheduler's requeue (submitit's handler exits here)
         raise SystemExit(_interrupted_exit_code(trainer)) from None

@@ -3,8 +3,10 @@ never runs code from the file."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,9 +64,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        needed = _tensor_bytes(checkpoint)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
+                if shutil.disk_usage(path.parent).free < needed:  # nothing written: nothing to clean up
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 with open(tmp, "wb") as f:
                     self._write(checkpoint, f)
                     f.flush()
@@ -73,16 +78,37 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 _fsync_directory(path.parent)  # make the rename itself durable
             finally:
                 tmp.unlink(missing_ok=True)
-        except OSError as e:
+        except (OSError, RuntimeError) as e:
+            # torch's writer reports a failed write (a disk that filled meanwhile) as a RuntimeError
+            free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else None
+            if isinstance(e, RuntimeError) and (free is None or free >= needed):
+                raise
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "the disk is full"
+            space = f" (it needs about {_mb(needed)}, {_mb(free)} free there)" if free is not None else ""
             kept = f"The previous {path.name} is untouched. " if path.exists() else ""
             raise CheckpointWriteError(
-                f"could not write checkpoint {path}: {e.strerror or e}. {kept}Free space there, or write "
-                "checkpoints elsewhere with paths.output_dir=... (or callbacks.model_checkpoint.dirpath=...)"
+                f"could not write checkpoint {path}: {why}{space}. {kept}Free space in {path.parent}, or "
+                "write checkpoints elsewhere: paths.output_dir=... (callbacks.model_checkpoint.dirpath=...)"
             ) from e
 
     @staticmethod
     def _write(checkpoint: dict[str, Any], f) -> None:
         torch.save(checkpoint, f)
+
+
+def _tensor_bytes(value: Any) -> int:
+    """What the tensors in ``value`` (dicts, lists, tuples of them) hold: a checkpoint's size, nearly."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -58,7 +58,5 @@ def own_run_dir(run_dir: str | os.PathLike) -> None:
 
 def release_run_dirs() -> None:
     """Let the next process have the run directories this process owns."""
-    while _held:
-        os.close(
-            _held.popitem()[1]
-        )  # closing the descriptor drops the lock; the file stays, naming the owner
+    while _held:  # closing the descriptor drops the lock; the file stays, naming the last owner
+        os.close(_held.popitem()[1])

@@ -257,7 +257,8 @@ def _check_python_script(script: str, args: list[str]) -> str:
         return f"{script}: keys {keys} accepted"
     help_text = _help_text(script)
     options = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
-    missing = [option for option in options if option not in help_text]
+    listed = set(re.findall(r"(?<![\w-])--[\w-]+", help_text))  # whole options: --images is not --num-images
+    missing = [option for option in options if option not in listed]
     assert not missing, f"{script} --help does not list {missing}"
     return f"{script} --help lists {options}"
 

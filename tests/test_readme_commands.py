@@ -256,7 +256,7 @@ def _check_python_script(script: str, args: list[str]) -> str:
         assert all("=" in arg for arg in args) and set(keys) <= set(accepted), (keys, sorted(accepted))
         return f"{script}: keys {keys} accepted"
     help_text = _help_text(script)
-    options = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+    options = [arg.split("=", 1)[0] for arg in args if arg.startswith("--") and arg != "--"]
     listed = set(re.findall(r"(?<![\w-])--[\w-]+", help_text))  # whole options: --images is not --num-images
     missing = [option for option in options if option not in listed]
     assert not missing, f"{script} --help does not list {missing}"

@@ -7,7 +7,10 @@ import json
 import logging
 import os
 import re
+import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ssd_lightning.callbacks.best_checkpoint import BestCheckpoint
+from ssd_lightning.cli import run_lock
 from ssd_lightning.cli.run_dir import apply_overrides, hydra_subdir_for, output_dir_for, resolve_run_reference
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.loggers import ContinuingCSVLogger
@@ -317,12 +321,6 @@ time.sleep(600)
 
 def test_a_run_directory_has_one_owner_and_a_dead_owner_blocks_nothing(tmp_path, monkeypatch):
     """The lock is the kernel's: held while the owner lives, gone when it is killed (kill -9, no clean-up)."""
-    import signal
-    import socket
-    import sys
-
-    from ssd_lightning.cli import run_lock
-
     for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SUBMITIT_LOCAL_GLOBALID", "NODE_RANK"):
         monkeypatch.delenv(var, raising=False)
     hold = [sys.executable, "-c", _HOLD, str(tmp_path)]

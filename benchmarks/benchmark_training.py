@@ -6,10 +6,12 @@ Rows:
   * inference img/s (forward + decode/NMS): ``run_benchmark_task("benchmark_inference")`` vs a plain
     ``inference_mode`` loop;
   * the Lightning training path in fp32 and with channels_last, against the main precision.
+``--precision auto`` (the default) is train.py's rule: bf16 where the CPU has native bf16 kernels, float32
+where it does not (bf16 runs 10-15x slower there); bf16 rows are only run there or when asked for.
 Both sides time the same region (batch already in memory; clock read at iteration start and end) and run
 alternately (L, B, B, L, ...) ``--repeats`` times; the medians pool every timed iteration of a variant.
 
-    .venv/bin/python benchmarks/benchmark_training.py                      # resnet18, batch 8, bf16, 5 + 20
+    .venv/bin/python benchmarks/benchmark_training.py                      # resnet18, batch 8, 5 + 20
     .venv/bin/python benchmarks/benchmark_training.py --backbone mobilenet_v2 --iterations 50 --repeats 3
 """
 
@@ -31,6 +33,7 @@ import torch
 
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark, device_name, throughput_statistics
 from ssd_lightning.cli.benchmark import run_benchmark_task
+from ssd_lightning.compat import cpu_has_native_bf16
 from ssd_lightning.data.synthetic import SyntheticDetectionDataModule
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, ssd300
 from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
@@ -48,7 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per run")
     p.add_argument("--iterations", type=int, default=20, help="timed iterations per run")
     p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating the order")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16", help="main precision")
+    p.add_argument(
+        "--precision",
+        choices=["auto", *sorted(PRECISIONS)],
+        default="auto",
+        help="main precision; auto: bf16 on CPUs with native bf16 kernels, else fp32 (as train.py)",
+    )
     p.add_argument("--num-classes", type=int, default=81)
     p.add_argument("--lr", type=float, default=2.6e-3)
     p.add_argument("--skip-inference", action="store_true")
@@ -58,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.batch_size, args.iterations, args.repeats) < 1 or args.warmup < 0:
         p.error("--batch-size, --iterations, --repeats must be >= 1 and --warmup >= 0")
+    if args.precision == "auto":
+        args.precision = "bf16" if cpu_has_native_bf16() else "fp32"
     return args
 
 
@@ -214,10 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
     variants = []
     if not args.skip_variants:
         other = "fp32" if p == "bf16" else "bf16"
-        for name, precision, cl in [
-            (f"training {other}", other, False),
-            (f"training {p} channels_last", p, True),
-        ]:
+        candidates = [(f"training {other}", other, False), (f"training {p} channels_last", p, True)]
+        if other == "bf16" and not cpu_has_native_bf16():
+            print("  no bf16 row: this CPU has no native bf16 kernels", file=sys.stderr, flush=True)
+            candidates = candidates[1:]
+        for name, precision, cl in candidates:
             times = [
                 t
                 for _ in range(args.repeats)

@@ -196,6 +196,13 @@ def lr_factor(
     return warm * decay
 
 
+def warmup_iterations(steps_per_epoch: int, warmup_steps: int = 0, warmup_epochs: float = 0.0) -> int:
+    """The LR warm-up in optimizer steps: ``warmup_steps`` plus ``warmup_epochs`` (SSD300 recipes count it in
+    iterations, MobileNetV2 recipes in epochs, which may be fractional) of ``steps_per_epoch``, rounded. The
+    one conversion: the schedule, the EMA's restarts and the log line all use it."""
+    return int(warmup_steps or 0) + round(float(warmup_epochs or 0.0) * steps_per_epoch)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -219,7 +226,7 @@ def build_scheduler(
         schedule=schedule,
         steps_per_epoch=steps_per_epoch,
         total_steps=steps_per_epoch * max_epochs,
-        warmup_steps=int(warmup_steps + round(warmup_epochs * steps_per_epoch)),
+        warmup_steps=warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs),
         milestones=tuple(milestones),
         gamma=gamma,
         step_size=step_size,

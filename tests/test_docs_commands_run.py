@@ -91,7 +91,9 @@ SCRIPT_SIZE: dict[str, list[str]] = {
     "scripts/plot_run.py": [],
     "scripts/export_onnx.py": [],
     "benchmarks/benchmark_analysis.py": ["--images", "20", "--detections", "5"],
-    "benchmarks/benchmark_cpu_step.py": ["--batch", "2", "--warmup", "1", "--repeats", "1"],
+    "benchmarks/benchmark_cpu_step.py": [
+        *("--batch", "2", "--warmup", "1", "--repeats", "1", "--variants", "w0.35", "w0.35+fp32dw"),
+    ],
     "benchmarks/benchmark_demo.py": [
         *("--seeds", "1", "--override", "trainer.max_epochs=1"),
         *("--override", "data.num_train=24", "--override", "data.num_val=8"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -16,7 +18,7 @@ from ssd_lightning.callbacks.early_stopping import EarlyStopping
 from ssd_lightning.callbacks.eval_schedule import EvalSchedule
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.models import ssd300
-from ssd_lightning.modules.common import describe_lr
+from ssd_lightning.modules.base import describe_lr
 from ssd_lightning.modules.freezing import freeze_backbone
 from ssd_lightning.modules.ssd import SSDLitModule
 from ssd_lightning.optim import lr_factor, param_groups
@@ -249,6 +251,36 @@ def test_checkpoints_without_ema_weights_start_the_average_and_the_reverse_is_an
     checkpoint = {"state_dict": {f"net.{k}": v for k, v in module.net.state_dict().items()}}
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"], strict=True)  # every key of the module is there
+
+
+@pytest.mark.parametrize("task", ["detector", "classifier"])
+def test_a_fractional_warmup_in_epochs_is_one_warmup_for_the_lr_the_ema_and_the_log(task, caplog):
+    """Both modules (one base): warmup_epochs=0.5 of 4 steps is 2 optimizer steps for the LR schedule, for the
+    EMA's restarts (updates after the warm-up only: 4 - 2) and for the log line."""
+    from ssd_lightning.data.synthetic import SyntheticClassificationDataModule, SyntheticDetectionDataModule
+    from ssd_lightning.models import mobilenet_v2
+    from ssd_lightning.modules.classifier import ClassifierLitModule
+
+    torch.manual_seed(0)
+    common = {
+        "optimizer": functools.partial(torch.optim.SGD, lr=0.01),
+        "scheduler": {"name": "cosine", "warmup_epochs": 0.5},
+        "ema_decay": 0.5,
+    }
+    if task == "detector":
+        module = SSDLitModule(ssd300(backbone="mobilenet_v2", num_classes=3, width_mult=0.25), **common)
+        data = SyntheticDetectionDataModule(batch_size=2, num_classes=3, steps_per_epoch=4)
+    else:
+        module = ClassifierLitModule(mobilenet_v2(num_classes=3, width_mult=0.25), **common)
+        data = SyntheticClassificationDataModule(
+            batch_size=2, num_classes=3, steps_per_epoch=4, image_size=32
+        )
+    with caplog.at_level(logging.INFO, logger="ssd_lightning.modules.base"):
+        quiet_trainer(max_epochs=1, limit_val_batches=0).fit(module, datamodule=data)
+    schedule = module.trainer.lr_scheduler_configs[0].scheduler
+    assert schedule.lr_lambdas[0].keywords["warmup_steps"] == module.warmup_steps == 2
+    assert int(module.ema.n_averaged) == 4 - 2  # restarted after steps 1 and 2, then averaged twice
+    assert "warm-up 2 optimizer steps" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------- SyncBatchNorm

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.trainer.states import TrainerFn
@@ -16,22 +15,8 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from ssd_lightning.error_analysis import top_confusions
-from ssd_lightning.modules.common import (
-    BatchMean,
-    check_num_classes,
-    configure_recipe_optimizers,
-    convert_sync_batchnorm,
-    float32_strided_depthwise_on_cpu,
-    init_net_from_file,
-    load_epoch_metric_states,
-    per_device_batch_size,
-    restore_train_loader_state,
-    save_epoch_metric_states,
-    save_model_record,
-    steps_per_epoch,
-    total_epochs,
-)
-from ssd_lightning.modules.ema import ExponentialMovingAverage
+from ssd_lightning.errors import ConfigError
+from ssd_lightning.modules.base import RecipeModule, per_device_batch_size, steps_per_epoch, total_epochs
 from ssd_lightning.optim import EMA_DECAY_SCALINGS, scale_ema_decay
 from ssd_lightning.visualize import log_picture, plot_confusion_matrix
 
@@ -62,7 +47,7 @@ def _eval_metrics(num_classes: int) -> nn.ModuleDict:
     )
 
 
-class ClassifierLitModule(pl.LightningModule):
+class ClassifierLitModule(RecipeModule):
     """Trains and evaluates an image classifier on ``{"images": (N, 3, H, W), "labels": (N,) int64}``.
 
     Logged: ``train/loss_step`` (label-smoothed CE, this rank), ``train/loss_epoch`` and
@@ -131,31 +116,27 @@ class ClassifierLitModule(pl.LightningModule):
         trust_checkpoint: bool = False,
         confusion_matrix: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            net,
+            optimizer=optimizer,
+            channels_last=channels_last,
+            ema_decay=ema_decay,
+            ema_every_n_steps=ema_every_n_steps,
+        )
         # Plain values only (the optimizer factory is kept as an attribute), so checkpoints load with
         # torch.load(weights_only=True).
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
-        self.optimizer_factory = optimizer
         if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if ema_every_n_steps < 1:
-            raise ValueError(f"ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+            raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if ema_decay_scaling not in EMA_DECAY_SCALINGS:
-            raise ValueError(
-                f"ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {ema_decay_scaling!r}"
+            raise ConfigError(
+                f"model.ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {ema_decay_scaling!r}"
             )
-        self.net = net
-        if channels_last:
-            self.net.to(memory_format=torch.channels_last)
         self.num_classes = int(num_classes) if num_classes is not None else infer_num_classes(net)
         if self.num_classes < 2:
-            raise ValueError(f"a classifier needs num_classes >= 2, got {self.num_classes}")
-
-        self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
-        self._ema_warmup_steps = 0
+            raise ConfigError(f"a classifier needs model.net.num_classes >= 2, got {self.num_classes}")
 
         self.train_acc1 = MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro")
-        self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
         stages = ["val", "test"] + (["val_ema", "test_ema"] if self.ema is not None else [])
         self.eval_metrics = nn.ModuleDict({stage: _eval_metrics(self.num_classes) for stage in stages})
         # validate_args=False: no label-range check, which would read the device every batch
@@ -169,41 +150,12 @@ class ClassifierLitModule(pl.LightningModule):
         self.register_buffer("acc1_best_epoch", torch.tensor(-1, dtype=torch.long))
         self.register_buffer("acc1_ema_best", torch.tensor(0.0))
 
-    # ------------------------------------------------------------------ setup
-    def configure_model(self) -> None:
-        self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
-        float32_strided_depthwise_on_cpu(self, self.net, self.ema.module if self.ema is not None else None)
-
-    def on_fit_start(self) -> None:
-        loaded = init_net_from_file(
-            self, self.net, self.hparams.init_from, trust_checkpoint=self.hparams.trust_checkpoint
-        )
-        if loaded and self.ema is not None:  # the average starts from the loaded weights, not the random ones
-            self.ema.module.load_state_dict(self.net.state_dict())
-            self.ema.reset()
-
-    def on_train_start(self) -> None:
-        restore_train_loader_state(self.trainer)
-
-    def setup(self, stage: str) -> None:
-        check_num_classes(self, self.num_classes, "model.net.num_classes")
-
-    def _epoch_metrics(self) -> dict[str, Metric]:
-        """The training epoch metrics whose mid-epoch states checkpoints carry."""
-        return {"train_loss_epoch": self.train_loss_epoch, "train_acc1": self.train_acc1}
+    def epoch_metrics(self) -> dict[str, Metric]:
+        return {**super().epoch_metrics(), "train_acc1": self.train_acc1}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_epoch_metric_states(self, checkpoint, self._epoch_metrics())
-        save_model_record(self, checkpoint, kind="classifier", net=self.net, weights="net.")
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        load_epoch_metric_states(self, checkpoint, self._epoch_metrics())
-
-    def forward(self, images: Tensor) -> Tensor:
-        """(N, 3, H, W) -> (N, num_classes) logits."""
-        if self.hparams.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return self.net(images)
+        super().on_save_checkpoint(checkpoint)
+        self.save_model_record(checkpoint, kind="classifier", net=self.net, weights="net.")
 
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -221,28 +173,15 @@ class ClassifierLitModule(pl.LightningModule):
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
         return loss
 
-    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        if self.ema is None:
-            return
-        self.ema.update_at_step(
-            self.net,
-            self.trainer.global_step,  # optimizer steps done; unchanged on accumulation micro-batches
-            every_n_steps=self.hparams.ema_every_n_steps,
-            warmup_steps=self._ema_warmup_steps,
-        )
-
     # ------------------------------------------------------------- evaluation
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:
         """Shared by validation and test: update the metrics of ``net`` (and of the EMA weights)."""
         labels = batch["labels"].long()
-        images = batch["images"]
-        if self.hparams.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
         nets = [(stage, self.net)]
         if self.ema is not None:
             nets.append((f"{stage}_ema", self.ema.module))
         for key, net in nets:
-            logits = net(images).float()
+            logits = self(batch["images"], net).float()
             metrics = self.eval_metrics[key]
             metrics["acc1"].update(logits, labels)
             metrics["acc5"].update(logits, labels)
@@ -312,37 +251,30 @@ class ClassifierLitModule(pl.LightningModule):
         self._log_eval("test")
 
     # -------------------------------------------------------------- optimizer
-    def configure_optimizers(self) -> dict:
+    def weight_decay_groups(self) -> dict[str, float | None]:
         hp = self.hparams
-        config = configure_recipe_optimizers(
-            self,
-            self.net,
-            optimizer=self.optimizer_factory,
-            lr_scaling=hp.lr_scaling,
-            scheduler=hp.scheduler,
-            norm_weight_decay=hp.norm_weight_decay,
-            bias_weight_decay=hp.bias_weight_decay,
-            depthwise_weight_decay=hp.depthwise_weight_decay,
+        return {
+            "norm_weight_decay": hp.norm_weight_decay,
+            "bias_weight_decay": hp.bias_weight_decay,
+            "depthwise_weight_decay": hp.depthwise_weight_decay,
+        }
+
+    def ema_decay_per_update(self) -> float:
+        hp = self.hparams
+        decay = scale_ema_decay(
+            hp.ema_decay,
+            scaling=hp.ema_decay_scaling,
+            world_size=self.trainer.world_size,
+            batch_size=(
+                per_device_batch_size(self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none")
+                if hp.ema_decay_scaling != "none"
+                else 1
+            ),
+            every_n_steps=hp.ema_every_n_steps,
+            epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
         )
-        if self.ema is not None:
-            self.ema.decay = scale_ema_decay(
-                hp.ema_decay,
-                scaling=hp.ema_decay_scaling,
-                world_size=self.trainer.world_size,
-                batch_size=(
-                    per_device_batch_size(self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none")
-                    if hp.ema_decay_scaling != "none"
-                    else 1
-                ),
-                every_n_steps=hp.ema_every_n_steps,
-                epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
-            )
-            rank_zero_info(
-                f"EMA: decay {self.ema.decay:.6g} per update "
-                f"(model.ema_decay={hp.ema_decay}, ema_decay_scaling={hp.ema_decay_scaling})"
-            )
-        if self.ema is not None and hp.scheduler:
-            warm_epochs = float(hp.scheduler.get("warmup_epochs", 0.0) or 0.0)
-            warm_steps = int(hp.scheduler.get("warmup_steps", 0) or 0)
-            self._ema_warmup_steps = warm_steps + round(warm_epochs * steps_per_epoch(self.trainer))
-        return config
+        rank_zero_info(
+            f"EMA: decay {decay:.6g} per update (model.ema_decay={hp.ema_decay}, "
+            f"ema_decay_scaling={hp.ema_decay_scaling})"
+        )
+        return decay

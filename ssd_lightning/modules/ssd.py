@@ -5,31 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.weights import read_nvidia_state_dict
 from ssd_lightning.models import BoxCoder, DecoderSettings, SSDLoss, dboxes300_coco, nvidia_state_dict
-from ssd_lightning.modules.common import (
-    BatchMean,
-    check_num_classes,
-    configure_recipe_optimizers,
-    convert_sync_batchnorm,
-    float32_strided_depthwise_on_cpu,
-    init_net_from_file,
-    load_epoch_metric_states,
-    restore_train_loader_state,
-    save_epoch_metric_states,
-    save_model_record,
-    steps_per_epoch,
-)
-from ssd_lightning.modules.ema import ExponentialMovingAverage
+from ssd_lightning.modules.base import RecipeModule
 from ssd_lightning.modules.freezing import freeze_backbone, frozen_modules, keep_frozen_norms_in_eval
 
 
-class SSDLitModule(pl.LightningModule):
+class SSDLitModule(RecipeModule):
     """Trains and evaluates an SSD300-family network.
 
     Args:
@@ -85,39 +71,36 @@ class SSDLitModule(pl.LightningModule):
         use_ema: bool = True,
         sync_batchnorm: bool = False,
     ) -> None:
-        super().__init__()
-        # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
-        # config is in the run's .hydra/ and in the loggers.
-        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
-        self.net = net
-        self.optimizer_factory = optimizer
         if nvidia_checkpoint is not None and init_from is not None:
             raise ConfigError(
                 "model.nvidia_checkpoint and model.init_from are both set: nvidia_checkpoint loads every "
                 "weight strictly (to evaluate it), init_from what matches (to fine-tune); keep one"
             )
-        if nvidia_checkpoint is not None:
+        if nvidia_checkpoint is not None:  # before the EMA copies the network
             state = nvidia_state_dict(
                 read_nvidia_state_dict(nvidia_checkpoint, trust_checkpoint=trust_checkpoint),
                 backbone=getattr(net, "backbone_name", "resnet50"),
                 num_classes=getattr(net, "num_classes", 81),
                 source=f"nvidia_checkpoint={nvidia_checkpoint}",
             )
-            self.net.load_state_dict(state, strict=True)
-        if channels_last:
-            self.net.to(memory_format=torch.channels_last)
+            net.load_state_dict(state, strict=True)
+        super().__init__(
+            net,
+            optimizer=optimizer,
+            channels_last=channels_last,
+            ema_decay=ema_decay,
+            ema_every_n_steps=ema_every_n_steps,
+        )
+        # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
+        # config is in the run's .hydra/ and in the loggers.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
+        self.num_classes = getattr(net, "num_classes", None)
         default_boxes = dboxes300_coco()
         self.loss_fn = SSDLoss(default_boxes)
         self.box_coder = BoxCoder(default_boxes)
         self.decoder_settings = DecoderSettings.from_mapping(decoder)
         self.hparams["decoder"] = dict(self.decoder_settings)  # the values used, defaults filled in
-        self.channels_last = channels_last
-        self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
         self.frozen = freeze_backbone(self.net, freeze)
-        if ema_every_n_steps < 1:
-            raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
-        self.ema = ExponentialMovingAverage(self.net, ema_decay) if ema_decay is not None else None
-        self._ema_warmup_steps = 0
 
     @property
     def inference_net(self) -> nn.Module:
@@ -125,8 +108,7 @@ class SSDLitModule(pl.LightningModule):
         return self.ema.module if self.ema is not None and self.hparams.use_ema else self.net
 
     def configure_model(self) -> None:
-        self.net = convert_sync_batchnorm(self, self.net, self.hparams.sync_batchnorm)
-        float32_strided_depthwise_on_cpu(self, self.net, self.ema.module if self.ema is not None else None)
+        super().configure_model()
         self.frozen = frozen_modules(self.net, self.hparams.freeze)  # the converted layers, if any
 
     def train(self, mode: bool = True) -> SSDLitModule:
@@ -134,34 +116,16 @@ class SSDLitModule(pl.LightningModule):
         keep_frozen_norms_in_eval(self.frozen)
         return self
 
-    def forward(
-        self, images: torch.Tensor, net: nn.Module | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``net`` (default: the trained ``self.net``) on ``images``, in the module's memory format."""
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return (self.net if net is None else net)(images)
-
-    def on_fit_start(self) -> None:
-        trust = self.hparams.trust_checkpoint
-        loaded = init_net_from_file(self, self.net, self.hparams.init_from, trust_checkpoint=trust)
-        if loaded and self.ema is not None:  # the average starts from the loaded weights
-            self.ema.module.load_state_dict(self.net.state_dict())
-            self.ema.reset()
-
     def on_train_start(self) -> None:
-        restore_train_loader_state(self.trainer)
+        super().on_train_start()
         # Lightning never calls train() when fit starts, and restores each layer's mode after validation
         keep_frozen_norms_in_eval(self.frozen)
 
-    def setup(self, stage: str) -> None:
-        check_num_classes(self, getattr(self.net, "num_classes", None), "model.net.num_classes")
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
+        super().on_save_checkpoint(checkpoint)
         weights = "ema.module." if self.inference_net is not self.net else "net."
-        save_model_record(
-            self, checkpoint, kind="detector", net=self.net, weights=weights, decoder=self.decoder_settings
+        self.save_model_record(
+            checkpoint, kind="detector", net=self.net, weights=weights, decoder=self.decoder_settings
         )
 
     @property
@@ -171,7 +135,7 @@ class SSDLitModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         reconcile_ema_weights(checkpoint.get("state_dict", {}), has_ema=self.ema is not None)
-        load_epoch_metric_states(self, checkpoint, {"train_loss_epoch": self.train_loss_epoch})
+        super().on_load_checkpoint(checkpoint)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         locs, logits = self(batch["images"])
@@ -186,16 +150,6 @@ class SSDLitModule(pl.LightningModule):
         self.train_loss_epoch.update(loss, len(locs))
         self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
         return loss
-
-    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        if self.ema is None:
-            return
-        self.ema.update_at_step(
-            self.net,
-            self.trainer.global_step,  # optimizer steps done; unchanged on accumulation micro-batches
-            every_n_steps=self.hparams.ema_every_n_steps,
-            warmup_steps=self._ema_warmup_steps,
-        )
 
     def _detect(self, batch: dict[str, torch.Tensor], net: nn.Module | None = None) -> list[dict]:
         """Decoded detections per image of ``net`` (default: the run's weights), boxes in original-image
@@ -217,22 +171,6 @@ class SSDLitModule(pl.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[dict]:
         return self._detect(batch)
-
-    def configure_optimizers(self) -> dict:
-        config = configure_recipe_optimizers(
-            self,
-            self.net,
-            optimizer=self.optimizer_factory,
-            lr_scaling=self.hparams.lr_scaling,
-            scheduler=self.hparams.scheduler,
-        )
-        scheduler = self.hparams.scheduler or {}
-        if self.ema is not None and scheduler:
-            warm_epochs = int(scheduler.get("warmup_epochs", 0) or 0)
-            warm_steps = int(scheduler.get("warmup_steps", 0) or 0)
-            epoch_steps = steps_per_epoch(self.trainer) if warm_epochs else 0
-            self._ema_warmup_steps = warm_steps + warm_epochs * epoch_steps
-        return config
 
 
 def reconcile_ema_weights(state: dict, *, has_ema: bool) -> None:

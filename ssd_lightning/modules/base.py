@@ -1,0 +1,424 @@
+"""RecipeModule: the run lifecycle both LightningModules share, written once.
+
+Optimizer on weight-decay groups, the LR rule evaluated at run time, warm-up and per-iteration schedule,
+EMA of the weights, SyncBatchNorm, float32 strided depthwise under CPU bf16, ``init_from``, the states of
+epoch metrics in mid-epoch checkpoints and the record that makes a checkpoint a model. The subclasses
+(``SSDLitModule``, ``ClassifierLitModule``) add the task: steps, metrics, what they decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.accelerators import CPUAccelerator
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
+from torchmetrics import Metric
+
+from ssd_lightning import compat
+from ssd_lightning.errors import ConfigError
+from ssd_lightning.io.model_record import MODEL_KEY, make_model_record
+from ssd_lightning.io.weights import init_from_checkpoint
+from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
+from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
+from ssd_lightning.modules.ema import ExponentialMovingAverage
+from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr, warmup_iterations
+
+log = logging.getLogger(__name__)
+
+EPOCH_METRIC_STATES = "epoch_metric_states"  # the checkpoint's key
+
+
+class BatchMean(Metric):
+    """Mean of per-batch values weighted by their batch sizes, over the epoch and over all DDP ranks.
+
+    For epoch metrics such as ``train/loss_epoch``: ``update`` only adds on the device (no host sync, no
+    collective); ranks are reduced once, in ``compute`` at the end of the epoch, whereas
+    ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step. The states of an unfinished
+    epoch go into checkpoints through :meth:`RecipeModule.on_save_checkpoint` (torchmetrics leaves them
+    out), so a resumed epoch averages all its batches.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, batch_size: int) -> None:
+        self.total += value.detach().float() * batch_size
+        self.count += batch_size
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.count
+
+
+def per_device_batch_size(
+    trainer: pl.Trainer, rule: str = "LR scaling", switch_off: str = "model.lr_scaling.rule=none"
+) -> int:
+    """The per-device training batch size (the reference's ``--bs``), read from the datamodule. ``rule``
+    needs it and ``switch_off`` turns that rule off: both name the way out in the error."""
+    datamodule = getattr(trainer, "datamodule", None)
+    batch_size = getattr(datamodule, "batch_size", None)
+    if batch_size is None:
+        raise ConfigError(
+            f"{rule} needs the per-device batch size: the datamodule must expose `batch_size` "
+            f"(or set {switch_off})"
+        )
+    return int(batch_size)
+
+
+def steps_per_epoch(trainer: pl.Trainer) -> int:
+    """Optimizer steps in one training epoch, as Lightning will run them."""
+    total = trainer.estimated_stepping_batches  # also sets up the train dataloader, so its length is known
+    batches = trainer.num_training_batches
+    if math.isfinite(batches):
+        return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+    if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(total):
+        return max(1, int(total) // trainer.max_epochs)
+    raise ValueError("the per-iteration LR schedule needs a training dataloader with a length")
+
+
+def total_epochs(trainer: pl.Trainer, epoch_steps: int) -> int:
+    """Epochs the schedule spans: ``trainer.max_epochs``, or what ``trainer.max_steps`` amounts to."""
+    if trainer.max_epochs is not None and trainer.max_epochs > 0:
+        return trainer.max_epochs
+    return max(1, math.ceil(trainer.estimated_stepping_batches / epoch_steps))
+
+
+def describe_lr(
+    base_lr: float, lr: float, rule: str, world_size: int, step_batch: int, accumulate: int, reference: int
+) -> str:
+    """The log line stating the LR a run uses and how the scaling rule got there."""
+    if rule == "none":
+        return f"LR {lr:.6g} (model.lr_scaling.rule=none: the base LR as given)"
+    per_device = step_batch // accumulate
+    return (
+        f"LR {lr:.6g} = base {base_lr:.6g} x {rule} rule of the global batch {world_size * step_batch} "
+        f"({world_size} device(s) x {per_device} per device x {accumulate} accumulated) / {reference}"
+    )
+
+
+class RecipeModule(pl.LightningModule):
+    """What a training run does besides its task, for both LightningModules.
+
+    Subclasses call ``super().__init__(net, ...)`` first, then ``self.save_hyperparameters(logger=False,
+    ignore=["net", "optimizer"])``: their arguments must include ``lr_scaling``, ``scheduler``,
+    ``init_from``, ``trust_checkpoint``, ``sync_batchnorm`` and ``ema_every_n_steps`` (the hooks below read
+    them from ``hparams``). They set ``model_kind`` (the checkpoint record's kind) and ``num_classes``.
+
+    Args:
+        net: the network; ``forward`` runs it (or another set of weights) in the module's memory format.
+        optimizer: partial optimizer holding the base ``lr`` and ``weight_decay``.
+        channels_last: run the network in NHWC memory format.
+        ema_decay: keep an :class:`ExponentialMovingAverage` of ``net`` (``None``: off), updated every
+            ``ema_every_n_steps`` optimizer steps and restarted from the weights during the LR warm-up.
+        ema_every_n_steps: optimizer steps between EMA updates (>= 1).
+    """
+
+    model_kind: str
+    num_classes: int | None
+
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        channels_last: bool,
+        ema_decay: float | None,
+        ema_every_n_steps: int,
+    ) -> None:
+        super().__init__()
+        if ema_every_n_steps < 1:
+            raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.channels_last = channels_last
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+        self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
+        self.warmup_steps = 0  # the LR warm-up in optimizer steps, known once the optimizer is built
+        self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
+
+    def forward(self, images: torch.Tensor, net: nn.Module | None = None):
+        """``net`` (default: the trained ``self.net``) on ``images``, in the module's memory format."""
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return (self.net if net is None else net)(images)
+
+    def epoch_metrics(self) -> dict[str, Metric]:
+        """The training epoch metrics whose mid-epoch states checkpoints carry (sums only)."""
+        return {"train_loss_epoch": self.train_loss_epoch}
+
+    # -------------------------------------------------------------------------------------------- set-up
+    def configure_model(self) -> None:
+        """SyncBatchNorm when asked for and training on several GPU processes (on CPU: a warning; the
+        one place it is done, leave the Trainer's flag off); under CPU bf16, the strided depthwise
+        convolutions in float32 (:mod:`ssd_lightning.models.cpu_bf16`, the slow part of a MobileNetV2
+        step there)."""
+        trainer = self.trainer
+        on_cpu = isinstance(trainer.accelerator, CPUAccelerator)
+        if self.hparams.sync_batchnorm and trainer.world_size > 1 and not _has_sync_bn(self.net):
+            if on_cpu:
+                rank_zero_warn(
+                    "sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules"
+                )
+            else:
+                self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+        if on_cpu and getattr(trainer, "precision", None) == "bf16-mixed":
+            nets = [self.net] + ([self.ema.module] if self.ema is not None else [])
+            changed = sum(run_strided_depthwise_in_float32(net) for net in nets)
+            if changed:
+                log.info("CPU bf16: %d strided depthwise convolutions run in float32 (faster there)", changed)
+
+    def setup(self, stage: str) -> None:
+        """Fail early, naming the config key, when the network's class count does not fit the data."""
+        data_classes = getattr(getattr(self.trainer, "datamodule", None), "num_classes", None)
+        if self.num_classes is None or data_classes is None or int(data_classes) == int(self.num_classes):
+            return
+        raise ConfigError(
+            f"model.net.num_classes={self.num_classes} but the data has {data_classes} classes "
+            f"(including background for detection); set model.net.num_classes={data_classes}"
+        )
+
+    def on_fit_start(self) -> None:
+        """``model.init_from``: load the file's weights that match ``net`` (and start the EMA from them).
+
+        Skipped when the fit resumes from a checkpoint (``ckpt_path``, or one Lightning found itself): the
+        checkpoint's weights, optimizer and position win, and the file need not exist any more. Runs after
+        the network is on its device and wrapped, before the sanity check and the first step; every rank
+        reads the file."""
+        path = self.hparams.init_from
+        if path is None:
+            return
+        if self.trainer.ckpt_path:
+            if self.trainer.is_global_zero:
+                log.info(
+                    "model.init_from=%s not applied: resuming from %s, whose weights win",
+                    path,
+                    self.trainer.ckpt_path,
+                )
+            return
+        init_from_checkpoint(
+            self.net,
+            path,
+            trust_checkpoint=self.hparams.trust_checkpoint,
+            what="model.init_from",
+            log_summary=self.trainer.is_global_zero,
+        )
+        if self.ema is not None:  # the average starts from the loaded weights, not the random ones
+            self.ema.module.load_state_dict(self.net.state_dict())
+            self.ema.reset()
+
+    def on_train_start(self) -> None:
+        """Restore resumable training loaders to their mid-epoch position.
+
+        Lightning restores loader states only when it first sets up the train dataloader after loading the
+        checkpoint; :func:`steps_per_epoch` (``estimated_stepping_batches``) sets it up earlier, during
+        ``configure_optimizers``, so the states would silently be dropped and a resumed epoch would restart
+        its data from the first batch."""
+        compat.load_pending_loader_states(self.trainer)
+
+    # ------------------------------------------------------------------------------- optimizer and EMA
+    def weight_decay_groups(self) -> dict[str, float | None]:
+        """Weight decay of normalisation parameters, biases, depthwise weights (``build_optimizer``'s)."""
+        return {}
+
+    def ema_decay_per_update(self) -> float:
+        """The EMA decay this run applies per update (the classifier scales torchvision's)."""
+        return self.ema.decay
+
+    def configure_optimizers(self) -> dict:
+        """Optimizer on weight-decay groups with the LR scaled at run time, plus a per-iteration schedule.
+
+        The LR rule is evaluated here, from ``trainer.world_size`` and the datamodule's per-device batch, so
+        ``trainer.devices=...``/``trainer.num_nodes=...`` overrides are honoured without touching the
+        config. The warm-up in optimizer steps (:func:`~ssd_lightning.optim.warmup_iterations`) is the one
+        the schedule, the EMA and the log line use."""
+        trainer, hp = self.trainer, self.hparams
+        base_lr = partial_kwarg(self.optimizer_factory, "lr")
+        if base_lr is None:
+            raise ConfigError("model.optimizer.lr must be set (the base LR before scaling)")
+        lr_scaling = dict(hp.lr_scaling or {"rule": "none"})
+        rule = lr_scaling.get("rule", "linear")
+        accumulate = int(trainer.accumulate_grad_batches)
+        # the batch of one optimizer step: per device x devices x accumulated batches
+        step_batch = per_device_batch_size(trainer) * accumulate if rule != "none" else 1
+        reference = int(lr_scaling.get("reference_batch_size", 32))
+        lr = scale_lr(
+            base_lr,
+            rule=rule,
+            world_size=trainer.world_size,
+            batch_size=step_batch,
+            reference_batch_size=reference,
+        )
+        if trainer.is_global_zero:
+            log.info(
+                "%s", describe_lr(base_lr, lr, rule, trainer.world_size, step_batch, accumulate, reference)
+            )
+        opt = build_optimizer(
+            self.optimizer_factory,
+            self.net,
+            lr=lr,
+            weight_decay=partial_kwarg(self.optimizer_factory, "weight_decay", 0.0) or 0.0,
+            **self.weight_decay_groups(),
+        )
+        if self.ema is not None:
+            self.ema.decay = self.ema_decay_per_update()
+        if not hp.scheduler:
+            return {"optimizer": opt}
+        scheduler = dict(hp.scheduler)
+        schedule = scheduler.pop("name", "constant")
+        epoch_steps = steps_per_epoch(trainer)
+        warmup = {k: scheduler.pop(k, 0) for k in ("warmup_steps", "warmup_epochs")}
+        self.warmup_steps = warmup_iterations(epoch_steps, **warmup)
+        if trainer.is_global_zero:
+            log.info(
+                "LR schedule %s over %d optimizer steps per epoch, warm-up %d optimizer steps",
+                schedule,
+                epoch_steps,
+                self.warmup_steps,
+            )
+        lr_scheduler = build_scheduler(
+            opt,
+            schedule=schedule,
+            steps_per_epoch=epoch_steps,
+            max_epochs=total_epochs(trainer, epoch_steps),
+            warmup_steps=self.warmup_steps,
+            **scheduler,
+        )
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step", "frequency": 1},
+        }
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.ema is not None:
+            self.ema.update_at_step(
+                self.net,
+                self.trainer.global_step,  # optimizer steps done; unchanged on accumulation micro-batches
+                every_n_steps=self.hparams.ema_every_n_steps,
+                warmup_steps=self.warmup_steps,
+            )
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Put the states of the epoch metrics into ``checkpoint`` when it is written in the middle of an
+        epoch (Lightning calls this on every rank).
+
+        torchmetrics states are not part of the ``state_dict``, so a run resumed mid-epoch would average
+        only the batches after the resume. Every state must be a sum (``dist_reduce_fx="sum"``:
+        :class:`BatchMean`, micro-averaged accuracy); they are summed over the DDP ranks here (one
+        all-reduce, only for a mid-epoch checkpoint) and :meth:`on_load_checkpoint` gives the sum to rank 0,
+        zeros to the others, so the epoch's end reduces them to the uninterrupted run's value at any world
+        size. Written at an epoch's end (``ModelCheckpoint``), the states are the finished epoch's: nothing
+        is saved."""
+        trainer = self.trainer
+        progress = trainer.fit_loop.epoch_progress.current
+        if trainer.state.fn != "fit" or progress.started == progress.processed:  # "epoch unfinished"
+            return
+        names, values = [], []
+        for name, metric in self.epoch_metrics().items():
+            for key, value in metric.metric_state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"{name}.{key}: only tensor (sum) states can be checkpointed, got {type(value)}"
+                    )
+                names.append((name, key, value.dtype, value.shape))
+                values.append(value.detach().reshape(-1).double())  # exact for counts below 2**53
+        if not values:
+            return
+        flat = torch.cat(values)
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        states: dict[str, dict[str, torch.Tensor]] = {}
+        parts = flat.cpu().split([v.numel() for v in values])
+        for (name, key, dtype, shape), part in zip(names, parts, strict=True):
+            states.setdefault(name, {})[key] = part.reshape(shape).to(dtype)
+        checkpoint[EPOCH_METRIC_STATES] = states
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the epoch metrics' states: the sums on rank 0, zeros on the other ranks. Checkpoints
+        without them (end of an epoch, older files) change nothing."""
+        saved = checkpoint.get(EPOCH_METRIC_STATES) or {}
+        for name, metric in self.epoch_metrics().items():
+            for key, value in (saved.get(name) or {}).items():
+                current = getattr(metric, key)
+                value = value.to(device=current.device, dtype=current.dtype).reshape(current.shape)
+                setattr(metric, key, value if self.global_rank == 0 else torch.zeros_like(current))
+
+    def save_model_record(
+        self,
+        checkpoint: dict,
+        *,
+        kind: str,
+        net: nn.Module,
+        weights: str,
+        decoder: Mapping | None = None,
+    ) -> None:
+        """Put the record that rebuilds and names the model (:mod:`ssd_lightning.io.model_record`) into
+        ``checkpoint``. Class names, category ids and the input size come from the trainer's datamodule
+        (``category_map``, ``class_names``, ``image_size``, ``val_resize``); without one, classes are named
+        ``class_<k>``. A network without ``architecture`` (not built by
+        :data:`ssd_lightning.models.NETWORK_BUILDERS`) gets no record: its checkpoints need their run
+        config."""
+        architecture = getattr(net, "architecture", None)
+        if architecture is None:
+            return
+        trainer = self.trainer
+        datamodule = getattr(trainer, "datamodule", None)
+        num_classes = int(architecture["args"]["num_classes"])
+        detector = kind == "detector"
+        if detector:
+            categories = getattr(datamodule, "category_map", None)
+            if categories is None or categories.num_classes != num_classes:
+                names, ids = (
+                    ["background", *(f"class_{k}" for k in range(1, num_classes))],
+                    range(1, num_classes),
+                )
+            else:
+                names, ids = categories.names, categories.category_ids
+        else:
+            names = list(getattr(datamodule, "class_names", None) or [])
+            if len(names) != num_classes:
+                names = [f"class_{k}" for k in range(num_classes)]
+            ids = None
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        lr = (
+            optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])
+            if optimizer
+            else None
+        )
+        batch = getattr(datamodule, "batch_size", None)
+        training = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "precision": str(trainer.precision),
+            "lr": lr,  # after the scaling rule: the peak LR of the schedule
+            "global_batch_size": (
+                None if batch is None else trainer.world_size * int(batch) * trainer.accumulate_grad_batches
+            ),
+        }
+        checkpoint[MODEL_KEY] = make_model_record(
+            kind=kind,
+            architecture=architecture,
+            weights=weights,
+            class_names=names,
+            category_ids=ids,
+            image_size=getattr(datamodule, "image_size", 300 if detector else 224),
+            resize=None if detector else getattr(datamodule, "val_resize", None),
+            mean=IMAGENET_MEAN,
+            std=IMAGENET_STD,
+            decoder=decoder,
+            training=training,
+        )
+
+
+def _has_sync_bn(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.SyncBatchNorm) for m in net.modules())

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ssd_lightning.models import SSD300, BoxCoder, SSDLoss, dboxes300_coco, ssd300
+from ssd_lightning.models.backbones import SSD_BACKBONES
 from ssd_lightning.models.boxes import box_iou
-from ssd_lightning.models.ssd300 import zero_init_residual_branches
 
 
 @pytest.mark.parametrize(("backbone", "params"), [("resnet50", 22_894_902), ("resnet18", 14_048_310)])
@@ -89,7 +89,7 @@ def test_mobilenet_width_mult_thins_the_backbone_only(caplog):
     # ResNets have no width multiplier (experiment=demo model.net.backbone=resnet18 carries the demo's 0.5)
     with caplog.at_level(logging.WARNING, logger="ssd_lightning.models.ssd300"):
         resnet = ssd300(backbone="resnet18", num_classes=5, width_mult=0.5)
-    assert "applies to the mobilenet_v2 backbone only" in caplog.text
+    assert "width_mult=0.5 does not apply to the resnet18 backbone" in caplog.text
     assert resnet.out_channels == ssd300(backbone="resnet18", num_classes=5).out_channels
 
 
@@ -108,6 +108,9 @@ class _TinyBackbone(nn.Module):
     def forward(self, x):
         return [self.body(x)]
 
+    def stages(self):
+        return [list(self.body[:4]), list(self.body[4:])]
+
 
 def test_custom_backbone_and_argument_errors():
     with pytest.raises(ValueError, match="must equal the number of levels"):
@@ -116,6 +119,33 @@ def test_custom_backbone_and_argument_errors():
         SSD300(_TinyBackbone(), [128] * 5, num_classes=1)
     with pytest.raises(ValueError, match="background_prior must be in"):
         SSD300(_TinyBackbone(), [128] * 5, num_classes=3, background_prior=1.0)
+
+
+def test_a_registered_backbone_is_built_by_name_frozen_by_stage_and_refuses_what_it_lacks():
+    """One registration, nothing else: ssd300() builds it with its extra levels, the checkpoint record names
+    it, model.freeze finds its stages; zero_init_residual on a backbone without residual branches is an
+    error, not a silent no-op."""
+    from ssd_lightning.models.backbones import SSDBackbone, register_backbone
+    from ssd_lightning.modules.freezing import freeze_backbone
+
+    register_backbone(
+        "tiny", SSDBackbone(build=lambda **_: _TinyBackbone(), level_channels=(64, 96, 96, 64, 64, 32))
+    )
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register_backbone("tiny", SSD_BACKBONES["tiny"])
+        model = ssd300(backbone="tiny", num_classes=3).eval()
+        assert model.out_channels == [64, 96, 96, 64, 64, 32]
+        assert model.architecture["args"]["backbone"] == "tiny"
+        with torch.no_grad():
+            locs, logits = model(torch.randn(1, 3, 300, 300))
+        assert locs.shape == (1, 4, 8732) and logits.shape == (1, 3, 8732)
+        frozen = freeze_backbone(model, 1)
+        assert frozen and not any(p.requires_grad for m in frozen for p in m.parameters())
+        with pytest.raises(ValueError, match="zero_init_residual=True: the tiny backbone has no residual"):
+            ssd300(backbone="tiny", num_classes=3, zero_init_residual=True)
+    finally:
+        SSD_BACKBONES.pop("tiny")
 
 
 @pytest.mark.parametrize("prior", [0.99, 0.6])
@@ -196,4 +226,4 @@ def test_zero_init_residual_starts_blocks_as_identity(backbone, blocks):
     with torch.no_grad():
         torch.testing.assert_close(block(x), x)
         assert (first_skip_block(plain)(x) - x).abs().max() > 0.1  # the default init is not the identity
-    assert zero_init_residual_branches(zeroed) == blocks  # every residual branch, counted once
+    assert SSD_BACKBONES[backbone].zero_init(zeroed) == blocks  # every residual branch, counted once

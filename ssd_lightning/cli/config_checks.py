@@ -88,9 +88,10 @@ def _check_values(p: _Problems) -> None:
         )
     p.check("eval_epochs", _increasing_ints, "must be strictly increasing non-negative 0-based epochs")
     if str(_select(p.cfg, "model.net._target_") or "").endswith("ssd300"):
-        from ssd_lightning.models.ssd300 import BACKBONES
+        from ssd_lightning.models.backbones import SSD_BACKBONES
 
-        p.check("model.net.backbone", lambda v: v in BACKBONES, f"must be one of {', '.join(BACKBONES)}")
+        names = ", ".join(SSD_BACKBONES)
+        p.check("model.net.backbone", lambda v: v in SSD_BACKBONES, f"must be one of {names}")
         p.check(
             "model.net.background_prior", lambda v: _is_number(v) and 0 < v < 1, "must be in (0, 1) or null"
         )

@@ -1,15 +1,65 @@
-"""ResNet feature extractors for SSD300 (conv4_x at stride 8, as in NVIDIA SSD300 v1.1).
+"""SSD300 backbones by name (:data:`SSD_BACKBONES`), and the ResNet ones (conv4_x at stride 8, as in NVIDIA
+SSD300 v1.1).
 
-Backbone protocol shared by every SSD backbone: an ``nn.Module`` whose ``forward(images)`` returns a
-``list[Tensor]`` of feature maps and whose attribute ``out_channels: list[int]`` lists their channels.
+A backbone is an ``nn.Module`` whose ``forward(images)`` returns a ``list[Tensor]`` of feature maps (the
+first SSD levels), whose attribute ``out_channels: list[int]`` lists their channels and whose ``stages()``
+lists its parts in forward order (for ``model.freeze``). A new one is a module under ``models/`` that
+calls :func:`register_backbone` when imported (and an import in ``models/__init__.py``); ``ssd300()``
+finds it by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from torch import Tensor, nn
 from torchvision.models import get_model_weights, resnet
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
-__all__ = ["RESNET_NAMES", "ResNetBackbone", "resnet_backbone"]
+__all__ = [
+    "RESNET_NAMES",
+    "SSD_BACKBONES",
+    "ResNetBackbone",
+    "SSDBackbone",
+    "register_backbone",
+    "resnet_backbone",
+    "zero_init_resnet_blocks",
+]
+
+
+@dataclass(frozen=True)
+class SSDBackbone:
+    """What ``ssd300()`` needs to know about a backbone.
+
+    Attributes:
+        build: ``build(weights=..., width_mult=...)`` -> the backbone module (torchvision weights name or
+            ``None``).
+        level_channels: channels of the six SSD levels; the first ``len(module.out_channels)`` come from
+            the backbone, the others from extra blocks of these widths.
+        zero_init: zeroes the last normalisation of every residual branch of the module and returns how
+            many (``model.net.zero_init_residual``); ``None``: the backbone has no residual branches to
+            start as the identity, and asking for it is an error.
+        width: whether ``width_mult`` changes the backbone; for one without, another value is built at
+            full width with a warning.
+    """
+
+    build: Callable[..., nn.Module]
+    level_channels: tuple[int, ...]
+    zero_init: Callable[[nn.Module], int] | None = None
+    width: bool = False
+
+
+#: Backbone name (``model.net.backbone``) -> its :class:`SSDBackbone`, in registration order.
+SSD_BACKBONES: dict[str, SSDBackbone] = {}
+
+
+def register_backbone(name: str, backbone: SSDBackbone) -> None:
+    """Make ``ssd300(backbone=name)`` build ``backbone``; a name is registered once."""
+    if name in SSD_BACKBONES:
+        raise ValueError(f"SSD backbone {name!r} is registered already")
+    SSD_BACKBONES[name] = backbone
+
 
 #: Accepted ResNet names and the number of channels of their conv4_x (layer3) output.
 RESNET_NAMES: dict[str, int] = {
@@ -73,3 +123,27 @@ def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
                 f"expected one of {[w.name for w in enum]} or None"
             ) from None
     return ResNetBackbone(builder(weights=weights))
+
+
+def zero_init_resnet_blocks(module: nn.Module) -> int:
+    """Zero the scale of the last BatchNorm of every ``BasicBlock``/``Bottleneck`` branch (torchvision's
+    ``zero_init_residual``, Goyal et al. 2017): each block starts as the identity. Returns how many."""
+    norms = [
+        b.bn2 if isinstance(b, BasicBlock) else b.bn3
+        for b in module.modules()
+        if isinstance(b, BasicBlock | Bottleneck)
+    ]
+    for norm in norms:
+        nn.init.zeros_(norm.weight)
+    return len(norms)
+
+
+for _name, _level0 in RESNET_NAMES.items():
+    register_backbone(
+        _name,
+        SSDBackbone(
+            build=lambda weights=None, width_mult=1.0, name=_name: resnet_backbone(name, weights=weights),
+            level_channels=(_level0, 512, 512, 256, 256, 128 if _name == "resnet18" else 256),
+            zero_init=zero_init_resnet_blocks,
+        ),
+    )

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor, nn
 from torchvision.models import MobileNet_V2_Weights, MobileNetV2
+from torchvision.models.mobilenetv2 import InvertedResidual
 
 from ssd_lightning.models._loading import load_state_dict_strict
+from ssd_lightning.models.backbones import SSDBackbone, register_backbone
 
 __all__ = [
     "DEFAULT_INVERTED_RESIDUAL_SETTING",
@@ -235,3 +237,25 @@ class MobileNetV2SSDBackbone(nn.Module):
         """
         first = list(self.stage1)
         return [first[:2], first[2:4], first[4:], list(self.stage2)]
+
+
+def zero_init_inverted_residuals(module: nn.Module) -> int:
+    """Zero the scale of the last BatchNorm of every ``InvertedResidual`` with a skip connection: each
+    starts as the identity. Returns how many."""
+    norms = [b.conv[-1] for b in module.modules() if isinstance(b, InvertedResidual) and b.use_res_connect]
+    for norm in norms:
+        nn.init.zeros_(norm.weight)
+    return len(norms)
+
+
+register_backbone(
+    "mobilenet_v2",
+    SSDBackbone(
+        build=lambda weights=None, width_mult=1.0: MobileNetV2SSDBackbone(
+            width_mult=width_mult, weights=weights
+        ),
+        level_channels=(-1, -1, 512, 256, 256, 256),  # levels 0-1 come from the backbone
+        zero_init=zero_init_inverted_residuals,
+        width=True,
+    ),
+)

@@ -12,16 +12,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torchvision.models.mobilenetv2 import InvertedResidual
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from ssd_lightning.models.backbones import RESNET_NAMES, resnet_backbone
+from ssd_lightning.models.backbones import SSD_BACKBONES
 
 __all__ = [
     "SSD300",
     "ssd300",
-    "zero_init_residual_branches",
-    "BACKBONES",
     "EXTRA_MID_CHANNELS",
     "NUM_DEFAULTS",
     "FEATURE_SIZES",
@@ -35,17 +31,6 @@ NUM_DEFAULTS: tuple[int, ...] = (4, 6, 6, 6, 4, 4)
 FEATURE_SIZES: tuple[int, ...] = (38, 19, 10, 5, 3, 1)
 #: Mid (1x1 conv) channels of the extra block that produces level i, for i = 1..5.
 EXTRA_MID_CHANNELS: tuple[int, ...] = (256, 256, 128, 128, 128)
-
-#: Output channels of levels 0..5 per backbone (levels the backbone does not produce are extras).
-_LEVEL_CHANNELS: dict[str, tuple[int, ...]] = {
-    "resnet18": (256, 512, 512, 256, 256, 128),
-    "resnet34": (256, 512, 512, 256, 256, 256),
-    "resnet50": (1024, 512, 512, 256, 256, 256),
-    "resnet101": (1024, 512, 512, 256, 256, 256),
-    "resnet152": (1024, 512, 512, 256, 256, 256),
-    "mobilenet_v2": (-1, -1, 512, 256, 256, 256),  # levels 0-1 come from the backbone
-}
-BACKBONES: tuple[str, ...] = tuple(_LEVEL_CHANNELS)
 
 
 def _extra_block(in_channels: int, mid_channels: int, out_channels: int, level: int) -> nn.Sequential:
@@ -160,28 +145,6 @@ class SSD300(nn.Module):
         return torch.cat(locs, dim=2).contiguous(), torch.cat(logits, dim=2).contiguous()
 
 
-def zero_init_residual_branches(module: nn.Module) -> int:
-    """Zero the scale of the last BatchNorm of every residual branch in ``module``; returns how many.
-
-    Each residual block then starts as the identity (Goyal et al. 2017, torchvision's
-    ``zero_init_residual``), which makes deep networks trained from scratch learn faster early on. Covers
-    ResNet ``BasicBlock``/``Bottleneck`` and MobileNetV2 ``InvertedResidual`` blocks with a skip connection.
-    """
-    count = 0
-    for block in module.modules():
-        if isinstance(block, BasicBlock):
-            norm = block.bn2
-        elif isinstance(block, Bottleneck):
-            norm = block.bn3
-        elif isinstance(block, InvertedResidual) and block.use_res_connect:
-            norm = block.conv[-1]
-        else:
-            continue
-        nn.init.zeros_(norm.weight)
-        count += 1
-    return count
-
-
 def ssd300(
     *,
     backbone: str = "resnet50",
@@ -194,36 +157,36 @@ def ssd300(
     """Build SSD300 v1.1.
 
     Args:
-        backbone: ``resnet18``, ``resnet34``, ``resnet50``, ``resnet101``, ``resnet152`` or
-            ``mobilenet_v2``.
+        backbone: a name of :data:`~ssd_lightning.models.backbones.SSD_BACKBONES`: ``resnet18``,
+            ``resnet34``, ``resnet50``, ``resnet101``, ``resnet152``, ``mobilenet_v2``.
         num_classes: number of classes including background (81 for COCO).
         weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or
             ``None`` for random initialisation.
         background_prior: initial background probability of the class heads (see :class:`SSD300`);
             ``None`` = the reference init.
         zero_init_residual: start every residual block of a randomly initialised backbone as the identity
-            (:func:`zero_init_residual_branches`); skipped, with a log line, when ``weights_backbone`` is
-            given. From scratch the CPU demo reached AP@0.5 0.44 with it instead of 0.33 after 948 steps.
+            (the backbone's ``zero_init``; an error for a backbone without one); skipped, with a log line,
+            when ``weights_backbone`` is given. From scratch the CPU demo reached AP@0.5 0.44 with it
+            instead of 0.33 after 948 steps.
         width_mult: channel multiplier of the ``mobilenet_v2`` backbone (MobileNetV2's own width
             multiplier; torchvision weights exist for 1.0 only). The heads, extra layers, default boxes and
-            loss do not change. ResNets have none: another value is ignored for them, with a warning.
+            loss do not change. Backbones without one (ResNets) are built at full width, with a warning.
     """
-    if backbone not in _LEVEL_CHANNELS:
-        raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(BACKBONES)}")
-    if backbone in RESNET_NAMES and width_mult != 1.0:  # e.g. experiment=demo model.net.backbone=resnet18
-        log.warning("width_mult=%s applies to the mobilenet_v2 backbone only: %s is built at full width",
+    spec = SSD_BACKBONES.get(backbone)
+    if spec is None:
+        raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(SSD_BACKBONES)}")
+    if width_mult != 1.0 and not spec.width:  # e.g. experiment=demo model.net.backbone=resnet18
+        log.warning("width_mult=%s does not apply to the %s backbone: it is built at full width",
                     width_mult, backbone)  # fmt: skip
-    if backbone in RESNET_NAMES:
-        net: nn.Module = resnet_backbone(backbone, weights=weights_backbone)
-    else:
-        from ssd_lightning.models.mobilenetv2 import MobileNetV2SSDBackbone
-
-        net = MobileNetV2SSDBackbone(width_mult=width_mult, weights=weights_backbone)
+        width_mult = 1.0
+    if zero_init_residual and spec.zero_init is None:
+        raise ValueError(f"zero_init_residual=True: the {backbone} backbone has no residual branches to zero")
+    net = spec.build(weights=weights_backbone, width_mult=width_mult)
     if zero_init_residual and weights_backbone is None:
-        zero_init_residual_branches(net)
+        spec.zero_init(net)
     elif zero_init_residual:
         log.info("zero_init_residual skipped: the backbone starts from weights %s", weights_backbone)
-    extra = _LEVEL_CHANNELS[backbone][len(net.out_channels) :]
+    extra = spec.level_channels[len(net.out_channels) :]
     model = SSD300(net, extra, num_classes, background_prior=background_prior)
     model.backbone_name = backbone  # recorded for checkpoint import and benchmark reports
     # what rebuilds it (models/registry.py); the arguments that only initialise weights are left out
@@ -232,7 +195,7 @@ def ssd300(
         "args": {
             "backbone": backbone,
             "num_classes": int(num_classes),
-            "width_mult": float(width_mult) if backbone not in RESNET_NAMES else 1.0,
+            "width_mult": float(width_mult),
         },
     }
     return model

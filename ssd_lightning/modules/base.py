@@ -111,7 +111,8 @@ class RecipeModule(pl.LightningModule):
     Subclasses call ``super().__init__(net, ...)`` first, then ``self.save_hyperparameters(logger=False,
     ignore=["net", "optimizer"])``: their arguments must include ``lr_scaling``, ``scheduler``,
     ``init_from``, ``trust_checkpoint``, ``sync_batchnorm`` and ``ema_every_n_steps`` (the hooks below read
-    them from ``hparams``). They set ``model_kind`` (the checkpoint record's kind) and ``num_classes``.
+    them from ``hparams``). They set ``num_classes`` and add their :meth:`save_model_record` to
+    :meth:`on_save_checkpoint`.
 
     Args:
         net: the network; ``forward`` runs it (or another set of weights) in the module's memory format.
@@ -122,7 +123,6 @@ class RecipeModule(pl.LightningModule):
         ema_every_n_steps: optimizer steps between EMA updates (>= 1).
     """
 
-    model_kind: str
     num_classes: int | None
 
     def __init__(

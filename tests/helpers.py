@@ -300,3 +300,9 @@ def metric_by_epoch(run_dir: Path, key: str) -> dict[int, float]:
     """``{epoch: value}`` of an epoch-level metric (``train/loss_epoch``) in ``<run_dir>/csv/metrics.csv``."""
     rows = csv_rows(run_dir / "csv" / "metrics.csv")
     return {int(row["epoch"]): float(row[key]) for row in rows if row.get(key)}
+
+
+def encode_images(coder, boxes_ltrb, labels):
+    """``coder.encode`` per image, stacked: (boxes_cxcywh (N, 4, B), labels (N, B)), the loss's layout."""
+    encoded = [coder.encode(b, lab) for b, lab in zip(boxes_ltrb, labels, strict=True)]
+    return torch.stack([e[0] for e in encoded]).transpose(1, 2), torch.stack([e[1] for e in encoded])

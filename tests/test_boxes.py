@@ -10,34 +10,35 @@ from reference_ssd import RefEncoder, ref_dboxes300_coco
 from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 
 from ssd_lightning.models import BoxCoder, DefaultBoxes, dboxes300_coco
+from tests.helpers import encode_images
 
 
 def test_dboxes300_count_dtype_and_first_boxes():
     d = dboxes300_coco()
-    assert len(d) == 8732 and d.xywh.shape == (8732, 4) and d.ltrb.shape == (8732, 4)
-    assert d.xywh.dtype == torch.float32 and d.ltrb.dtype == torch.float32
+    assert len(d) == 8732 and d.cxcywh.shape == (8732, 4) and d.ltrb.shape == (8732, 4)
+    assert d.cxcywh.dtype == torch.float32 and d.ltrb.dtype == torch.float32
     assert (d.scale_xy, d.scale_wh) == (0.1, 0.2)
     fk = 300 / 8
     # Box 0: first location of the 38x38 map, size 21/300; box 1: the next column.
-    torch.testing.assert_close(d.xywh[0], torch.tensor([0.5 / fk, 0.5 / fk, 0.07, 0.07]))
-    torch.testing.assert_close(d.xywh[1], torch.tensor([1.5 / fk, 0.5 / fk, 0.07, 0.07]))
+    torch.testing.assert_close(d.cxcywh[0], torch.tensor([0.5 / fk, 0.5 / fk, 0.07, 0.07]))
+    torch.testing.assert_close(d.cxcywh[1], torch.tensor([1.5 / fk, 0.5 / fk, 0.07, 0.07]))
     # Box 38: second row. Box 1444: the sqrt(s1 * s2) size at the first location.
-    torch.testing.assert_close(d.xywh[38], torch.tensor([0.5 / fk, 1.5 / fk, 0.07, 0.07]))
+    torch.testing.assert_close(d.cxcywh[38], torch.tensor([0.5 / fk, 1.5 / fk, 0.07, 0.07]))
     s = math.sqrt(0.07 * 0.15)
-    torch.testing.assert_close(d.xywh[1444], torch.tensor([0.5 / fk, 0.5 / fk, s, s]))
+    torch.testing.assert_close(d.cxcywh[1444], torch.tensor([0.5 / fk, 0.5 / fk, s, s]))
     # Box 2*1444: aspect ratio 2 -> (w, h) = (s*sqrt2, s/sqrt2), then box 3*1444 the transpose.
     w, h = 0.07 * math.sqrt(2), 0.07 / math.sqrt(2)
-    torch.testing.assert_close(d.xywh[2 * 1444, 2:], torch.tensor([w, h]))
-    torch.testing.assert_close(d.xywh[3 * 1444, 2:], torch.tensor([h, w]))
+    torch.testing.assert_close(d.cxcywh[2 * 1444, 2:], torch.tensor([w, h]))
+    torch.testing.assert_close(d.cxcywh[3 * 1444, 2:], torch.tensor([h, w]))
     # The last box: the 1x1 map, aspect ratio 2 transposed, clamped to 1.
-    assert d.xywh[-1, 3].item() == 1.0
-    assert d.xywh.min() >= 0 and d.xywh.max() <= 1
-    torch.testing.assert_close(d.ltrb[:, :2], d.xywh[:, :2] - d.xywh[:, 2:] / 2)
+    assert d.cxcywh[-1, 3].item() == 1.0
+    assert d.cxcywh.min() >= 0 and d.cxcywh.max() <= 1
+    torch.testing.assert_close(d.ltrb[:, :2], d.cxcywh[:, :2] - d.cxcywh[:, 2:] / 2)
 
 
 def test_dboxes300_bitwise_equal_to_reference_construction():
     d, ref = dboxes300_coco(), ref_dboxes300_coco()
-    assert torch.equal(d.xywh, ref("xywh"))
+    assert torch.equal(d.cxcywh, ref("xywh"))
     assert torch.equal(d.ltrb, ref("ltrb"))
 
 
@@ -48,7 +49,7 @@ def test_dboxes300_same_set_as_torchvision_default_box_generator():
         steps=[8, 16, 32, 64, 100, 300],
     )
     tv = gen._grid_default_boxes([[s, s] for s in (38, 19, 10, 5, 3, 1)], [300, 300]).clamp(0, 1)
-    ours = dboxes300_coco().xywh
+    ours = dboxes300_coco().cxcywh
 
     def canonical(boxes: torch.Tensor) -> list[tuple[float, ...]]:
         return sorted(tuple(round(v, 5) for v in row) for row in boxes.tolist())
@@ -88,7 +89,7 @@ def test_encode_gt_equal_to_default_box(tiny_coder):
     torch.testing.assert_close(boxes[0], torch.tensor([0.25, 0.25, 0.5, 0.5]))
     torch.testing.assert_close(boxes[4], torch.tensor([0.25, 0.25, 0.5, 0.5]))
     # Unmatched default boxes carry themselves, as (cx, cy, w, h).
-    torch.testing.assert_close(boxes[[1, 2, 3, 5, 6, 7]], tiny_coder.default_boxes.xywh[[1, 2, 3, 5, 6, 7]])
+    torch.testing.assert_close(boxes[[1, 2, 3, 5, 6, 7]], tiny_coder.default_boxes.cxcywh[[1, 2, 3, 5, 6, 7]])
 
 
 def test_encode_forces_gt_below_threshold_onto_best_box(tiny_coder):
@@ -121,7 +122,7 @@ def test_encode_threshold_is_strict(tiny_coder):
 def test_encode_no_boxes_gives_background(tiny_coder):
     boxes, labels = tiny_coder.encode(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64))
     assert labels.tolist() == [0] * 8
-    torch.testing.assert_close(boxes, tiny_coder.default_boxes.xywh)
+    torch.testing.assert_close(boxes, tiny_coder.default_boxes.cxcywh)
 
 
 def test_encode_equals_reference_on_random_boxes():
@@ -139,10 +140,10 @@ def test_encode_equals_reference_on_random_boxes():
         assert (lab > 0).sum() >= m  # every ground truth got at least its forced box
 
 
-def test_encode_batch_and_input_checks(tiny_coder):
+def test_encode_per_image_and_input_checks(tiny_coder):
     gts = [torch.tensor([[0.0, 0.0, 0.5, 0.5]]), torch.tensor([[0.6, 0.6, 0.8, 0.8]])]
-    boxes, labels = tiny_coder.encode_batch(gts, [torch.tensor([3]), torch.tensor([2])])
-    assert boxes.shape == (2, 8, 4) and labels.tolist() == [
+    boxes, labels = encode_images(tiny_coder, gts, [torch.tensor([3]), torch.tensor([2])])
+    assert boxes.shape == (2, 4, 8) and labels.tolist() == [
         [3, 0, 0, 0, 3, 0, 0, 0],
         [0, 0, 0, 2, 0, 0, 0, 0],
     ]
@@ -160,7 +161,9 @@ def test_decode_boxes_inverts_encoding_offsets():
     # Offsets of a known box: xy = (g - d) / d_wh / 0.1, wh = log(g / d) / 0.2.
     g = torch.tensor([0.4, 0.5, 0.2, 0.3])
     i = 5000
-    off = torch.cat([(g[:2] - d.xywh[i, :2]) / d.xywh[i, 2:] / 0.1, torch.log(g[2:] / d.xywh[i, 2:]) / 0.2])
+    off = torch.cat(
+        [(g[:2] - d.cxcywh[i, :2]) / d.cxcywh[i, 2:] / 0.1, torch.log(g[2:] / d.cxcywh[i, 2:]) / 0.2]
+    )
     locs = torch.zeros(1, 4, 8732)
     locs[0, :, i] = off
     torch.testing.assert_close(coder.decode_boxes(locs)[0, i], torch.tensor([0.3, 0.35, 0.5, 0.65]))

@@ -18,7 +18,7 @@ def _tiny_dboxes() -> DefaultBoxes:
 def test_hand_computed_loss():
     d = _tiny_dboxes()
     loss_fn = SSDLoss(d)
-    gt_boxes = d.xywh.t().unsqueeze(0).repeat(2, 1, 1)  # every box matched to itself: targets 0
+    gt_boxes = d.cxcywh.t().unsqueeze(0).repeat(2, 1, 1)  # every box matched to itself: targets 0
     gt_labels = torch.zeros(2, 8, dtype=torch.int64)
     gt_labels[0, 0] = 1  # image 0: one positive; image 1: none
     locs = torch.full((2, 4, 8), 7.0)  # non-positives' offsets must not count
@@ -30,7 +30,7 @@ def test_hand_computed_loss():
 
 def test_hard_negatives_are_the_largest_ce():
     d = _tiny_dboxes()
-    gt_boxes = d.xywh.t().unsqueeze(0)
+    gt_boxes = d.cxcywh.t().unsqueeze(0)
     gt_labels = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]])
     logits = torch.zeros(1, 2, 8)
     logits[0, 1, 1:] = torch.tensor([5.0, -5.0, 4.0, -4.0, 3.0, 1.0, 0.0])  # CE of negatives rises with it
@@ -44,7 +44,7 @@ def test_equals_reference_loss_on_random_inputs():
     torch.manual_seed(0)
     n, c, b = 3, 7, 8732
     ours, ref = SSDLoss(dboxes300_coco()), RefLoss(ref_dboxes300_coco())
-    dboxes = dboxes300_coco().xywh.t()
+    dboxes = dboxes300_coco().cxcywh.t()
     labels = torch.randint(1, c, (n, b)) * (torch.rand(n, b) < 0.02)
     labels[2] = 0  # an image without positives
     labels[1, :4000] = torch.randint(1, c, (4000,))  # 3 * positives > B: the clamp of negatives
@@ -61,8 +61,9 @@ def test_equals_reference_loss_on_random_inputs():
     g_ref = torch.autograd.grad(want, (locs, logits))
     for a, r in zip(g_ours, g_ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
-    # The batch layout (N, B, 4) gives the same value.
-    torch.testing.assert_close(ours(locs, logits, gt.transpose(1, 2), labels), got)
+    # One layout: the batches' (N, B, 4) must be transposed by the caller, not guessed from the shape.
+    with pytest.raises(ValueError, match=r"gt_boxes_cxcywh must have shape \(3, 4, 8732\)"):
+        ours(locs, logits, gt.transpose(1, 2), labels)
 
 
 def test_float32_under_bf16_autocast():
@@ -70,7 +71,7 @@ def test_float32_under_bf16_autocast():
     d = dboxes300_coco()
     loss_fn = SSDLoss(d)
     labels = torch.randint(1, 5, (2, 8732)) * (torch.rand(2, 8732) < 0.01)
-    gt = d.xywh.t().unsqueeze(0).repeat(2, 1, 1)
+    gt = d.cxcywh.t().unsqueeze(0).repeat(2, 1, 1)
     locs, logits = torch.randn(2, 4, 8732).bfloat16(), torch.randn(2, 5, 8732).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(locs, logits, gt, labels)

@@ -11,6 +11,7 @@ from torch import nn
 from ssd_lightning.models import SSD300, BoxCoder, SSDLoss, dboxes300_coco, ssd300
 from ssd_lightning.models.backbones import SSD_BACKBONES
 from ssd_lightning.models.boxes import box_iou
+from tests.helpers import encode_images
 
 
 @pytest.mark.parametrize(("backbone", "params"), [("resnet50", 22_894_902), ("resnet18", 14_048_310)])
@@ -181,7 +182,7 @@ def test_tiny_overfit_recovers_boxes():
     for img, boxes, labs in zip(images, gts, labels, strict=True):
         for (x0, y0, x1, y1), lab in zip((boxes * 300).long().tolist(), labs.tolist(), strict=True):
             img[lab - 1, y0:y1, x0:x1] = 1.0  # class 1 red, class 2 green
-    gt_boxes, gt_labels = coder.encode_batch(gts, labels)
+    gt_boxes, gt_labels = encode_images(coder, gts, labels)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(80):

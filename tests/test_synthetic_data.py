@@ -29,7 +29,7 @@ def test_detection_targets_are_boxcoder_encodings():
 
     dm = SyntheticDetectionDataModule(batch_size=2, num_classes=3, steps_per_epoch=1, seed=3)
     b = next(iter(dm.train_dataloader()))
-    dboxes = dboxes300_coco().xywh
+    dboxes = dboxes300_coco().cxcywh
     for k in range(2):
         neg = b["labels"][k] == 0
         torch.testing.assert_close(b["boxes"][k][neg], dboxes[neg])

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ssd_lightning.errors import DataError
+from ssd_lightning.models.boxes import box_iou
 
 __all__ = [
     "SIZE_BUCKETS",
@@ -214,20 +215,6 @@ def label_statistics(arrays: CocoArrays) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- default boxes
-def iou_float32(boxes: Tensor, anchors: Tensor) -> Tensor:
-    """IoU of (..., M, 4) ltrb ``boxes`` with (B, 4) ltrb ``anchors`` -> (..., M, B) float32, with DALI's
-    box_encoder arithmetic (no overlap along either axis: 0)."""
-    gl, gt, gr, gb = (c[..., None] for c in boxes.unbind(-1))  # (..., M, 1) each
-    al, at, ar, ab = anchors.unbind(-1)  # (B,) each
-    width = torch.minimum(gr, ar).sub_(torch.maximum(gl, al))
-    height = torch.minimum(gb, ab).sub_(torch.maximum(gt, at))
-    overlap = (width > 0).logical_and_(height > 0)
-    inter = width.mul_(height)
-    union = ((gb - gt) * (gr - gl)) + ((ab - at) * (ar - al))  # (..., M, B)
-    iou = inter.div_(union.sub_(inter))
-    return iou.masked_fill_(~overlap, 0.0)
-
-
 def _last_argmax(values: Tensor, dim: int) -> Tensor:
     """Index of the maximum along ``dim``; among equal maxima the largest index (DALI's ``>=`` scan)."""
     n = values.shape[dim]
@@ -268,7 +255,7 @@ def match_default_boxes(
         idx = order[start : start + take]
         start += take
         gt = torch.as_tensor(np.stack([np.asarray(boxes_ltrb[i], dtype=np.float32) for i in idx]))
-        ious = iou_float32(gt, anchors)  # (n, m, B)
+        ious = box_iou(gt, anchors)  # (n, m, B)
         best, _ = ious.max(dim=2)  # (n, m)
         forced_at = _last_argmax(ious, 2)  # (n, m)
         ious.scatter_(2, forced_at[..., None], 2.0)
@@ -357,11 +344,11 @@ def default_box_fit(
 
 
 # -------------------------------------------------------------------------------------------- batches
-def decode_targets(boxes_xywh: Tensor, labels: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+def decode_targets(boxes_cxcywh: Tensor, labels: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
     """Training targets back to ground truth: per image the distinct (box, label) pairs of its positives.
 
     Args:
-        boxes_xywh: (N, B, 4) the batch's ``boxes``: per default box its target (cx, cy, w, h) relative.
+        boxes_cxcywh: (N, B, 4) the batch's ``boxes``: per default box its target (cx, cy, w, h) relative.
         labels: (N, B) the batch's ``labels`` (0: background).
 
     Returns:
@@ -369,10 +356,12 @@ def decode_targets(boxes_xywh: Tensor, labels: Tensor) -> list[tuple[np.ndarray,
         (a ground-truth box that no default box carries, or two identical boxes with one label, show once).
     """
     out = []
-    for boxes, lab in zip(boxes_xywh.float(), labels, strict=True):
+    for boxes, lab in zip(boxes_cxcywh.float(), labels, strict=True):
         pos = lab > 0
-        xywh = boxes[pos].numpy()
-        ltrb = np.concatenate([xywh[:, :2] - 0.5 * xywh[:, 2:], xywh[:, :2] + 0.5 * xywh[:, 2:]], axis=1)
+        cxcywh = boxes[pos].numpy()
+        ltrb = np.concatenate(
+            [cxcywh[:, :2] - 0.5 * cxcywh[:, 2:], cxcywh[:, :2] + 0.5 * cxcywh[:, 2:]], axis=1
+        )
         rows = np.concatenate([ltrb, lab[pos].numpy()[:, None].astype(np.float32)], axis=1)
         uniq = np.unique(rows, axis=0) if len(rows) else rows.reshape(0, 5)
         out.append((uniq[:, :4].astype(np.float32), uniq[:, 4].astype(np.int64)))

@@ -2,8 +2,11 @@
 
 Box formats used throughout:
 
-* ``xywh``: (cx, cy, w, h), relative to the image size, so in [0, 1] for boxes inside the image;
-* ``ltrb``: (left, top, right, bottom), same units.
+* ``cxcywh``: (cx, cy, w, h), relative to the image size, so in [0, 1] for boxes inside the image;
+* ``ltrb``: (left, top, right, bottom), same units (torchvision's ``xyxy``).
+
+``xywh`` is COCO's (left, top, w, h) in pixels wherever this package uses the name (evaluation, error
+analysis, annotation files); the NVIDIA reference calls the centre form ``xywh`` too.
 
 The default-box order is the NVIDIA reference order: per feature map (38, 19, 10, 5, 3, 1), per box
 size, per location (row-major). The SSD300 heads produce their outputs in exactly this order.
@@ -25,9 +28,9 @@ __all__ = [
     "DefaultBoxes",
     "box_iou",
     "dboxes300_coco",
-    "ltrb_to_xywh",
+    "ltrb_to_cxcywh",
     "scale_to_pixels",
-    "xywh_to_ltrb",
+    "cxcywh_to_ltrb",
 ]
 
 
@@ -113,30 +116,32 @@ def scale_to_pixels(
     return [{**det, "boxes": det["boxes"] * scale[i]} for i, det in enumerate(detections)]
 
 
-def xywh_to_ltrb(boxes: Tensor) -> Tensor:
+def cxcywh_to_ltrb(boxes: Tensor) -> Tensor:
     """(..., 4) (cx, cy, w, h) -> (..., 4) (l, t, r, b)."""
     cxcy, wh = boxes[..., :2], boxes[..., 2:]
     return torch.cat([cxcy - 0.5 * wh, cxcy + 0.5 * wh], dim=-1)
 
 
-def ltrb_to_xywh(boxes: Tensor) -> Tensor:
+def ltrb_to_cxcywh(boxes: Tensor) -> Tensor:
     """(..., 4) (l, t, r, b) -> (..., 4) (cx, cy, w, h)."""
     lt, rb = boxes[..., :2], boxes[..., 2:]
     return torch.cat([0.5 * (lt + rb), rb - lt], dim=-1)
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU of every pair: (M, 4) ltrb x (K, 4) ltrb -> (M, K).
+    """IoU of every pair: (..., M, 4) ltrb x (..., K, 4) ltrb -> (..., M, K), leading dims broadcast.
 
-    Same arithmetic as the reference ``calc_iou_tensor`` (intersection clamped at 0, no epsilon).
+    The package's one IoU (the model's matcher and NMS, data inspection). Same arithmetic as the
+    reference ``calc_iou_tensor`` and ``torchvision.ops.box_iou`` (intersection clamped at 0, no epsilon),
+    so decisions match both bit for bit; torchvision's takes no batch dimensions.
     """
-    lt = torch.maximum(boxes1[:, None, :2], boxes2[None, :, :2])
-    rb = torch.minimum(boxes1[:, None, 2:], boxes2[None, :, 2:])
+    lt = torch.maximum(boxes1[..., :, None, :2], boxes2[..., None, :, :2])
+    rb = torch.minimum(boxes1[..., :, None, 2:], boxes2[..., None, :, 2:])
     wh = (rb - lt).clamp(min=0)
     inter = wh[..., 0] * wh[..., 1]
-    area1 = (boxes1[:, 2] - boxes1[:, 0]) * (boxes1[:, 3] - boxes1[:, 1])
-    area2 = (boxes2[:, 2] - boxes2[:, 0]) * (boxes2[:, 3] - boxes2[:, 1])
-    return inter / (area1[:, None] + area2[None, :] - inter)
+    area1 = (boxes1[..., 2] - boxes1[..., 0]) * (boxes1[..., 3] - boxes1[..., 1])
+    area2 = (boxes2[..., 2] - boxes2[..., 0]) * (boxes2[..., 3] - boxes2[..., 1])
+    return inter / (area1[..., :, None] + area2[..., None, :] - inter)
 
 
 class DefaultBoxes:
@@ -154,8 +159,8 @@ class DefaultBoxes:
         scale_wh: variance of the log size offsets (0.2 in SSD).
 
     Attributes:
-        xywh: (B, 4) float32 (cx, cy, w, h), clamped to [0, 1] as the reference does.
-        ltrb: (B, 4) float32 (l, t, r, b) computed from the clamped ``xywh`` (so it may leave [0, 1]
+        cxcywh: (B, 4) float32 (cx, cy, w, h), clamped to [0, 1] as the reference does.
+        ltrb: (B, 4) float32 (l, t, r, b) computed from the clamped ``cxcywh`` (so it may leave [0, 1]
             slightly for boxes at the border, exactly like the reference).
     """
 
@@ -200,11 +205,11 @@ class DefaultBoxes:
             for w, h in sizes:
                 for i, j in itertools.product(range(sfeat), repeat=2):
                     boxes.append(((j + 0.5) / fk, (i + 0.5) / fk, w, h))
-        self.xywh: Tensor = torch.tensor(boxes, dtype=torch.float32).clamp_(min=0, max=1)
-        self.ltrb: Tensor = xywh_to_ltrb(self.xywh)
+        self.cxcywh: Tensor = torch.tensor(boxes, dtype=torch.float32).clamp_(min=0, max=1)
+        self.ltrb: Tensor = cxcywh_to_ltrb(self.cxcywh)
 
     def __len__(self) -> int:
-        return self.xywh.shape[0]
+        return self.cxcywh.shape[0]
 
     def __repr__(self) -> str:
         return (
@@ -251,11 +256,11 @@ class BoxCoder:
         return len(self.default_boxes)
 
     def _dboxes(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(ltrb (B, 4), xywh (B, 4)) float32 on ``device``."""
+        """(ltrb (B, 4), cxcywh (B, 4)) float32 on ``device``."""
         if device not in self._cache:
             self._cache[device] = (
                 self.default_boxes.ltrb.to(device),
-                self.default_boxes.xywh.to(device),
+                self.default_boxes.cxcywh.to(device),
             )
         return self._cache[device]
 
@@ -269,7 +274,7 @@ class BoxCoder:
             iou_threshold: a default box takes its best ground truth when their IoU is > this.
 
         Returns:
-            ``boxes_xywh`` (B, 4) float32: per default box its matched ground truth as (cx, cy, w, h), or
+            ``boxes_cxcywh`` (B, 4) float32: per default box its matched ground truth as (cx, cy, w, h), or
             the default box itself when unmatched; ``labels`` (B,) int64, 0 where unmatched.
 
         Every ground truth is also forced onto its best default box (IoU to that box counted as 2); if
@@ -300,16 +305,7 @@ class BoxCoder:
             matched = best_gt_iou > iou_threshold
             out_labels[matched] = labels.to(torch.int64)[best_gt[matched]]
             out_boxes[matched] = boxes_ltrb[best_gt[matched]]
-        return ltrb_to_xywh(out_boxes), out_labels
-
-    def encode_batch(
-        self, boxes_ltrb: Sequence[Tensor], labels: Sequence[Tensor], iou_threshold: float = 0.5
-    ) -> tuple[Tensor, Tensor]:
-        """:meth:`encode` for a list of images -> (boxes_xywh (N, B, 4), labels (N, B) int64)."""
-        if len(boxes_ltrb) != len(labels):
-            raise ValueError(f"got {len(boxes_ltrb)} box tensors but {len(labels)} label tensors")
-        encoded = [self.encode(b, lab, iou_threshold) for b, lab in zip(boxes_ltrb, labels, strict=True)]
-        return torch.stack([e[0] for e in encoded]), torch.stack([e[1] for e in encoded])
+        return ltrb_to_cxcywh(out_boxes), out_labels
 
     # ------------------------------------------------------------------ decode
     def decode_boxes(self, locs: Tensor) -> Tensor:
@@ -317,13 +313,13 @@ class BoxCoder:
 
         Same float32 operations, in the same order, as the reference ``scale_back_batch``.
         """
-        _, dboxes_xywh = self._dboxes(locs.device)
-        dboxes_xywh = dboxes_xywh.unsqueeze(0)
+        _, dboxes_cxcywh = self._dboxes(locs.device)
+        dboxes_cxcywh = dboxes_cxcywh.unsqueeze(0)
         boxes = locs.float().clone().permute(0, 2, 1)  # (N, B, 4)
         boxes[:, :, :2] = self.scale_xy * boxes[:, :, :2]
         boxes[:, :, 2:] = self.scale_wh * boxes[:, :, 2:]
-        boxes[:, :, :2] = boxes[:, :, :2] * dboxes_xywh[:, :, 2:] + dboxes_xywh[:, :, :2]
-        boxes[:, :, 2:] = boxes[:, :, 2:].exp() * dboxes_xywh[:, :, 2:]
+        boxes[:, :, :2] = boxes[:, :, :2] * dboxes_cxcywh[:, :, 2:] + dboxes_cxcywh[:, :, :2]
+        boxes[:, :, 2:] = boxes[:, :, 2:].exp() * dboxes_cxcywh[:, :, 2:]
         left = boxes[:, :, 0] - 0.5 * boxes[:, :, 2]
         top = boxes[:, :, 1] - 0.5 * boxes[:, :, 3]
         right = boxes[:, :, 0] + 0.5 * boxes[:, :, 2]
@@ -497,7 +493,7 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
     step = max(1, _PAIRS_PER_CHUNK // (width * width))
     for start in range(0, dense_rows.numel(), step):
         r = dense_rows[start : start + step]
-        keep[r] = _greedy_nms_dense(boxes[r], area[r], valid[r], iou_threshold)
+        keep[r] = _greedy_nms_dense(boxes[r], valid[r], iou_threshold)
 
     sparse_rows = (needs_nms & sparse_ok).nonzero().squeeze(1)
     if sparse_rows.numel() == 0:
@@ -563,13 +559,9 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
         alive = new
 
 
-def _greedy_nms_dense(boxes: Tensor, area: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
+def _greedy_nms_dense(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
     """Greedy NMS over all K^2 pairs of (G, K, 4) ltrb rows in processing order -> keep (G, K)."""
-    lt = torch.maximum(boxes[:, :, None, :2], boxes[:, None, :, :2])  # (G, K, K, 2)
-    rb = torch.minimum(boxes[:, :, None, 2:], boxes[:, None, :, 2:])
-    wh = (rb - lt).clamp(min=0)
-    inter = wh[..., 0] * wh[..., 1]
-    suppress = ~(inter / (area[:, :, None] + area[:, None, :] - inter) < iou_threshold)  # [g, i, j]
+    suppress = ~(box_iou(boxes, boxes) < iou_threshold)  # [g, i, j]
     alive = valid.clone()
     for i in range(boxes.shape[1] - 1):
         alive[:, i + 1 :] &= ~(suppress[:, i, i + 1 :] & alive[:, i, None])

@@ -31,32 +31,30 @@ class SSDLoss(nn.Module):
         self.scale_wh = 1.0 / default_boxes.scale_wh
         self.neg_pos_ratio = neg_pos_ratio
         # (1, 4, B) (cx, cy, w, h); a buffer so it follows .to(device) but is not saved in checkpoints.
-        self.register_buffer("dboxes", default_boxes.xywh.t().unsqueeze(0).contiguous(), persistent=False)
+        self.register_buffer("dboxes", default_boxes.cxcywh.t().unsqueeze(0).contiguous(), persistent=False)
 
-    def _encode_targets(self, gt_boxes_xywh: Tensor) -> Tensor:
+    def _encode_targets(self, gt_boxes_cxcywh: Tensor) -> Tensor:
         """(N, 4, B) ground-truth (cx, cy, w, h) -> (N, 4, B) regression targets."""
         d = self.dboxes
-        gxy = self.scale_xy * (gt_boxes_xywh[:, :2, :] - d[:, :2, :]) / d[:, 2:, :]
-        gwh = self.scale_wh * (gt_boxes_xywh[:, 2:, :] / d[:, 2:, :]).log()
+        gxy = self.scale_xy * (gt_boxes_cxcywh[:, :2, :] - d[:, :2, :]) / d[:, 2:, :]
+        gwh = self.scale_wh * (gt_boxes_cxcywh[:, 2:, :] / d[:, 2:, :]).log()
         return torch.cat((gxy, gwh), dim=1)
 
-    def forward(self, locs: Tensor, logits: Tensor, gt_boxes_xywh: Tensor, gt_labels: Tensor) -> Tensor:
+    def forward(self, locs: Tensor, logits: Tensor, gt_boxes_cxcywh: Tensor, gt_labels: Tensor) -> Tensor:
         """Scalar float32 loss.
 
         Args:
             locs: (N, 4, B) predicted offsets.
             logits: (N, C, B) class logits.
-            gt_boxes_xywh: (N, 4, B) matched ground truth per default box as (cx, cy, w, h) in [0, 1];
-                the batch layout (N, B, 4) is accepted too.
+            gt_boxes_cxcywh: (N, 4, B) matched ground truth per default box as (cx, cy, w, h) in [0, 1]
+                (the batches' ``boxes`` are (N, B, 4): transpose them).
             gt_labels: (N, B) int64 labels, 0 = background.
         """
         num_boxes = self.dboxes.shape[-1]
-        if gt_boxes_xywh.ndim == 3 and gt_boxes_xywh.shape[1:] == (num_boxes, 4):
-            gt_boxes_xywh = gt_boxes_xywh.transpose(1, 2)
         n = locs.shape[0]
         for name, t, shape in (
             ("locs", locs, (n, 4, num_boxes)),
-            ("gt_boxes_xywh", gt_boxes_xywh, (n, 4, num_boxes)),
+            ("gt_boxes_cxcywh", gt_boxes_cxcywh, (n, 4, num_boxes)),
             ("gt_labels", gt_labels, (n, num_boxes)),
         ):
             if tuple(t.shape) != shape:
@@ -65,12 +63,12 @@ class SSDLoss(nn.Module):
             raise ValueError(f"logits must have shape ({n}, C, {num_boxes}), got {tuple(logits.shape)}")
 
         with torch.autocast(device_type=locs.device.type, enabled=False):
-            locs, logits, gt_boxes_xywh = locs.float(), logits.float(), gt_boxes_xywh.float()
+            locs, logits, gt_boxes_cxcywh = locs.float(), logits.float(), gt_boxes_cxcywh.float()
             gt_labels = gt_labels.long()
             positive = gt_labels > 0  # (N, B)
             num_pos = positive.sum(dim=1)  # (N,)
 
-            targets = self._encode_targets(gt_boxes_xywh)
+            targets = self._encode_targets(gt_boxes_cxcywh)
             sl1 = F.smooth_l1_loss(locs, targets, reduction="none").sum(dim=1)  # (N, B)
             loc_loss = torch.where(positive, sl1, torch.zeros_like(sl1)).sum(dim=1)
 

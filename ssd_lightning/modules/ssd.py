@@ -141,7 +141,7 @@ class SSDLitModule(RecipeModule):
         locs, logits = self(batch["images"])
         # (N, 8732, 4) -> (N, 4, 8732): the loss works in the network's output layout
         gt_boxes = batch["boxes"].transpose(1, 2)
-        loss = self.loss_fn(locs.float(), logits.float(), gt_boxes.float(), batch["labels"].long())
+        loss = self.loss_fn(locs, logits, gt_boxes, batch["labels"])  # in float32, whatever the autocast
         # not prog_bar=True: Lightning would read it back to the host every step (a device sync); the
         # progress bar (callbacks.progress_bar) shows it when it redraws, LearningRateMonitor logs the LR.
         # The step value is this rank's; the epoch value the mean over all ranks, reduced at the epoch's

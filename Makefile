@@ -21,7 +21,7 @@ OTHER_DALI := $(foreach line,$(filter-out $(subst $(comma), ,$(EXTRAS)),$(DALI_L
 # The main venv's line (cuda130) is covered by the suite itself; `make test TEST_DALI_LINES=` skips the rest.
 TEST_DALI_LINES ?= cuda110
 
-.PHONY: setup train test test-all test-fast test-dali-lines lint format clean
+.PHONY: setup setup-dali-lines train test test-all test-fast test-dali-lines lint format clean
 
 setup: $(STAMP)
 
@@ -49,8 +49,13 @@ format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
+# The DALI-line venvs are installed while the main suite runs (mostly waiting on pip and disk); their log is
+# shown if that fails.
 test: setup lint  ## what CI runs: lint, the test suite (GPU tests skip without CUDA), the DALI tests per line
-	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory setup-dali-lines >$(VENV)/setup-dali-lines.log 2>&1 & lines=$$!; \
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS); status=$$?; \
+	wait $$lines || { cat $(VENV)/setup-dali-lines.log; echo "make setup-dali-lines failed (log above)"; exit 1; }; \
+	test $$status -eq 0 || exit $$status
 	@$(MAKE) --no-print-directory test-dali-lines
 
 test-all: setup  ## every test, without lint
@@ -58,6 +63,11 @@ test-all: setup  ## every test, without lint
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+setup-dali-lines:  ## one venv per line of TEST_DALI_LINES (.venv-<line>)
+	@for line in $(TEST_DALI_LINES); do \
+	  $(MAKE) --no-print-directory VENV=.venv-$$line EXTRAS=dev,$$line setup || exit 1; \
+	done
 
 test-dali-lines:  ## the DALI-dependent tests (marker `dali`) in one venv per line of TEST_DALI_LINES
 	@for line in $(TEST_DALI_LINES); do \

@@ -48,7 +48,6 @@ __all__ = [
     "format_summary",
     "per_class_metrics",
     "to_coco_array",
-    "to_coco_results",
     "write_coco_results_json",
 ]
 
@@ -207,12 +206,6 @@ def write_coco_results_json(file: str | os.PathLike | IO[str], array: np.ndarray
         Path(file).write_text(text)
     else:
         file.write(text)
-
-
-def to_coco_results(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """:func:`to_coco_array` (same arguments) as the COCO results list
-    ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}, ...]`` (pixels, top-left corner)."""
-    return coco_array_to_results(to_coco_array(*args, **kwargs))
 
 
 def detections_to_coco_array(

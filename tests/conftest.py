@@ -93,14 +93,17 @@ def _dali_builds_need_a_marker(request, monkeypatch):
 LONGEST_FIRST = (
     "test_docs_commands_run.py",
     "test_docs_harnesses_run.py",
-    "test_readme_commands.py",
-    "test_benchmark_tasks.py",
     "test_signals_multiprocess.py",
-    "test_gpu_benchmark_script.py",
+    "test_readme_commands.py",
     "test_checkpoint_is_a_model.py",
-    "test_training_controls.py",
-    "test_sweeps.py",
     "test_distributed.py",
+    "test_benchmark_tasks.py",
+    "test_gpu_benchmark_script.py",
+    "test_training_controls.py",
+    "test_interrupt.py",
+    "test_loggers_tracking.py",
+    "test_sweeps.py",
+    "test_data_ddp.py",
 )
 
 

@@ -1,4 +1,4 @@
-"""evaluate_coco / to_coco_results: known answers, equivalence with pycocotools by hand, both backends."""
+"""evaluate_coco / to_coco_array: known answers, equivalence with pycocotools by hand, both backends."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ from ssd_lightning.evaluation import (
     detections_to_coco_results,
     evaluate_coco,
     to_coco_array,
-    to_coco_results,
     write_coco_results_json,
 )
 
 CATEGORIES = [{"id": 3, "name": "a"}, {"id": 7, "name": "b"}, {"id": 12, "name": "c"}]
+
+
+def to_coco_results(*args, **kwargs):
+    """:func:`to_coco_array` (same arguments) as the COCO results list."""
+    return coco_array_to_results(to_coco_array(*args, **kwargs))
 
 
 class DuckCategoryMap:

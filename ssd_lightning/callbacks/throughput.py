@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ssd_lightning import compat
-from ssd_lightning.io.atomic import atomic_write
+from ssd_lightning.io.atomic import atomic_write_json
 from ssd_lightning.tables import markdown_table
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ __all__ = [
     "peak_memory",
     "percentile",
     "throughput_statistics",
-    "write_json_atomic",
 ]
 
 
@@ -166,11 +165,6 @@ def dali_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def write_json_atomic(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
-    """Write ``data`` as indented JSON to ``path``, atomically (:mod:`ssd_lightning.io.atomic`)."""
-    return atomic_write(path, lambda f: f.write(json.dumps(data, indent=2) + "\n"))
 
 
 def format_table(results: Mapping[str, Any]) -> str:
@@ -451,7 +445,7 @@ class ThroughputBenchmark(pl.Callback):
         self.results = self._describe(trainer, pl_module, statistics, memory, memory_kind, int(per_device))
         if trainer.is_global_zero:
             out_dir = self.output_dir or Path(trainer.default_root_dir)
-            path = write_json_atomic(out_dir / RESULTS_FILENAME, self.results)
+            path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
             self.results_path = path
             if self.print_table:
                 print(format_table(self.results) + f"\nwritten to {path}", flush=True)

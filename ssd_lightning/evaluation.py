@@ -42,7 +42,6 @@ __all__ = [
     "detections_to_coco_results",
     "evaluate_coco",
     "evaluate_coco_detailed",
-    "evaluate_coco_per_class",
     "per_class_records",
     "format_per_class_table",
     "format_summary",
@@ -594,7 +593,7 @@ def evaluate_coco(
             ground truth among the evaluated images, in category id order after the 12 stats; a category
             without ground truth is left out (its AP is undefined). ``<name>`` is the category name with
             ``/`` replaced by ``_`` (see :class:`ClassAP` ``.key``). Read from the same evaluation: no
-            extra COCOeval run. :func:`evaluate_coco_per_class` gives the rows with ids and GT counts.
+            extra COCOeval run. :func:`evaluate_coco_detailed` gives the rows with ids and GT counts.
 
     Returns:
         The 12 COCOeval stats as ``{name: float}`` in ``COCO_STAT_NAMES`` order (then the per-class APs).
@@ -611,24 +610,6 @@ def evaluate_coco(
     if per_class:
         stats.update(per_class_metrics(_class_rows(evaluated)))
     return stats
-
-
-def evaluate_coco_per_class(
-    annotation_file: str | os.PathLike,
-    detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
-    backend: str = DEFAULT_BACKEND,
-    *,
-    verbose: bool = True,
-    image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-) -> tuple[dict[str, float], list[ClassAP]]:
-    """:func:`evaluate_coco` (same arguments) that also returns one :class:`ClassAP` row per category of the
-    annotation file, in category id order, with NaN AP for the categories without ground truth.
-
-    Returns:
-        ``(stats, classes)``: the 12 stats of :func:`evaluate_coco` and the per-class rows.
-    """
-    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
-    return _named_stats(evaluated, backend), _class_rows(evaluated)
 
 
 @dataclass(frozen=True)
@@ -671,8 +652,9 @@ def evaluate_coco_detailed(
     verbose: bool = True,
     image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
 ) -> CocoEvaluation:
-    """:func:`evaluate_coco_per_class` (same arguments, one COCOeval run) that also keeps the accumulated
-    precision array and the parameters needed to read it (:class:`CocoEvaluation`)."""
+    """:func:`evaluate_coco` (same arguments, one COCOeval run) with one :class:`ClassAP` row per category of
+    the annotation file (category id order, NaN AP without ground truth), the accumulated precision array and
+    the parameters needed to read it (:class:`CocoEvaluation`)."""
     evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
     params = evaluated.coco_eval.params
     max_dets_index = int(np.argmax(params.maxDets))

@@ -18,13 +18,18 @@ from ssd_lightning.evaluation import (
     ClassAP,
     class_ap_from_precision,
     evaluate_coco,
-    evaluate_coco_per_class,
+    evaluate_coco_detailed,
     format_per_class_table,
     per_class_metrics,
 )
 from tests.test_evaluation import _ann, _det, _random_coco_box, _write
 
 HIT_HALF = 51 / 101  # precision 1 up to recall 0.5, nothing beyond: 51 of the 101 recall points
+
+
+def _per_class(*args, **kwargs):
+    evaluated = evaluate_coco_detailed(*args, **kwargs)
+    return evaluated.stats, evaluated.classes
 
 
 def _images(ids, w=640, h=480):
@@ -68,7 +73,7 @@ def hand_case(tmp_path) -> tuple[Path, list[dict]]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hand_computed_per_class(hand_case, backend):
     ann_file, dets = hand_case
-    stats, classes = evaluate_coco_per_class(ann_file, dets, backend, verbose=False)
+    stats, classes = _per_class(ann_file, dets, backend, verbose=False)
     by_id = {row.category_id: row for row in classes}
     assert list(by_id) == [1, 2, 5, 9, 11]  # every category of the file, in id order
 
@@ -163,7 +168,7 @@ def test_metric_keys_are_safe_and_unique(tmp_path, backend):
     anns = [_ann(i, 1, i, [10 + 60 * i, 10, 40, 40]) for i in range(1, 5)]
     dets = [_det(1, i, [10 + 60 * i, 10, 40, 40], 0.9) for i in range(1, 5)]
     ann_file = _write(tmp_path / "names.json", _images([1]), anns, categories)
-    _, classes = evaluate_coco_per_class(ann_file, dets, backend, verbose=False)
+    _, classes = _per_class(ann_file, dets, backend, verbose=False)
     assert [r.key for r in classes] == ["a_b_1", "a_b_2", "category_3", "traffic light"]
     assert [r.name for r in classes] == ["a/b", "a_b", "  ", " traffic light "]
     flat = evaluate_coco(ann_file, dets, backend, verbose=False, per_class=True)
@@ -239,7 +244,7 @@ def _restricted_cocoeval(backend: str, ann_file: Path, dets: list[dict], cat: in
 def test_matches_cocoeval_restricted_to_each_category(tmp_path, seed):
     ann_file, dets = _generated(tmp_path, seed)
     for backend in BACKENDS:
-        _, classes = evaluate_coco_per_class(ann_file, dets, backend, verbose=False)
+        _, classes = _per_class(ann_file, dets, backend, verbose=False)
         assert [r.category_id for r in classes] == [2, 4, 6, 8, 10]
         for row in classes:
             for reference_backend in {"pycocotools", backend}:
@@ -261,7 +266,7 @@ def test_image_subset_matches_restricted_cocoeval_and_counts_gt_in_the_subset(tm
     dataset = json.loads(ann_file.read_text())
     for backend in BACKENDS:
         with pytest.warns(UserWarning, match="evaluating on 10 of the 30 images"):
-            _, classes = evaluate_coco_per_class(ann_file, dets, backend, verbose=False, image_ids=subset)
+            _, classes = _per_class(ann_file, dets, backend, verbose=False, image_ids=subset)
         for row in classes:
             expected_gt = sum(
                 1

@@ -35,7 +35,7 @@ from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
     ClassAP,
     coco_array_to_results,
-    evaluate_coco_per_class,
+    evaluate_coco_detailed,
     format_summary,
     per_class_records,
     to_coco_array,
@@ -473,7 +473,7 @@ def evaluate_predictions(
 ) -> dict[str, Any]:
     """COCO bbox evaluation of ``results`` (keyed by ``annotation_file``'s ids) on the images ``image_ids``
     (an image without detections counts as missed) with
-    :func:`ssd_lightning.evaluation.evaluate_coco_per_class`; logs the 12 numbers and a per-class table and
+    :func:`ssd_lightning.evaluation.evaluate_coco_detailed`; logs the 12 numbers and a per-class table and
     writes them to ``<output_dir>/coco_eval.json``.
 
     Returns:
@@ -485,7 +485,8 @@ def evaluate_predictions(
     """
     with warnings.catch_warnings():  # a subset is stated in the log line below
         warnings.filterwarnings("ignore", message="evaluating on .* images", category=UserWarning)
-        stats, classes = evaluate_coco_per_class(annotation_file, results, verbose=False, image_ids=image_ids)
+        evaluation = evaluate_coco_detailed(annotation_file, results, verbose=False, image_ids=image_ids)
+    stats, classes = evaluation.stats, evaluation.classes
     evaluated = len(set(image_ids))
     report = {
         "annotations": str(annotation_file),

@@ -79,8 +79,8 @@ class SSDLitModule(RecipeModule):
         if nvidia_checkpoint is not None:  # before the EMA copies the network
             state = nvidia_state_dict(
                 read_nvidia_state_dict(nvidia_checkpoint, trust_checkpoint=trust_checkpoint),
-                backbone=getattr(net, "backbone_name", "resnet50"),
-                num_classes=getattr(net, "num_classes", 81),
+                backbone=net.backbone_name,  # an SSD300 built by ssd300()
+                num_classes=net.num_classes,
                 source=f"nvidia_checkpoint={nvidia_checkpoint}",
             )
             net.load_state_dict(state, strict=True)

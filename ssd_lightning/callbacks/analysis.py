@@ -10,11 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_warn
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback, EvaluatedEpoch
-from ssd_lightning.callbacks.curves import evaluation_is_due
+from ssd_lightning.callbacks.evaluation_artifacts import EvaluationArtifacts
 from ssd_lightning.error_analysis import (
     detection_confusion_matrix,
     ground_truth_array,
@@ -39,7 +37,7 @@ def _curve(values: np.ndarray) -> list[float] | None:
     return None if np.isnan(values).all() else [float(v) for v in values]
 
 
-class DetectionAnalysis(Callback):
+class DetectionAnalysis(EvaluationArtifacts):
     """After evaluations, what the detector gets wrong, from :class:`CocoMAPCallback`'s own evaluation.
 
     On rank 0, after each evaluation that ``CocoMAPCallback`` ran (its gathered detections, its COCOeval
@@ -80,24 +78,13 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         confusion_score_thresh: float = 0.3,
         every_n_evals: int = 1,
     ) -> None:
-        super().__init__()
-        if every_n_evals < 1:
-            raise ValueError(f"every_n_evals must be >= 1, got {every_n_evals}")
+        super().__init__(output_dir=output_dir, every_n_evals=every_n_evals)
         if not 0.0 < confusion_iou <= 1.0:
             raise ValueError(f"confusion_iou must be in (0, 1], got {confusion_iou}")
-        self.output_dir = None if output_dir is None else Path(output_dir)
         self.pr_curves = pr_curves
         self.confusion = confusion
         self.confusion_iou = float(confusion_iou)
         self.confusion_score_thresh = float(confusion_score_thresh)
-        self.every_n_evals = every_n_evals
-        self._evals = 0
-        self._warned: set[str] = set()
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(f"DetectionAnalysis: {message}")
 
     def _coco_callback(self, trainer: pl.Trainer) -> CocoMAPCallback | None:
         found = [cb for cb in trainer.callbacks if isinstance(cb, CocoMAPCallback)]
@@ -115,9 +102,7 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        due = evaluation_is_due(trainer, self._evals, self.every_n_evals)
-        if trainer.state.fn == "fit":
-            self._evals += 1
+        due = self._count_evaluation(trainer)
         coco = self._coco_callback(trainer)
         evaluated = coco.take_evaluation() if coco is not None else None
         if not trainer.is_global_zero or evaluated is None or not due:
@@ -128,9 +113,6 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
             self.analyse(evaluated, self._out_dir(trainer), trainer)
         except Exception as e:  # a picture must never end a training run
             self._warn_once(f"error:{type(e).__name__}", f"could not write the analysis: {e}")
-
-    def _out_dir(self, trainer: pl.Trainer) -> Path:
-        return self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir)
 
     def analyse(self, evaluated: EvaluatedEpoch, run_dir: Path, trainer: pl.Trainer | None = None) -> Path:
         """Write the files of one evaluation under ``run_dir/analysis/epoch_<e>``; returns that folder."""

@@ -12,10 +12,8 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 from PIL import Image, ImageOps
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.utilities import rank_zero_warn
 
-from ssd_lightning.callbacks.curves import evaluation_is_due
+from ssd_lightning.callbacks.evaluation_artifacts import EvaluationArtifacts
 from ssd_lightning.visualize import draw_detections
 
 __all__ = ["PredictionPictures"]
@@ -23,7 +21,7 @@ __all__ = ["PredictionPictures"]
 log = logging.getLogger(__name__)
 
 
-class PredictionPictures(Callback):
+class PredictionPictures(EvaluationArtifacts):
     """After evaluations, draw detections over the ground truth on the first few validation images.
 
     On rank 0, the first ``max_images`` validation images rank 0 sees (the same ones every time: validation
@@ -64,36 +62,22 @@ class PredictionPictures(Callback):
         annotation_file: str | os.PathLike | None = None,
         category_map: Any = None,
     ) -> None:
-        super().__init__()
         if max_images < 0:
             raise ValueError(f"max_images must be >= 0, got {max_images}")
-        if every_n_evals < 1:
-            raise ValueError(f"every_n_evals must be >= 1, got {every_n_evals}")
+        super().__init__(output_dir=output_dir, every_n_evals=every_n_evals)
         if min_display_size < 0:
             raise ValueError(f"min_display_size must be >= 0, got {min_display_size}")
-        self.output_dir = None if output_dir is None else Path(output_dir)
         self.max_images = max_images
-        self.every_n_evals = every_n_evals
         self.score_thresh = score_thresh
         self.min_display_size = min_display_size
         self.image_dir = image_dir
         self.annotation_file = annotation_file
         self.category_map = category_map
-        self._evals = 0
         self._active = False
         self._collected: list[dict[str, Any]] = []
         self._annotations: tuple[Path, dict[int, dict], dict[int, list[dict]]] | None = None
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(f"PredictionPictures: {message}")
-
-    def _out_dir(self, trainer: pl.Trainer) -> Path:
-        return self.output_dir if self.output_dir is not None else Path(trainer.default_root_dir)
-
     def _load_annotations(self, path: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
         if self._annotations is None or self._annotations[0] != path:
             with open(path, encoding="utf-8") as f:
@@ -112,7 +96,7 @@ class PredictionPictures(Callback):
             trainer.is_global_zero
             and not trainer.sanity_checking
             and self.max_images > 0
-            and evaluation_is_due(trainer, self._evals, self.every_n_evals)
+            and self._is_due(trainer)
         )
 
     def on_validation_batch_end(
@@ -143,8 +127,7 @@ class PredictionPictures(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        if trainer.state.fn == "fit":
-            self._evals += 1
+        self._count_evaluation(trainer)
         if not trainer.is_global_zero:
             return
         if self._collected:

@@ -206,6 +206,18 @@ def _batch_size(batch: Any) -> int:
     raise ValueError(f"cannot tell the batch size of a batch of type {type(batch).__name__}")
 
 
+def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
+    """A Lightning hook: ``action`` when the benchmark measures ``mode``, never in the sanity check."""
+
+    def hook(
+        self: ThroughputBenchmark, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any
+    ) -> None:
+        if self.mode == mode and not trainer.sanity_checking:
+            action(self, trainer, pl_module, *args)
+
+    return hook
+
+
 # --------------------------------------------------------------------------------------------------------
 # The callback
 # --------------------------------------------------------------------------------------------------------
@@ -271,7 +283,7 @@ class ThroughputBenchmark(pl.Callback):
         return list(self._times)
 
     # -- state ------------------------------------------------------------------------------------------
-    def _reset(self) -> None:
+    def _reset(self, *_: Any) -> None:
         self._seen = 0  # iterations finished (warm-up included)
         self._times: list[float] = []
         self._batches: list[int] = []
@@ -288,127 +300,32 @@ class ThroughputBenchmark(pl.Callback):
     def _timing(self) -> bool:
         return self.warmup <= self._seen < self.total_iterations
 
-    def _loop_start(self, pl_module: pl.LightningModule) -> None:
+    # -- the measured loop -----------------------------------------------------------------------------
+    def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._seen == 0 and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)  # peak of this measured loop only
         if self.include_data_loading and self._seen < self.total_iterations:
             self._last_end = self._now(pl_module.device)
 
-    def _batch_start(self, pl_module: pl.LightningModule) -> None:
+    def _batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         if not self.include_data_loading and self._timing:
             self._start = self._now(pl_module.device)
 
-    def _batch_end(self, pl_module: pl.LightningModule, batch: Any) -> bool:
-        """Record the finished iteration; True once warm-up + iterations are done."""
-        if self._seen >= self.total_iterations:
-            return True
-        if self._timing or self.include_data_loading:
-            now = self._now(pl_module.device)
-            begin = self._last_end if self.include_data_loading else self._start
-            if self._timing and begin is not None:
-                self._times.append(now - begin)
-                self._batches.append(_batch_size(batch))
-            self._last_end = now
-        self._seen += 1
-        return self._seen >= self.total_iterations
-
-    # -- Lightning hooks ----------------------------------------------------------------------------------
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "training":
-            self._reset()
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "training":
-            self._loop_start(pl_module)
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    def _batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *_: Any
     ) -> None:
-        if self.mode == "training":
-            self._batch_start(pl_module)
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.mode == "training" and self._batch_end(pl_module, batch):
+        """Record the finished iteration; once warm-up + iterations are done, stop training."""
+        if self._seen < self.total_iterations:
+            if self._timing or self.include_data_loading:
+                now = self._now(pl_module.device)
+                begin = self._last_end if self.include_data_loading else self._start
+                if self._timing and begin is not None:
+                    self._times.append(now - begin)
+                    self._batches.append(_batch_size(batch))
+                self._last_end = now
+            self._seen += 1
+        if self._seen >= self.total_iterations and self.mode == "training":
             trainer.should_stop = True
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "training":
-            self._finish(trainer, pl_module)
-
-    def _inference_active(self, trainer: pl.Trainer) -> bool:
-        return self.mode == "inference" and not trainer.sanity_checking
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._inference_active(trainer):
-            self._reset()
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._inference_active(trainer):
-            self._loop_start(pl_module)
-
-    def on_validation_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if self._inference_active(trainer):
-            self._batch_start(pl_module)
-
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if self._inference_active(trainer):
-            self._batch_end(pl_module, batch)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._inference_active(trainer):
-            self._finish(trainer, pl_module)
-
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "inference":
-            self._reset()
-
-    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "inference":
-            self._loop_start(pl_module)
-
-    def on_predict_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if self.mode == "inference":
-            self._batch_start(pl_module)
-
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        if self.mode == "inference":
-            self._batch_end(pl_module, batch)
-
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode == "inference":
-            self._finish(trainer, pl_module)
 
     # -- aggregation and report -------------------------------------------------------------------------
     def _gather(self, trainer: pl.Trainer, tensor: Tensor) -> Tensor:
@@ -489,6 +406,23 @@ class ThroughputBenchmark(pl.Callback):
             "config": {k: v for k, v in summary.items() if _is_jsonable(v)},
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
+
+    # -- Lightning hooks: the train loop measures training; the validation and predict loops, inference -
+    on_train_start = _measuring("training", _reset)
+    on_train_epoch_start = _measuring("training", _loop_start)
+    on_train_batch_start = _measuring("training", _batch_start)
+    on_train_batch_end = _measuring("training", _batch_end)
+    on_train_end = _measuring("training", _finish)
+    on_validation_start = _measuring("inference", _reset)
+    on_validation_epoch_start = _measuring("inference", _loop_start)
+    on_validation_batch_start = _measuring("inference", _batch_start)
+    on_validation_batch_end = _measuring("inference", _batch_end)
+    on_validation_end = _measuring("inference", _finish)
+    on_predict_start = _measuring("inference", _reset)
+    on_predict_epoch_start = _measuring("inference", _loop_start)
+    on_predict_batch_start = _measuring("inference", _batch_start)
+    on_predict_batch_end = _measuring("inference", _batch_end)
+    on_predict_end = _measuring("inference", _finish)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:

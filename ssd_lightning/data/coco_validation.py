@@ -38,6 +38,7 @@ __all__ = [
     "CocoSplitInfo",
     "check_coco_split",
     "check_image_headers",
+    "read_annotation_json",
     "decoder_applies_exif_orientation",
     "exif_orientation",
     "find_undecodable_images",
@@ -355,7 +356,7 @@ def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
 _POLYGONS = re.compile(rb'"segmentation"\s*:\s*\[[-+0-9.eE,\s\[\]]*\]')
 
 
-def _load_json(path: Path) -> dict[str, Any]:
+def read_annotation_json(path: Path) -> dict[str, Any]:
     """The annotation file with every polygon ``segmentation`` replaced by ``[]`` (RLE ones are kept)."""
     raw = path.read_bytes()
     text = _POLYGONS.sub(b'"segmentation": []', raw)
@@ -597,7 +598,7 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
 
 def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip_dir: Path) -> CocoSplitInfo:
     """The check itself: reads the whole annotation file (and one header per image with ``check_files``)."""
-    data = _load_json(annotation_file)
+    data = read_annotation_json(annotation_file)
     where = f"annotation file {annotation_file}"
     category_map = CategoryMap.from_coco(data, where=where) if data["categories"] else None
     if category_map is None:

@@ -19,9 +19,7 @@ keep the first of equal values; the two differ only on exact float ties.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ssd_lightning.data.coco_validation import read_annotation_json
 from ssd_lightning.errors import DataError
 from ssd_lightning.models.boxes import box_iou
 
@@ -54,9 +53,6 @@ SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
 #: Edges of the aspect-ratio (w/h) histogram: log-spaced from 1/16 to 16; outside values go to the end bins.
 ASPECT_EDGES: np.ndarray = np.geomspace(1 / 16, 16, 17)
 # a "segmentation" value: polygons (lists of number lists) or an RLE dict (strings in it may hold anything)
-_SEGMENTATION = re.compile(
-    rb'"segmentation"\s*:\s*(?:\[\s*(?:\[[^\[\]"]*\]\s*,?\s*)*\]|\{(?:"(?:[^"\\]|\\.)*"|[^{}"])*\})'
-)
 # IoU elements (images x ground truths x default boxes) computed at once by match_default_boxes
 _ELEMENTS_PER_CHUNK = 1 << 22
 
@@ -106,10 +102,9 @@ def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
             annotation naming an unknown image or category.
     """
     path = Path(path)
+    data = read_annotation_json(path)  # polygons dropped before parsing (3x faster on COCO's train file)
     try:
-        # segmentations are never read: dropping them before parsing makes COCO's train file 3x faster
-        data = json.loads(_SEGMENTATION.sub(b'"segmentation":0', path.read_bytes()))
-        images, anns, cats = data["images"], data.get("annotations") or [], data["categories"]
+        images, anns, cats = data["images"], data["annotations"], data["categories"]
         n = len(anns)
         image_ids, widths, heights = _columns(images, ("id", "width", "height"), (np.int64, float, float))
         category_ids = np.fromiter((c["id"] for c in cats), dtype=np.int64, count=len(cats))

@@ -90,31 +90,10 @@ def run_inspect_task(
 def _inspect_detection(
     dm: CocoDALIDataModule, out: Path, num_batches: int, fit_images: int | None
 ) -> dict[str, float]:
+    """Label statistics of both splits, the default-box fit of the training boxes and the first training
+    batches as DALI makes them, written to ``out``; logs a summary and returns the logged metrics."""
     started = time.perf_counter()
-    stats: dict[str, dict] = {}
-    arrays = {}
-    for split, images, ann_file in (
-        ("train", dm.train_images, dm.train_annotations),
-        ("val", dm.val_images, dm.val_annotations),
-    ):
-        if split == "val" and not Path(ann_file).is_file():
-            continue
-        info = check_coco_split(
-            images,
-            ann_file,
-            check_files=dm.check_files,
-            cache_dir=dm.cache_dir,
-            exif_check=dm.exif_check,
-            size_check=dm.size_check,
-        )
-        arrays[split] = load_coco_arrays(info.reader_annotation_file)  # what DALI reads (checked copy)
-        stats[split] = {
-            "annotation_file": str(info.annotation_file),
-            "read_from": str(info.reader_annotation_file),
-            "boxes_clipped_to_image": info.num_clipped,
-            "boxes_dropped_below_0.1px": info.num_dropped,
-            **label_statistics(arrays[split]),
-        }
+    stats, arrays = _split_statistics(dm)
     stats_seconds = time.perf_counter() - started
     atomic_write_json(out / "data_stats.json", stats)
     plot_label_statistics(
@@ -133,9 +112,59 @@ def _inspect_detection(
     plot_default_box_fit(fit, out / "default_box_fit.png", title="SSD300 default boxes vs training boxes")
 
     grids = _detection_batches(dm, out / "batches", num_batches, arrays["train"].names)
+    lines = _summary(stats, fit)
+    lines += [
+        f"  statistics {stats_seconds:.1f} s, default-box fit {fit_seconds:.1f} s",
+        f"  {out / 'data_stats.json'}, {out / 'data_stats.png'}",
+        f"  {out / 'default_box_fit.json'}, {out / 'default_box_fit.png'}",
+        *(f"  {p}" for p in grids),
+    ]
+    log.info("\n".join([f"inspect_data: outputs in {out}", *lines]))
+    o = fit["overall"]
+    return {
+        "inspect/train_images": float(stats["train"]["images"]),
+        "inspect/train_boxes": float(stats["train"]["boxes"]),
+        "inspect/fit_matched_mean": float(o["matched_mean"] or 0.0),
+        "inspect/fit_forced_only_share": float(o["forced_only_share"] or 0.0),
+        "inspect/stats_seconds": stats_seconds,
+        "inspect/fit_seconds": fit_seconds,
+    }
+
+
+def _split_statistics(dm: CocoDALIDataModule) -> tuple[dict[str, dict], dict]:
+    """Per split (val only if its annotation file exists): the start-up check's counts and the label
+    statistics of what DALI reads (the checked copy), and that file's arrays."""
+    stats: dict[str, dict] = {}
+    arrays = {}
+    for split, images, ann_file in (
+        ("train", dm.train_images, dm.train_annotations),
+        ("val", dm.val_images, dm.val_annotations),
+    ):
+        if split == "val" and not Path(ann_file).is_file():
+            continue
+        info = check_coco_split(
+            images,
+            ann_file,
+            check_files=dm.check_files,
+            cache_dir=dm.cache_dir,
+            exif_check=dm.exif_check,
+            size_check=dm.size_check,
+        )
+        arrays[split] = load_coco_arrays(info.reader_annotation_file)
+        stats[split] = {
+            "annotation_file": str(info.annotation_file),
+            "read_from": str(info.reader_annotation_file),
+            "boxes_clipped_to_image": info.num_clipped,
+            "boxes_dropped_below_0.1px": info.num_dropped,
+            **label_statistics(arrays[split]),
+        }
+    return stats, arrays
+
+
+def _summary(stats: dict[str, dict], fit: dict) -> list[str]:
+    """The log lines stating the label statistics and the default-box fit."""
     train = stats["train"]
     lines = [
-        f"inspect_data: outputs in {out}",
         f"  train: {train['images']} images, {train['boxes']} boxes "
         f"({train['boxes_per_image']['mean']:.2f} per image, max {train['boxes_per_image']['max']}), "
         f"{train['images_without_boxes']} images without boxes, {train['crowd_boxes']} crowd boxes",
@@ -158,21 +187,7 @@ def _inspect_detection(
                 f"    {name}: {g['boxes']} boxes, {g['matched_mean']:.2f} per box, "
                 f"forced-only {100 * g['forced_only_share']:.1f}%"
             )
-    lines += [
-        f"  statistics {stats_seconds:.1f} s, default-box fit {fit_seconds:.1f} s",
-        f"  {out / 'data_stats.json'}, {out / 'data_stats.png'}",
-        f"  {out / 'default_box_fit.json'}, {out / 'default_box_fit.png'}",
-        *(f"  {p}" for p in grids),
-    ]
-    log.info("\n".join(lines))
-    return {
-        "inspect/train_images": float(train["images"]),
-        "inspect/train_boxes": float(train["boxes"]),
-        "inspect/fit_matched_mean": float(o["matched_mean"] or 0.0),
-        "inspect/fit_forced_only_share": float(o["forced_only_share"] or 0.0),
-        "inspect/stats_seconds": stats_seconds,
-        "inspect/fit_seconds": fit_seconds,
-    }
+    return lines
 
 
 def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, names: Sequence[str]) -> list:

@@ -39,7 +39,6 @@ __all__ = [
     "class_ap_from_precision",
     "coco_array_to_results",
     "detections_to_coco_array",
-    "detections_to_coco_results",
     "evaluate_coco",
     "evaluate_coco_detailed",
     "per_class_records",
@@ -225,13 +224,6 @@ def detections_to_coco_array(
         category_map,
         **kwargs,
     )
-
-
-def detections_to_coco_results(
-    detections: Iterable[Mapping[str, Any]], category_map: _LabelMapper, **kwargs: int
-) -> list[dict[str, Any]]:
-    """COCO results list for the per-image dicts of ``SSDLitModule.validation_step``."""
-    return coco_array_to_results(detections_to_coco_array(detections, category_map, **kwargs))
 
 
 def _load_results(detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray) -> list[dict]:

@@ -16,7 +16,7 @@ from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
     DEFAULT_BACKEND,
     coco_array_to_results,
-    detections_to_coco_results,
+    detections_to_coco_array,
     evaluate_coco,
     to_coco_array,
     write_coco_results_json,
@@ -28,6 +28,11 @@ CATEGORIES = [{"id": 3, "name": "a"}, {"id": 7, "name": "b"}, {"id": 12, "name":
 def to_coco_results(*args, **kwargs):
     """:func:`to_coco_array` (same arguments) as the COCO results list."""
     return coco_array_to_results(to_coco_array(*args, **kwargs))
+
+
+def detections_to_coco_results(detections, category_map, **kwargs):
+    """:func:`detections_to_coco_array` (same arguments) as the COCO results list."""
+    return coco_array_to_results(detections_to_coco_array(detections, category_map, **kwargs))
 
 
 class DuckCategoryMap:

@@ -353,8 +353,9 @@ def check_command(command: str) -> str:
             return _check_python_module(args[0])
         if script == "train.py":
             return _check_hydra_app(args, "train")
-        if script == "predict.py":
-            _help_text("predict.py")
+        if script == "predict.py":  # its --help lists its settings, not train.py's config groups
+            help_text = _help_text("predict.py")
+            assert "input: ???" in help_text and "experiment:" not in help_text, help_text[:2000]
             return _check_hydra_app(args, "predict")
         return _check_python_script(script, args)
     if SHELL_SCRIPT.fullmatch(head):

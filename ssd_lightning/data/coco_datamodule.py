@@ -102,6 +102,7 @@ class CocoDALIDataModule(DALIDataModule):
         exif_check: str = "error",
         size_check: str = "error",
     ) -> None:
+        """Stores the arguments (the class docstring says what each does), checks those needing no file."""
         super().__init__()
         self._set_loader_args(
             batch_size=batch_size,

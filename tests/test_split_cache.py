@@ -83,7 +83,7 @@ def test_fixture_is_coco_shaped(coco_small):
 def test_polygons_are_not_parsed_but_everything_else_is(split):
     _, ann, _ = split
     original = json.loads(ann.read_text())
-    loaded = coco_validation._load_json(ann)
+    loaded = coco_validation.read_annotation_json(ann)
     for a in original["annotations"]:
         if not isinstance(a["segmentation"], dict):  # polygons become [], RLE dicts are kept
             a["segmentation"] = []
@@ -108,7 +108,7 @@ def test_cache_hit_reads_no_json_and_gives_the_same_result(split, monkeypatch):
             raise AssertionError("the annotation file was parsed on a cache hit")
         return real_loads(text, *args, **kwargs)
 
-    monkeypatch.setattr(coco_validation, "_load_json", no_check)
+    monkeypatch.setattr(coco_validation, "read_annotation_json", no_check)
     monkeypatch.setattr(json, "loads", loads)
     with pytest.warns(UserWarning, match="3 box\\(es\\) extending slightly outside"):  # same warnings
         second = check_coco_split(image_dir, ann, cache_dir=cache)
@@ -189,7 +189,7 @@ def test_datamodule_setup_and_category_map_come_from_the_cache(coco_small, tmp_p
     def no_json(*args, **kwargs):
         raise AssertionError("read an annotation file")
 
-    monkeypatch.setattr(coco_validation, "_load_json", no_json)
+    monkeypatch.setattr(coco_validation, "read_annotation_json", no_json)
     monkeypatch.setattr(CategoryMap, "from_coco", no_json)
     second = CocoDALIDataModule(coco_small, **kwargs)
     assert second.category_map == first.category_map and second.num_classes == 81

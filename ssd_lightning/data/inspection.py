@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ssd_lightning.data.coco_validation import read_annotation_json
 from ssd_lightning.errors import DataError
-from ssd_lightning.models.boxes import box_iou
+from ssd_lightning.models.boxes import box_iou, cxcywh_to_ltrb
 
 __all__ = [
     "SIZE_BUCKETS",
@@ -102,8 +102,8 @@ def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
             annotation naming an unknown image or category.
     """
     path = Path(path)
-    data = read_annotation_json(path)  # polygons dropped before parsing (3x faster on COCO's train file)
     try:
+        data = read_annotation_json(path)  # polygons dropped before parsing (3x faster on COCO's train file)
         images, anns, cats = data["images"], data["annotations"], data["categories"]
         n = len(anns)
         image_ids, widths, heights = _columns(images, ("id", "width", "height"), (np.int64, float, float))
@@ -115,6 +115,8 @@ def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
         )
         area = np.fromiter((a.get("area", -1.0) for a in anns), dtype=np.float64, count=n)
         iscrowd = np.fromiter((a.get("iscrowd", 0) for a in anns), dtype=np.int64, count=n).astype(bool)
+    except DataError:  # the reader's own, naming the file
+        raise
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(
             f"cannot read {path} as a COCO instances file ({type(exc).__name__}: {exc}); it needs 'images' "
@@ -353,10 +355,7 @@ def decode_targets(boxes_cxcywh: Tensor, labels: Tensor) -> list[tuple[np.ndarra
     out = []
     for boxes, lab in zip(boxes_cxcywh.float(), labels, strict=True):
         pos = lab > 0
-        cxcywh = boxes[pos].numpy()
-        ltrb = np.concatenate(
-            [cxcywh[:, :2] - 0.5 * cxcywh[:, 2:], cxcywh[:, :2] + 0.5 * cxcywh[:, 2:]], axis=1
-        )
+        ltrb = cxcywh_to_ltrb(boxes[pos]).numpy()
         rows = np.concatenate([ltrb, lab[pos].numpy()[:, None].astype(np.float32)], axis=1)
         uniq = np.unique(rows, axis=0) if len(rows) else rows.reshape(0, 5)
         out.append((uniq[:, :4].astype(np.float32), uniq[:, 4].astype(np.int64)))

@@ -61,13 +61,13 @@ def register_backbone(name: str, backbone: SSDBackbone) -> None:
     SSD_BACKBONES[name] = backbone
 
 
-#: Accepted ResNet names and the number of channels of their conv4_x (layer3) output.
-RESNET_NAMES: dict[str, int] = {
-    "resnet18": 256,
-    "resnet34": 256,
-    "resnet50": 1024,
-    "resnet101": 1024,
-    "resnet152": 1024,
+#: Accepted ResNet names and the channels of the six SSD levels with each: conv4_x (layer3), then extras.
+RESNET_NAMES: dict[str, tuple[int, ...]] = {
+    "resnet18": (256, 512, 512, 256, 256, 128),
+    "resnet34": (256, 512, 512, 256, 256, 256),
+    "resnet50": (1024, 512, 512, 256, 256, 256),
+    "resnet101": (1024, 512, 512, 256, 256, 256),
+    "resnet152": (1024, 512, 512, 256, 256, 256),
 }
 
 
@@ -138,12 +138,12 @@ def zero_init_resnet_blocks(module: nn.Module) -> int:
     return len(norms)
 
 
-for _name, _level0 in RESNET_NAMES.items():
+for _name, _levels in RESNET_NAMES.items():
     register_backbone(
         _name,
         SSDBackbone(
             build=lambda weights=None, width_mult=1.0, name=_name: resnet_backbone(name, weights=weights),
-            level_channels=(_level0, 512, 512, 256, 256, 128 if _name == "resnet18" else 256),
+            level_channels=_levels,
             zero_init=zero_init_resnet_blocks,
         ),
     )

@@ -108,11 +108,12 @@ def describe_lr(
 class RecipeModule(pl.LightningModule):
     """What a training run does besides its task, for both LightningModules.
 
-    Subclasses call ``super().__init__(net, ...)`` first, then ``self.save_hyperparameters(logger=False,
-    ignore=["net", "optimizer"])``: their arguments must include ``lr_scaling``, ``scheduler``,
-    ``init_from``, ``trust_checkpoint``, ``sync_batchnorm`` and ``ema_every_n_steps`` (the hooks below read
-    them from ``hparams``). They set ``num_classes`` and add their :meth:`save_model_record` to
-    :meth:`on_save_checkpoint`.
+    The subclass's ``__init__`` arguments become ``hparams`` here (Lightning's ``save_hyperparameters``
+    collects them from the constructor chain; plain values only, so checkpoints load with
+    ``torch.load(weights_only=True)``; the full config is in the run's .hydra/ and the loggers). They must
+    include ``lr_scaling``, ``scheduler``, ``init_from``, ``trust_checkpoint``, ``sync_batchnorm`` and
+    ``ema_every_n_steps``, which the hooks below read. Subclasses set ``num_classes`` and add their
+    :meth:`save_model_record` to :meth:`on_save_checkpoint`.
 
     Args:
         net: the network; ``forward`` runs it (or another set of weights) in the module's memory format.
@@ -137,6 +138,7 @@ class RecipeModule(pl.LightningModule):
         super().__init__()
         if ema_every_n_steps < 1:
             raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
         self.net = net
         self.optimizer_factory = optimizer
         self.channels_last = channels_last
@@ -358,7 +360,6 @@ class RecipeModule(pl.LightningModule):
         checkpoint: dict,
         *,
         kind: str,
-        net: nn.Module,
         weights: str,
         decoder: Mapping | None = None,
     ) -> None:
@@ -368,7 +369,7 @@ class RecipeModule(pl.LightningModule):
         ``class_<k>``. A network without ``architecture`` (not built by
         :data:`ssd_lightning.models.NETWORK_BUILDERS`) gets no record: its checkpoints need their run
         config."""
-        architecture = getattr(net, "architecture", None)
+        architecture = getattr(self.net, "architecture", None)
         if architecture is None:
             return
         trainer = self.trainer

@@ -123,9 +123,6 @@ class ClassifierLitModule(RecipeModule):
             ema_decay=ema_decay,
             ema_every_n_steps=ema_every_n_steps,
         )
-        # Plain values only (the optimizer factory is kept as an attribute), so checkpoints load with
-        # torch.load(weights_only=True).
-        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
         if not 0.0 <= label_smoothing < 1.0:
             raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if ema_decay_scaling not in EMA_DECAY_SCALINGS:
@@ -155,7 +152,7 @@ class ClassifierLitModule(RecipeModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        self.save_model_record(checkpoint, kind="classifier", net=self.net, weights="net.")
+        self.save_model_record(checkpoint, kind="classifier", weights="net.")
 
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:

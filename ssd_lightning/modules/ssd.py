@@ -91,9 +91,6 @@ class SSDLitModule(RecipeModule):
             ema_decay=ema_decay,
             ema_every_n_steps=ema_every_n_steps,
         )
-        # Plain values only: checkpoints stay loadable with torch.load(weights_only=True). The full
-        # config is in the run's .hydra/ and in the loggers.
-        self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
         self.num_classes = getattr(net, "num_classes", None)
         default_boxes = dboxes300_coco()
         self.loss_fn = SSDLoss(default_boxes)
@@ -124,9 +121,7 @@ class SSDLitModule(RecipeModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         weights = "ema.module." if self.inference_net is not self.net else "net."
-        self.save_model_record(
-            checkpoint, kind="detector", net=self.net, weights=weights, decoder=self.decoder_settings
-        )
+        self.save_model_record(checkpoint, kind="detector", weights=weights, decoder=self.decoder_settings)
 
     @property
     def validation_output_keys(self) -> tuple[str, ...]:

@@ -73,6 +73,11 @@ def test_unknown_image_is_one_line_error(tmp_path):
     path = _coco(tmp_path, [{"id": 1, "image_id": 99, "category_id": 5, "bbox": [0, 0, 1, 1]}])
     with pytest.raises(DataError, match=r"ann.json.*image_id \[99\]"):
         load_coco_arrays(path)
+    with pytest.raises(DataError, match=r"cannot read .*missing.json as a COCO instances file"):
+        load_coco_arrays(tmp_path / "missing.json")
+    path.write_text("{not json")
+    with pytest.raises(DataError, match=r"ann.json is not valid JSON"):
+        load_coco_arrays(path)
 
 
 def test_match_hand_computed():

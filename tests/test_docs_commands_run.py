@@ -62,7 +62,6 @@ NOT_RUN: dict[str, str] = {
     "make setup EXTRAS=dev,cuda130": INSTALLS,
     "make setup EXTRAS=dev,cuda110": INSTALLS,
     'pip install -e ".[dev,cuda130]"': INSTALLS,
-    'pip install -e ".[sweeps]"': INSTALLS,
     'pip install -e ".[dev,sweeps]"': INSTALLS,
     'pip install -e ".[loggers]"': INSTALLS,
     "make setup": INSTALLS,
@@ -120,6 +119,8 @@ SCRIPT_SIZE: dict[str, list[str]] = {
 REAL_DATASETS = (
     "ssd_lightning.data.coco_datamodule.CocoDALIDataModule",
     "ssd_lightning.data.imagefolder_datamodule.ImageFolderDALIDataModule",
+    "ssd_lightning.data.voc.VOCDALIDataModule",  # docs/own_data.md; tests/test_voc_yolo.py runs exports
+    "ssd_lightning.data.yolo.YOLODALIDataModule",
 )
 README_SWEEP = "python train.py -m experiment=demo model.optimizer.lr=1e-3,3e-3 data.batch_size=8,16"
 BENCHMARK_SWEEP = "python train.py -m experiment=ssd300_benchmark_inference data.eval_batch_size=2,4,8,16,32"

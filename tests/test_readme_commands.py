@@ -47,7 +47,7 @@ from tests.helpers import REPO_ROOT, compose_config
 pytestmark = pytest.mark.no_dali
 
 README = REPO_ROOT / "README.md"
-DOCUMENTS = [README, *sorted((REPO_ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [README, REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
 # first words that make a line of inline code or of an untagged block a command
 COMMAND_WORDS = (

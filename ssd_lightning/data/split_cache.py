@@ -32,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "default_cache_dir", "writable_cache_dir"]
+__all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "default_cache_dir", "file_lock", "writable_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,32 @@ def writable_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | Non
     return None
 
 
+@contextlib.contextmanager
+def file_lock(lock_file: Path, doing: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` (created if needed) while one process is ``doing`` what
+    the others then reuse; without ``fcntl`` or where locking fails, go on without it (logged)."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning("cannot create the lock file %s (%s); going on without it", lock_file, exc)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish %s", doing)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:  # e.g. ENOLCK on a network file system without locking
+            log.warning("cannot lock %s (%s); going on without the lock", lock_file, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class SplitCache:
     """The cache entry of one split (annotation file + image directory) in ``folder``."""
 
@@ -96,29 +122,9 @@ class SplitCache:
             "image_dir_mtime_ns": img.st_mtime_ns,
         }
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> contextlib.AbstractContextManager[None]:
         """Hold the entry's exclusive lock (waits while another process checks this split)."""
-        if fcntl is None:
-            yield
-            return
-        try:
-            fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            log.warning("cannot create the lock file next to %s (%s); checking without it", self.path, exc)
-            yield
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("waiting for another process to finish checking %s", self.annotation_file)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as exc:  # e.g. ENOLCK on a network file system without locking
-                log.warning("cannot lock %s (%s); checking without the lock", self.path, exc)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        return file_lock(self.path.with_suffix(".lock"), f"checking {self.annotation_file}")
 
     def load(self, *, check_files: bool) -> dict[str, Any] | None:
         """The stored result when it is for the files as they are now (and checked at least as much)."""

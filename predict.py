@@ -8,7 +8,8 @@ python predict.py ckpt_path=... input=data/shapes/val2017 \
 
 ``input`` is an image, a folder (subfolders too with ``recursive=true``, the default), a quoted glob or a list
 file (``@list.txt``). Writes <output>/<name>.jpg (boxes with score >= draw_score_thresh; the input's path
-relative to its folder, suffix .jpg) and <output>/predictions.json (COCO results format plus file_name);
+relative to its folder, suffix .jpg), <output>/predictions.jsonl (one line per image as it is done) and
+<output>/predictions.json (COCO results format plus file_name, written at the end);
 with ``annotations=<COCO instances JSON>`` image ids are that file's and <output>/coco_eval.json holds the
 COCO metrics. A classifier checkpoint (MobileNetV2 run) writes each image's ``top_k`` classes with scores
 to <output>/predictions.json; ``annotations=<ImageFolder root>`` scores top-1/top-5

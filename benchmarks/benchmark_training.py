@@ -33,10 +33,9 @@ import torch
 
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark, device_name, throughput_statistics
 from ssd_lightning.cli.benchmark import run_benchmark_task
-from ssd_lightning.compat import cpu_has_native_bf16
 from ssd_lightning.data.synthetic import SyntheticDetectionDataModule
 from ssd_lightning.models import BoxCoder, SSDLoss, dboxes300_coco, ssd300
-from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
+from ssd_lightning.models.cpu_bf16 import cpu_has_native_bf16, run_strided_depthwise_in_float32
 from ssd_lightning.modules.ssd import SSDLitModule
 from ssd_lightning.optim import build_optimizer
 from ssd_lightning.tables import markdown_table

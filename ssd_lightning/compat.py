@@ -28,7 +28,6 @@ __all__ = [
     "CompatError",
     "TRAIN_FETCH_ACTION",
     "batches_that_stepped",
-    "cpu_has_native_bf16",
     "check_installed",
     "csv_logger_experiment",
     "is_compiled_in_place",
@@ -257,21 +256,6 @@ def job_return_value(job_return: Any) -> Any:
     """What a Hydra job returned or, for a failed job, the exception it raised (``JobReturn.return_value``
     re-raises it instead)."""
     return _attr(job_return, "_return_value", "JobReturn", _HYDRA)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels (AVX512 / AVX512-BF16 / AMX).
-
-    Without them (AVX2-only CPUs) it falls back to reference kernels: bf16 autocast measured 10-15x slower
-    than float32 there. torch's own test of it is private (``torch.ops.mkldnn._is_mkldnn_bf16_supported``);
-    where it is missing, the public CPU capability decides (AVX512 and up).
-    """
-    import torch
-
-    query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if query is not None:
-        return bool(query())
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
 # -- all at once ---------------------------------------------------------------------------------------------

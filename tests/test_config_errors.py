@@ -92,10 +92,10 @@ def test_fp16_on_a_cpu_is_a_warning_not_an_error(make_cfg):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_on_a_cpu_without_native_bf16_runs_float32(native, make_cfg, monkeypatch, caplog):
-    from ssd_lightning import compat
     from ssd_lightning.cli.train import _float32_on_cpus_without_bf16
+    from ssd_lightning.models import cpu_bf16
 
-    monkeypatch.setattr(compat, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(cpu_bf16, "cpu_has_native_bf16", lambda: native)
     cfg = make_cfg(["experiment=demo"])  # precision bf16 on the CPU
     changed = _float32_on_cpus_without_bf16(cfg)
     if native:

@@ -113,6 +113,7 @@ SCRIPT_SIZE: dict[str, list[str]] = {
         *("--override", "data.num_train=24", "--override", "data.num_val=8"),
     ],
     "benchmarks/benchmark_onnx.py": ["--batch-sizes", "1", "--repeats", "1", "--warmup", "0"],
+    "benchmarks/benchmark_predict.py": ["--small", "4", "--large", "2"],
     "benchmarks/gpu_benchmark.py": [],  # documented with --dry-run: prints the plan, runs nothing
 }
 # Datamodules that read a dataset this machine does not have (the shapes ones generate theirs).
@@ -264,7 +265,8 @@ class Workspace:
             sweep = self.newest_sweep("*/benchmark.json", BENCHMARK_SWEEP)
             text = text.replace("multirun/<date>/<time>", sweep)
         if "multirun/<date>/<time>" in text or "RUN_A RUN_B" in text:
-            sweep = self.newest_sweep("summary.csv", README_SWEEP)
+            # a sweep whose jobs trained (one that failed on a missing dataset has a summary.csv too)
+            sweep = self.newest_sweep("*/csv/metrics.csv", README_SWEEP)
             text = text.replace("multirun/<date>/<time>", sweep)
             text = text.replace("RUN_A RUN_B", f"{self.demo_run} {sweep}/0")
         text = re.sub(r"outputs/\w+/(<run>|<date>_<time>)", lambda _: self.demo_run, text)

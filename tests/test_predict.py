@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from PIL import Image
 
-from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
+from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES, CategoryMap
 from ssd_lightning.inference.detector import load_detector
 from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
 from ssd_lightning.io.weights import CheckpointReadError
@@ -111,7 +111,7 @@ def test_predict_folder_skips_corrupt_file_and_matches_the_lightning_module(fake
 
     # equality: SSDLitModule's validation decode on the same preprocessed tensor
     module = SSDLitModule(net, optimizer=partial(torch.optim.SGD, lr=0.1), decoder=DECODER).eval()
-    image = open_image(images / "wide.png")
+    image, _ = open_image(images / "wide.png")
     x = preprocess(image)[None]
     batch = {"images": x, "image_ids": torch.tensor([7]), "image_sizes": torch.tensor([[360, 640]])}
     with torch.no_grad():
@@ -126,6 +126,150 @@ def test_predict_folder_skips_corrupt_file_and_matches_the_lightning_module(fake
     json_boxes = torch.tensor([e["bbox"] for e in per_file["wide.png"]], dtype=torch.float32)
     torch.testing.assert_close(json_boxes[:, :2], clipped[:, :2], atol=0.006, rtol=0)
     torch.testing.assert_close(json_boxes[:, 2:], clipped[:, 2:] - clipped[:, :2], atol=0.012, rtol=0)
+
+
+# ------------------------------------------------------------------------------ reduced-scale decoding
+ROTATED_BOX = (200, 900, 700, 1300)  # ltrb of the white rectangle, as the photo is shown (1200 x 1600)
+
+
+@pytest.fixture(scope="module")
+def rotated_photo(tmp_path_factory) -> Path:
+    """A 1600x1200 JPEG whose EXIF orientation (6) shows it as 1200x1600, a white rectangle on grey noise at
+    ``ROTATED_BOX`` in the shown image's pixels."""
+    shown = np.random.default_rng(1).integers(40, 90, (1600, 1200, 3), dtype=np.uint8)
+    left, top, right, bottom = ROTATED_BOX
+    shown[top:bottom, left:right] = 255
+    stored = Image.fromarray(shown).transpose(Image.Transpose.ROTATE_90)  # exif_transpose undoes it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path_factory.mktemp("photo") / "photo.jpg"
+    stored.save(path, quality=95, exif=exif)
+    return path
+
+
+class _BrightBox:
+    """Duck-typed Detector: the box around the bright pixels of each preprocessed image, in pixels."""
+
+    image_size = 300
+    categories = CategoryMap.from_names(["box"])
+
+    def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for image, (height, width) in zip(images, sizes, strict=True):
+            ys, xs = torch.nonzero(image.mean(0) > 1.0, as_tuple=True)  # white: ~2, the grey noise: < 0
+            box = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float() / self.image_size
+            scale = torch.tensor([width, height, width, height], dtype=torch.float32)
+            out.append(
+                {"boxes": (box * scale)[None], "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
+            )
+        return out
+
+
+def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_photo(rotated_photo, tmp_path):
+    full, size = open_image(rotated_photo)
+    assert full.size == (1200, 1600) and size == (1600, 1200)  # EXIF orientation applied
+    reduced, size = open_image(rotated_photo, min_side=600)
+    assert reduced.size == (600, 800) and size == (1600, 1200)  # libjpeg's 1/2 scale; the full photo's size
+    boxes = {}
+    for fast in (True, False):
+        out = tmp_path / str(fast)
+        results, _ = predict_images(_BrightBox(), [rotated_photo], out, fast_decode=fast, picture_size=500)
+        (entry,) = results
+        x, y, w, h = entry["bbox"]
+        boxes[fast] = np.array([x, y, x + w, y + h])
+        # one network pixel is 4 x 5.3 photo pixels: the edges land within about one of them
+        np.testing.assert_allclose(boxes[fast], ROTATED_BOX, atol=8)
+        (line,) = [json.loads(text) for text in (out / "predictions.jsonl").read_text().splitlines()]
+        assert line["height"] == 1600 and line["width"] == 1200 and line["file_name"] == "photo.jpg"
+        assert line["detections"] == [{k: v for k, v in entry.items() if k not in ("image_id", "file_name")}]
+        assert json.loads((out / "predictions.json").read_text()) == results
+        assert Image.open(out / "photo.jpg").size == (375, 500)  # longer side picture_size, shown upright
+    np.testing.assert_allclose(boxes[True], boxes[False], atol=6)
+
+
+def _matched(got: list[dict], want: list[dict], iou: float) -> float:
+    """The share of ``got``'s detections with one of ``want`` (same image and class) at IoU >= ``iou``."""
+    from torchvision.ops import box_convert, box_iou
+
+    hits = 0
+    for entry in got:
+        others = [
+            e["bbox"]
+            for e in want
+            if (e["image_id"], e["category_id"]) == (entry["image_id"], entry["category_id"])
+        ]
+        if others:
+            boxes = box_convert(torch.tensor([entry["bbox"], *others]), "xywh", "xyxy")
+            hits += bool(box_iou(boxes[:1], boxes[1:]).max() >= iou)
+    return hits / max(len(got), 1)
+
+
+def test_fast_decode_keeps_small_images_and_the_detections_of_large_ones(
+    fake_run, images, shapes_coco, tmp_path
+):
+    """Off: the full decode, bit for bit; on: the same for images too small to reduce; on photos large
+    enough to reduce, the network's input within a fraction of a grey level and the same detections, in the
+    full photo's pixels."""
+    run, _ = fake_run
+    detector = load_detector(run / "checkpoints" / "last.ckpt")
+    inputs = collect_inputs(images)
+    exact, _ = predict_images(detector, inputs, tmp_path / "exact", fast_decode=False, draw=False)
+    fast, _ = predict_images(detector, inputs, tmp_path / "fast", draw=False)
+    assert exact == fast and len(exact) == 2 * DECODER["max_detections"]
+    image, _ = open_image(images / "wide.png")
+    want = detector.detect(preprocess(image)[None], [(360, 640)])[0]
+    got = sorted((e["score"], e["bbox"]) for e in exact if e["file_name"] == "wide.png")
+    assert [s for s, _ in got] == sorted(round(float(s), 5) for s in want["scores"])
+
+    # 8 validation images enlarged 8x (JPEG)
+    big = tmp_path / "big"
+    big.mkdir()
+    for path in sorted((shapes_coco / "val2017").glob("*.jpg"))[:8]:
+        photo = Image.open(path).convert("RGB")
+        photo.resize((8 * photo.width, 8 * photo.height), Image.BILINEAR).save(big / path.name)
+    inputs = collect_inputs(big)
+    reduced = 0
+    for item in inputs:
+        (full, _), (small, size) = open_image(item.path), open_image(item.path, min_side=600)
+        reduced += small.size != full.size
+        assert size == (full.height, full.width)
+        difference = (preprocess(full) - preprocess(small)).abs().mean() * 0.225 * 255  # in grey levels
+        assert difference < 0.5, (item.name, float(difference))  # measured: 0.05-0.12
+    assert reduced >= 4, "too few images large enough for a reduced decode"
+    found = {}
+    for fast in (False, True):
+        out = tmp_path / f"big_{fast}"
+        predict_images(detector, inputs, out, fast_decode=fast, draw=False)
+        found[fast] = json.loads((out / "predictions.json").read_text())
+    # random weights score ~0 mAP either way, so the detections themselves are compared
+    same = _matched(found[True], found[False], iou=0.9)
+    assert same >= 0.95, same  # measured: 0.99
+
+
+def test_dtype_auto_is_the_training_rule_and_bf16_runs_in_nhwc_under_autocast(fake_run, monkeypatch):
+    from ssd_lightning.inference import detector as detector_module
+    from ssd_lightning.inference.detector import resolve_dtype
+
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(detector_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_dtype("auto", "cpu")[0] == expected
+    assert "no native bf16 kernels" in resolve_dtype("auto", "cpu")[1]
+    assert resolve_dtype("auto", "cuda:0")[0] == "fp16"
+    assert resolve_dtype(32, "cpu") == resolve_dtype("32", "cuda") == ("fp32", "asked for")
+    with pytest.raises(ValueError, match="dtype=fp64: expected auto, 32"):
+        resolve_dtype("fp64", "cpu")
+
+    run, _ = fake_run
+    ckpt = run / "checkpoints" / "last.ckpt"
+    fp32, bf16 = load_detector(ckpt), load_detector(ckpt, dtype="bf16")
+    assert fp32.dtype == "fp32" and bf16.dtype == "bf16"
+    conv = next(m for m in bf16.net.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 300, 300, generator=torch.Generator().manual_seed(0))
+    want, got = fp32.detect(x, [(300, 400)] * 2), bf16.detect(x, [(300, 400)] * 2)
+    for a, b in zip(want, got, strict=True):
+        assert b["boxes"].dtype == b["scores"].dtype == torch.float32
+        torch.testing.assert_close(b["scores"][:20], a["scores"][:20], atol=0.01, rtol=0)
 
 
 def test_loading_errors_say_what_to_do(fake_run, tmp_path):
@@ -157,9 +301,11 @@ def test_coco_names_and_ids_line_up():
 def test_cli_reports_corrupt_files_and_fails_only_when_nothing_worked(fake_run, images, tmp_path):
     run, _ = fake_run
     ckpt = f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
-    result = run_script(PREDICT_PY, ckpt, f"input={images}", f"output={tmp_path / 'out'}", "batch_size=1")
+    out = f"output={tmp_path / 'out'}"
+    result = run_script(PREDICT_PY, ckpt, f"input={images}", out, "batch_size=1", "dtype=32")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "broken.jpg" in result.stdout + result.stderr
+    assert "dtype fp32 (asked for)" in result.stdout + result.stderr
     assert (tmp_path / "out" / "predictions.json").is_file() and (tmp_path / "out" / "wide.jpg").is_file()
     assert not (tmp_path / "out" / ".hydra").exists()
     result = run_script(PREDICT_PY, ckpt, f"input={images / 'broken.jpg'}", f"output={tmp_path / 'bad'}")
@@ -186,6 +332,9 @@ def test_cli_scores_a_folder_against_its_annotation_file(fake_run, shapes_coco, 
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert re.search(r"13 images in [\d.]+ s, [\d.]+ images/s", log), log[-3000:]
+    assert re.search(r"dtype (fp32|bf16) \(auto: this CPU has (no )?native bf16", log), log[-3000:]
+    lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sorted(line["file_name"] for line in lines) == sorted(e["file_name"] for e in dataset["images"])
     assert "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]" in log
     assert "| category " in log and "| rectangle " in log
     saved = json.loads((out / "predictions.json").read_text())
@@ -271,7 +420,7 @@ def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onn
     assert sorted(p.name for p in (tmp_path / "onnx").glob("*.jpg")) == ["tall.jpg", "wide.jpg"]
 
     # detect(): the checkpoint's boxes clipped to the image, same scores and labels
-    image = open_image(images / "wide.png")
+    image, _ = open_image(images / "wide.png")
     x = preprocess(image)[None]
     want, have = from_ckpt.detect(x, [(360, 640)])[0], from_onnx.detect(x, [(360, 640)])[0]
     clipped = want["boxes"].clone()

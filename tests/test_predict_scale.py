@@ -219,3 +219,61 @@ def test_unmatched_images_and_other_categories_are_one_line_errors(subfolder_coc
     message = str(error.value)
     assert "\n" not in message and message.startswith("annotations=x.json: its categories {3: 'rectangle'")
     assert "the detector's {1: 'cat', 2: 'dog'}" in message
+
+
+# ------------------------------------------------------------------------------------------ memory
+def test_a_run_stopped_midway_keeps_its_lines_and_reads_only_a_few_batches_ahead(tmp_path, monkeypatch):
+    """predictions.jsonl holds every image done before the stop (an unreadable one as an error line);
+    predictions.json is only replaced at the end; reads in flight stay within the read-ahead window."""
+    from ssd_lightning.inference import predict
+
+    folder = tmp_path / "photos"
+    for k in range(30):
+        _image(folder / f"img_{k:02d}.png", value=k)
+    (folder / "img_02b.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a JPEG")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "predictions.json").write_text('"from an earlier run"')
+
+    calls, started, detected, most_ahead = [], [], [], []
+    real_read = predict._read
+
+    def counting_read(*args, **kwargs):
+        started.append(1)
+        most_ahead.append(len(started) - len(detected))
+        return real_read(*args, **kwargs)
+
+    class Stopped(_Oracle):
+        def detect(self, images, sizes):
+            calls.append(len(sizes))
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            detected.extend(sizes)
+            return super().detect(images, sizes)
+
+    monkeypatch.setattr(predict, "_read", counting_read)
+    categories = CategoryMap.from_names(["s"])
+    box = (np.array([[1.0, 2.0, 11.0, 12.0]]), np.array([1]))
+    with pytest.raises(KeyboardInterrupt):
+        predict_images(Stopped(categories, [box] * 31), collect_inputs(folder), out, batch_size=2, workers=2)
+    lines = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [(line["file_name"], "error" in line) for line in lines] == [
+        ("img_00.png", False),
+        ("img_01.png", False),
+        ("img_02b.jpg", True),  # written when it was read, before the batch it fell into
+        ("img_02.png", False),
+        ("img_03.png", False),
+    ]
+    assert lines[0] == {
+        "image_id": 0,
+        "file_name": "img_00.png",
+        "height": 30,
+        "width": 40,
+        "detections": [
+            {"category_id": 1, "bbox": [1.0, 2.0, 10.0, 10.0], "score": 0.9, "category_name": "s"}
+        ],
+    }
+    assert (out / "predictions.json").read_text() == '"from an earlier run"'
+    window = max(2 * 2, 4 * 2)  # predict's read-ahead for batch_size=2, workers=2
+    # + the batch being filled + the unreadable file (read, never detected)
+    assert max(most_ahead) <= window + 2 + 1, max(most_ahead)

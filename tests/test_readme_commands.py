@@ -413,7 +413,7 @@ HARNESSES = {
     *("benchmark_analysis.py", "benchmark_cpu_step.py", "benchmark_decoder.py", "benchmark_demo.py"),
     *("benchmark_eval.py", "benchmark_finetune.py", "benchmark_host_memory.py", "benchmark_loader.py"),
     *("benchmark_onnx.py", "benchmark_startup.py", "benchmark_training.py", "gpu_benchmark.py"),
-    *("make_coco_scale_fixture.py", "stress_tests.py"),
+    *("benchmark_predict.py", "make_coco_scale_fixture.py", "stress_tests.py"),
 }
 
 

@@ -71,7 +71,7 @@ def _recompute_val_accuracy(cfg, checkpoint: Path) -> tuple[float, float, int, i
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.setup("validate")
     correct, losses, n = 0, [], 0
-    from ssd_lightning.compat import cpu_has_native_bf16
+    from ssd_lightning.models.cpu_bf16 import cpu_has_native_bf16
 
     # precision=bf16, as the run: float32 on a CPU without native bf16 (train.py's cpu_bf16=auto)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16()):

@@ -193,6 +193,21 @@ def test_a_changed_annotation_file_converts_again(voc, tmp_path):
     assert second != first and "big_" in second.read_text()
 
 
+def test_a_replaced_image_whose_size_the_conversion_read_converts_again(voc, tmp_path):
+    from PIL import Image
+
+    root, _ = voc
+    copy = tmp_path / "voc"
+    shutil.copytree(root, copy)
+    _age(copy)
+    first = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
+    image = json.loads(first.read_text())["images"][0]  # <size> 0 x 0: its size came from the image
+    Image.new("RGB", (image["width"] + 7, image["height"])).save(copy / "JPEGImages" / image["file_name"])
+    _age(copy)
+    second = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
+    assert second != first and json.loads(second.read_text())["images"][0]["width"] == image["width"] + 7
+
+
 def test_difficult_objects_are_ignored_by_the_evaluation(voc, tmp_path):
     from ssd_lightning.evaluation import evaluate_coco
 
@@ -316,6 +331,13 @@ def _first_xml(root: Path) -> Path:
             id="bad-xml",
         ),
         pytest.param(
+            lambda r: _edit(r / "ImageSets" / "Main" / "train.txt", "\n", "\n000000000001\n"),
+            {},
+            DataError,
+            r"ImageSets/Main/train\.txt:2: image '000000000001' is listed again \(first at line 1\)",
+            id="listed-twice",
+        ),
+        pytest.param(
             lambda r: shutil.rmtree(r / "Annotations"),
             {},
             MissingDataError,
@@ -380,6 +402,26 @@ def test_missing_yolo_dataset_file_is_one_error(tmp_path):
         MissingDataError, match=r"data\.yaml: train: images/train is .*, which does not exist"
     ):
         YOLODALIDataModule(tmp_path / "yolo", cache_dir=tmp_path / "cache")
+
+
+def test_yolo_path_of_another_machine_and_a_relative_root(yolo, tmp_path, monkeypatch, caplog):
+    """ultralytics' ``path: ../datasets/x`` (its datasets folder) falls back to data.root, said in the log;
+    a relative data.root finds the labels (their path replaces the image path's ``/images/``)."""
+    root = tmp_path / "parts"
+    shutil.copytree(yolo[0], root)
+    _edit(root / "data.yaml", "path: .", "path: ../datasets/parts")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="ssd_lightning.data.yolo"):
+        dm = YOLODALIDataModule("parts", cache_dir="cache")
+    assert "path: ../datasets/parts is" in caplog.text and "relative to data.root" in caplog.text
+    assert _converted(dm.val_annotations) == _converted(
+        YOLODALIDataModule(yolo[0], cache_dir="c2").val_annotations
+    )
+    shutil.rmtree(root / "labels" / "val")
+    with pytest.raises(
+        DataError, match=r"data\.yaml: val: none of its \d+ images has a label file; the first"
+    ):
+        YOLODALIDataModule("parts", cache_dir="cache")
 
 
 def test_layout_paths_are_not_accepted(voc, tmp_path):

@@ -38,6 +38,7 @@ from ssd_lightning.errors import ConfigError, user_errors_as_messages
 from ssd_lightning.io.checkpoint_io import AtomicCheckpointIO
 from ssd_lightning.io.model_record import read_model_record
 from ssd_lightning.io.weights import CheckpointReadError, read_checkpoint
+from ssd_lightning.models import cpu_bf16
 
 log = logging.getLogger(__name__)
 
@@ -169,15 +170,15 @@ def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
 
 def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
     """bf16 asked for (``precision=bf16``, or fp16, which Lightning runs as bf16 on a CPU) on a CPU without
-    native bf16 kernels (:func:`ssd_lightning.compat.cpu_has_native_bf16`): run float32 instead, faster by
-    10-15x there, unless ``cpu_bf16=always``. Returns the keys set (``trainer.precision``,
+    native bf16 kernels (:func:`ssd_lightning.models.cpu_bf16.cpu_has_native_bf16`): run float32 instead,
+    faster by 10-15x there, unless ``cpu_bf16=always``. Returns the keys set (``trainer.precision``,
     ``data.output_dtype``)."""
     precision = str(OmegaConf.select(cfg, "trainer.precision", default=""))
     accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="auto"))
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     if cfg.get("cpu_bf16", "auto") == "always" or not on_cpu or precision not in ("bf16-mixed", "16-mixed"):
         return {}
-    if compat.cpu_has_native_bf16():
+    if cpu_bf16.cpu_has_native_bf16():
         return {}
     values = {"trainer.precision": "32-true"}
     if OmegaConf.select(cfg, "data.output_dtype") is not None:

@@ -113,7 +113,7 @@ def convert_once(
     entry = folder / "converted" / f"{converter.format}-{safe_name}-{key}"
     manifest = entry / "manifest.json"
     entry.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(entry.with_suffix(".lock"), f"converting {root}"):
+    with file_lock(entry.parent / f"{entry.name}.lock", f"converting {root}"):  # root names have dots
         try:
             found = json.loads(manifest.read_text(encoding="utf-8"))
             return {s: (Path(found[s]), entry / f"instances_{s}.json") for s in SPLITS}

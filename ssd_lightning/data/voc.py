@@ -85,7 +85,7 @@ class VOCConverter:
         val_split: str = "val",
         classes: Sequence[str] | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()
         self.lists = {
             "train": self.root / "ImageSets" / "Main" / f"{train_split}.txt",
             "val": self.root / "ImageSets" / "Main" / f"{val_split}.txt",
@@ -120,14 +120,31 @@ class VOCConverter:
                 lines = list_file.read_text(encoding="utf-8-sig").splitlines()
                 # a line is "<id>" (Main/<split>.txt) or "<id> <flag>" (the per-class lists)
                 listed[split] = [(line.split()[0], n) for n, line in enumerate(lines, 1) if line.strip()]
+                first: dict[str, int] = {}
+                for image_id, n in listed[split]:
+                    if first.setdefault(image_id, n) != n:
+                        again = f"is listed again (first at line {first[image_id]})"
+                        raise DataError(f"{list_file}:{n}: image {image_id!r} {again}")
             self._listed = listed
         return self._listed
 
+    def _images_by_stem(self) -> tuple[set[str], dict[str, str]]:
+        """The file names in ``JPEGImages/`` and, per stem, the first image among them."""
+        names = sorted(os.listdir(self.root / "JPEGImages"))
+        by_stem: dict[str, str] = {}
+        for name in names:
+            stem, suffix = os.path.splitext(name)
+            if suffix.lower() in IMAGE_SUFFIXES:
+                by_stem.setdefault(stem, name)
+        return set(names), by_stem
+
     def sources(self) -> list[Path]:
         listed = self._ids()  # checks the folders first
-        annotations = self.root / "Annotations"
+        annotations, image_dir = self.root / "Annotations", self.root / "JPEGImages"
         present = set(os.listdir(annotations))
-        files = list(self.lists.values())
+        _, by_stem = self._images_by_stem()
+        # the image folder (files added, removed, renamed) and each listed id's image (sizes read from it)
+        files = [*self.lists.values(), image_dir]
         for split, ids in listed.items():
             for image_id, line in ids:
                 if f"{image_id}.xml" not in present:
@@ -136,18 +153,15 @@ class VOCConverter:
                         f"{annotations / (image_id + '.xml')} does not exist"
                     )
                 files.append(annotations / f"{image_id}.xml")
+                if image_id in by_stem:
+                    files.append(image_dir / by_stem[image_id])
         return files
 
     def convert(self) -> dict[str, tuple[Path, dict[str, Any]]]:
         image_dir = self.root / "JPEGImages"
-        names = sorted(os.listdir(image_dir))
-        by_stem: dict[str, str] = {}
-        for name in names:
-            stem, suffix = os.path.splitext(name)
-            if suffix.lower() in IMAGE_SUFFIXES:
-                by_stem.setdefault(stem, name)
+        names, by_stem = self._images_by_stem()
         parsed = {
-            split: [self._read(image_id, line, split, set(names), by_stem) for image_id, line in ids]
+            split: [self._read(image_id, line, split, names, by_stem) for image_id, line in ids]
             for split, ids in self._ids().items()
         }
         if self.classes is None:

@@ -2,20 +2,22 @@
 converted once into COCO annotations (:mod:`.conversion`).
 
 ``data.yaml`` has ``names`` (a list, or ``{index: name}``) and ``train``/``val``: an image folder (searched
-recursively), a ``.txt`` list of images (lines relative to the list's folder), or a list of these, relative
-to ``path`` (itself relative to ``data.root``; default ``data.root``). As in ultralytics, an entry
-``../x`` that does not exist is also tried as ``x`` (Roboflow's exports), and an image's labels are in the
-file whose path replaces the last ``/images/`` of the image's by ``/labels/`` and the suffix by ``.txt``. A
-label row is ``class cx cy w h`` (normalised to the image as viewers show it, EXIF-turned) or a polygon
-``class x1 y1 x2 y2 ...`` (its bounding box, as ultralytics' detection training takes it); blank lines,
-surrounding whitespace, CRLF line ends and a BOM are fine; an image without a label file, or with an empty
-one, has no objects. Image sizes come from the image headers (no decoding). Category ids are the ``names``
-indices. A box may reach :data:`TOLERANCE` outside [0, 1] (rounding in exports) and is clipped to it;
-anything else wrong is a :class:`~ssd_lightning.errors.DataError` naming ``file:line``.
+recursively), a ``.txt`` list of images (lines relative to the list's folder), or a list of these, relative to
+``path`` (itself relative to ``data.root``; default, or where that folder does not exist, ``data.root``). As
+in ultralytics, an entry ``../x`` that does not exist is also tried as ``x`` (Roboflow's exports), and an
+image's labels are in the file whose path replaces the last ``/images/`` of the image's by ``/labels/`` and
+the suffix by ``.txt``. A label row is ``class cx cy w h`` (normalised to the image as viewers show it,
+EXIF-turned) or a polygon ``class x1 y1 x2 y2 ...`` (its bounding box, as ultralytics' detection training
+takes it); blank lines, surrounding whitespace, CRLF line ends and a BOM are fine; an image without a label
+file, or with an empty one, has no objects (a split where none has one is an error). Image sizes come from the
+image headers (no decoding). Category ids are the ``names`` indices. A box may reach :data:`TOLERANCE` outside
+[0, 1] (rounding in exports) and is clipped to it; anything else wrong is a
+:class:`~ssd_lightning.errors.DataError` naming ``file:line``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -27,6 +29,8 @@ from ssd_lightning.data.conversion import IMAGE_SUFFIXES, ConvertedDataModule, c
 from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["TOLERANCE", "YOLOConverter", "YOLODALIDataModule", "label_path"]
+
+log = logging.getLogger(__name__)
 
 TOLERANCE = 1e-3  # normalised units a box corner may lie outside [0, 1] (clipped): 0.6 px of a 640 px image
 
@@ -57,7 +61,7 @@ class YOLOConverter:
     format = "yolo"
 
     def __init__(self, root: str | os.PathLike, *, data_yaml: str = "data.yaml") -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # label_path needs the "/images/" of a relative root too
         self.data_yaml = self.root / data_yaml
         self._read: tuple[dict[int, str], dict[str, list[Path]]] | None = None
 
@@ -89,10 +93,28 @@ class YOLOConverter:
             names = _class_names(config["names"], self.data_yaml)
             if "nc" in config and config["nc"] != len(names):
                 raise DataError(f"{self.data_yaml}: nc is {config['nc']}, but 'names' has {len(names)} names")
-            base = self.root / str(config.get("path") or ".")
+            base = self._base(config.get("path"))
             images = {split: self._split_images(config, split, base) for split in ("train", "val")}
             self._read = names, images
         return self._read
+
+    def _base(self, path: Any) -> Path:
+        """The folder ``train``/``val`` are relative to: ``path`` (relative to ``data.root``) or, where that
+        folder does not exist here (ultralytics' ``path: coco8`` under its datasets folder, a path on the
+        machine that exported the dataset), ``data.root``."""
+        if not path:
+            return self.root
+        base = self.root / str(path)
+        if base.is_dir():
+            return base
+        log.warning(
+            "%s: path: %s is %s, which does not exist here; reading train and val relative to data.root (%s)",
+            self.data_yaml,
+            path,
+            base,
+            self.root,
+        )
+        return self.root
 
     def _split_images(self, config: dict, split: str, base: Path) -> list[Path]:
         entries = config.get(split)
@@ -143,6 +165,7 @@ class YOLOConverter:
         out = {}
         for split, paths in images.items():
             image_dir = Path(os.path.commonpath([p.parent for p in paths]))
+            _check_labels_found(self.data_yaml, split, paths)
             entries, annotations = [], []
             for image_id, path in enumerate(paths, 1):
                 width, height = image_size(path)
@@ -166,6 +189,26 @@ class YOLOConverter:
                         )
             out[split] = (image_dir, coco_dict(entries, annotations, names))
         return out
+
+
+def _check_labels_found(data_yaml: Path, split: str, images: list[Path]) -> None:
+    """A split without any label file is an error (labels not where ultralytics looks); some missing, a
+    warning (they are images without objects)."""
+    missing = [image for image in images if not label_path(image).is_file()]
+    if len(missing) == len(images):
+        raise DataError(
+            f"{data_yaml}: {split}: none of its {len(images)} images has a label file; the first one's would "
+            f"be {label_path(images[0])} (the last /images/ of the image's path replaced by /labels/, .txt)"
+        )
+    if missing:
+        log.warning(
+            "%s: %d of %d %s images have no label file (images without objects), e.g. %s",
+            data_yaml,
+            len(missing),
+            len(images),
+            split,
+            label_path(missing[0]),
+        )
 
 
 def _read_labels(path: Path, names: dict[int, str]) -> list[tuple[int, tuple[float, float, float, float]]]:

@@ -31,6 +31,7 @@ from ssd_lightning.models import (
     ssd300,
 )
 from ssd_lightning.models.boxes import scale_to_pixels
+from ssd_lightning.models.cpu_bf16 import cpu_has_native_bf16, run_strided_depthwise_in_float32
 
 __all__ = [
     "Detector",
@@ -39,6 +40,7 @@ __all__ = [
     "load_detector_from_settings",
     "load_nvidia_checkpoint",
     "open_onnx",
+    "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,27 @@ def load_nvidia_checkpoint(
     return nvidia_state_dict(state, backbone=backbone, num_classes=num_classes, source=source)
 
 
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | int, device: str | torch.device) -> tuple[str, str]:
+    """``(fp32 | bf16 | fp16, why)`` for ``dtype`` (``auto``, ``32``/``fp32``, ``bf16``, ``16``/``fp16``)
+    on ``device``. ``auto`` is what training validates with: fp16 on CUDA, bf16 on CPUs with native bf16
+    kernels (:func:`ssd_lightning.models.cpu_bf16.cpu_has_native_bf16`, train.py's rule), else fp32 (bf16 runs
+    10-15x slower than fp32 on CPUs without them)."""
+    name = {"32": "fp32", "16": "fp16"}.get(str(dtype), str(dtype))
+    if name not in ("auto", "fp32", *_AUTOCAST):
+        raise ValueError(f"dtype={dtype}: expected auto, 32 (fp32), bf16 or 16 (fp16)")
+    if name != "auto":
+        return name, "asked for"
+    if torch.device(device).type == "cuda":
+        return "fp16", "auto: CUDA"
+    if cpu_has_native_bf16():
+        return "bf16", "auto: this CPU has native bf16 kernels"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "fp32", f"auto: this CPU has no native bf16 kernels ({capability}), where bf16 is 10-15x slower"
+
+
 @dataclass
 class Detector:
     """A network (or an ONNX session) with what turns its outputs into named detections.
@@ -75,6 +98,9 @@ class Detector:
         net: maps (N, 3, 300, 300) normalised images to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
         session: instead of ``net``, an onnxruntime session of an end-to-end export.
         source: where the weights came from (for messages).
+        dtype: ``fp32``, or ``bf16``/``fp16``: the network under autocast in NHWC (channels_last),
+            as training validates (on a CPU, strided depthwise convolutions stay fp32 there); an ONNX
+            session runs its graph as exported.
     """
 
     categories: CategoryMap
@@ -83,11 +109,20 @@ class Detector:
     session: Any = None
     source: str = ""
     image_size: int = 300
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if (self.net is None) == (self.session is None):
             raise ValueError("a Detector runs either a net or an onnxruntime session")
         self.box_coder = BoxCoder(dboxes300_coco())
+        if self.net is not None and self.dtype in _AUTOCAST:
+            self.net.to(memory_format=torch.channels_last)
+            if self.device.type == "cpu":
+                run_strided_depthwise_in_float32(self.net)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.net.parameters()).device
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -107,7 +142,7 @@ class Detector:
         """``cpu``, ``cuda:0``, ... or ``onnxruntime <provider>``."""
         if self.session is not None:
             return "onnxruntime " + self.session.get_providers()[0]
-        return str(next(self.net.parameters()).device)
+        return str(self.device)
 
     @torch.inference_mode()
     def detect(self, images: Tensor, sizes: Sequence[tuple[int, int]]) -> list[dict[str, Tensor]]:
@@ -123,7 +158,13 @@ class Detector:
             ``labels`` (k,) int64 in 1..C-1, by descending score.
         """
         if self.session is None:
-            locs, logits = self.net(images.to(next(self.net.parameters()).device))
+            images = images.to(self.device)
+            if self.dtype in _AUTOCAST:
+                with torch.autocast(self.device.type, dtype=_AUTOCAST[self.dtype]):
+                    locs, logits = self.net(images.contiguous(memory_format=torch.channels_last))
+                locs, logits = locs.float(), logits.float()
+            else:
+                locs, logits = self.net(images)
             return self.box_coder.detect(locs, logits, sizes, self.settings)
         boxes, scores, labels, counts = self.session.run(
             ["boxes", "scores", "labels", "num_detections"], {"images": images.float().cpu().numpy()}
@@ -335,6 +376,7 @@ def load_detector(
     decoder: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
     trust_checkpoint: bool = False,
+    dtype: str | int = "fp32",
 ) -> Detector:
     """A :class:`Detector` from exactly one source, in ``eval()`` mode on ``device`` (``auto``: CUDA when
     available; for ONNX when onnxruntime has it).
@@ -351,7 +393,9 @@ def load_detector(
     * ``onnx``: an end-to-end export (:func:`ssd_lightning.inference.export.export_detector`) run with
       onnxruntime; names, ids and decoder settings from its metadata (``decoder`` may only repeat them).
 
-    ``decoder`` overrides the decoder settings (``None`` values are ignored). Checkpoints are read with
+    ``dtype`` (:func:`resolve_dtype`; ``auto``: the precision training validates with on this
+    device) is the network's; an ONNX export runs as exported. ``decoder`` overrides the decoder settings
+    (``None`` values are ignored). Checkpoints are read with
     ``torch.load(weights_only=True)``; ``trust_checkpoint=True`` unpickles them fully (can run code).
 
     Raises:
@@ -397,6 +441,7 @@ def load_detector(
         net=net.eval().to(device),
         source=source,
         image_size=image_size,
+        dtype=resolve_dtype(dtype, device)[0],
     )
 
 

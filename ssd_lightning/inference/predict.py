@@ -2,10 +2,12 @@
 score the detections against a COCO annotation file.
 
 Inputs come from :func:`ssd_lightning.inference.sources.collect_inputs` (re-exported here). Images are read
-and preprocessed in ``workers`` threads ahead of the detector, in input order. Preprocessing
-(:func:`preprocess`) is the validation transform of the datamodules done with PIL and torch instead of
-DALI: RGB (EXIF orientation applied), resize to 300×300 without letterbox (Pillow bilinear), then
-``(pixel - 255 * mean) / (255 * std)`` with the ImageNet mean/std, NCHW float32.
+and preprocessed in ``workers`` threads a few batches ahead of the detector, in input order; the same threads
+draw and encode the pictures behind it. Preprocessing (:func:`preprocess`) is the validation transform of the
+datamodules done with PIL and torch instead of DALI: RGB (EXIF orientation applied), resize to 300×300
+without letterbox (Pillow bilinear), then ``(pixel - 255 * mean) / (255 * std)`` with the ImageNet
+mean/std, NCHW float32. Large JPEGs are decoded at a reduced scale first (:func:`open_image`,
+``fast_decode``). Reasons and measurements: docs/internals.md, "inference/predict.py".
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from ssd_lightning.data.categories import CategoryMap
@@ -41,7 +44,7 @@ from ssd_lightning.evaluation import (
     to_coco_array,
 )
 from ssd_lightning.inference.classifier import Classifier
-from ssd_lightning.inference.detector import Detector
+from ssd_lightning.inference.detector import Detector, resolve_dtype
 from ssd_lightning.inference.loading import load_model_from_settings
 from ssd_lightning.inference.sources import (
     IMAGE_EXTENSIONS,
@@ -80,49 +83,87 @@ def preprocess(image: Image.Image, size: int = 300) -> Tensor:
     return (array - mean) / std
 
 
-def open_image(path: Path) -> Image.Image:
-    """Decode fully (so a truncated file fails here, not later) and apply the EXIF orientation."""
+def open_image(path: Path, min_side: int = 0) -> tuple[Image.Image, tuple[int, int]]:
+    """Decode fully (so a truncated file fails here, not later) and apply the EXIF orientation.
+
+    ``min_side > 0``: a JPEG is decoded at the smallest of libjpeg's DCT scales (1/2, 1/4, 1/8: PIL's
+    ``draft``) at which both sides stay >= ``min_side``; other files, and JPEGs too small for that, are
+    decoded as they are. Returns the image and the full image's ``(height, width)`` after orientation (what
+    detections are mapped back to)."""
     with Image.open(path) as img:
+        width, height = img.size
+        if img.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a quarter turn
+            width, height = height, width
+        if min_side > 0:
+            img.draft("RGB", (min_side, min_side))
         img.load()
-        return ImageOps.exif_transpose(img).convert("RGB")
+        return ImageOps.exif_transpose(img).convert("RGB"), (height, width)
 
 
 # ------------------------------------------------------------------------------------------ reading
 _READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
 
 
-def _read(
-    item: InputImage, transform: Callable[[Image.Image], Tensor]
-) -> tuple[InputImage, Image.Image | None, Tensor | None, str]:
-    """``(item, image, transform(image), "")``, or ``(item, None, None, reason)`` for an unreadable file."""
+@dataclass(frozen=True)
+class _Read:
+    """One input read: the decoded ``image`` (reduced for a large JPEG with ``fast_decode``), the full
+    image's ``size`` ``(height, width)``, the network's ``tensor``; or ``reason`` why it could not be read."""
+
+    index: int
+    item: InputImage
+    image: Image.Image | None = None
+    size: tuple[int, int] = (0, 0)
+    tensor: Tensor | None = None
+    reason: str = ""
+
+
+def _read(index: int, item: InputImage, transform: Callable[[Image.Image], Tensor], min_side: int) -> _Read:
     try:
-        image = open_image(item.path)
+        image, size = open_image(item.path, min_side)
     except _READ_ERRORS as e:
-        return item, None, None, f"{type(e).__name__}: {e}"
-    return item, image, transform(image), ""
+        return _Read(index, item, reason=f"{type(e).__name__}: {e}")
+    return _Read(index, item, image, size, transform(image))
 
 
-def _read_ahead(
-    inputs: Sequence[InputImage], transform: Callable[[Image.Image], Tensor], workers: int, window: int
-) -> Iterator[tuple]:
-    """:func:`_read` of every input, in input order; ``workers`` threads keep at most ``window`` reads
-    ahead (0 workers: read in this thread)."""
-    if workers <= 0:
-        for item in inputs:
-            yield _read(item, transform)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="predict-read") as pool:
-        pending: deque[Future] = deque()
-        items = iter(inputs)
-        for item in items:
-            pending.append(pool.submit(_read, item, transform))
-            if len(pending) >= window:
-                break
-        while pending:
-            yield pending.popleft().result()
-            item = next(items, None)
-            if item is not None:
-                pending.append(pool.submit(_read, item, transform))
+class _Pool:
+    """``workers`` threads for reading ahead and for writing pictures behind the network, each bounded to
+    ``window`` tasks in flight (0 workers: everything in the calling thread, in order)."""
+
+    def __init__(self, workers: int, window: int) -> None:
+        self.executor = ThreadPoolExecutor(workers, "predict") if workers > 0 else None
+        self.window = window
+        self.behind: deque[Future] = deque()
+
+    def read_ahead(self, items: Sequence[InputImage], read: Callable[..., _Read]) -> Iterator[_Read]:
+        """``read(index, item)`` of every item, in input order."""
+        if self.executor is None:
+            yield from (read(index, item) for index, item in enumerate(items))
+            return
+        ahead: deque[Future] = deque()
+        for index, item in enumerate(items):
+            ahead.append(self.executor.submit(read, index, item))
+            if len(ahead) >= self.window:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+    def later(self, task: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """``task(*args, **kwargs)`` in the background; beyond ``window`` pending, waits for the oldest (its
+        error, e.g. a full disk, is raised here)."""
+        if self.executor is None:
+            task(*args, **kwargs)
+            return
+        self.behind.append(self.executor.submit(task, *args, **kwargs))
+        while len(self.behind) > self.window:
+            self.behind.popleft().result()
+
+    def close(self, wait: bool) -> None:
+        if self.executor is None:
+            return
+        if wait:
+            while self.behind:
+                self.behind.popleft().result()
+        self.executor.shutdown(wait=True, cancel_futures=not wait)
 
 
 class _Progress:
@@ -162,11 +203,20 @@ def _picture_name(name: str, used: set[str]) -> str:
     return picture
 
 
-def _save_picture(picture: Image.Image, output_dir: Path, name: str, used: set[str], **options: Any) -> None:
-    """``picture`` as ``<output_dir>/<name>.jpg`` (:func:`_picture_name`), subfolders made."""
-    path = output_dir / _picture_name(name, used)
+def _write_picture(
+    path: Path, read: _Read, boxes: Any, labels: Any, scores: Any, picture_size: int, **draw: Any
+) -> None:
+    """``read``'s image with ``boxes`` (ltrb in full-image pixels) drawn, its longer side at most
+    ``picture_size``, as a JPEG at ``path``."""
+    from ssd_lightning.visualize import draw_detections
+
+    image = read.image
+    shrink = image.width / read.size[1]  # the decoded image's pixels per full-image pixel
+    scale = min(1.0, picture_size / max(image.size))
+    boxes = np.asarray(boxes, dtype=np.float64) * shrink
+    picture = draw_detections(image, boxes, labels, scores, scale=scale, **draw)
     path.parent.mkdir(parents=True, exist_ok=True)
-    picture.save(path, **options)
+    picture.save(path, quality=92, subsampling=0)
 
 
 def _as_input(item: InputImage | str | os.PathLike) -> InputImage:
@@ -185,26 +235,35 @@ def predict_images(
     categories: CategoryMap | None = None,
     workers: int = 4,
     progress: bool = False,
+    fast_decode: bool = True,
+    picture_size: int = 1280,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Detect objects in ``inputs``; write annotated pictures and ``predictions.json`` to ``output_dir``.
+    """Detect objects in ``inputs``; write annotated pictures, ``predictions.jsonl`` and
+    ``predictions.json`` to ``output_dir``.
 
     ``predictions.json`` is in COCO results format (:func:`ssd_lightning.evaluation.to_coco_array`: bbox to
     0.001 px, score to 1e-5), one entry per detection the decoder keeps: ``image_id`` (``image_ids[i]`` for
     input ``i``, default ``i``; failures keep their place), ``category_id`` (from ``categories``, default
     the detector's), ``bbox`` ``[x, y, w, h]`` in original pixels clipped to the image, ``score``, plus
     ``file_name`` (the input's ``name``: its path relative to the input folder; a plain path is named by its
-    file name) and ``category_name``. Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix
-    replaced; ``_1``, ``_2``... for further inputs of the same name) show detections with score >=
-    ``draw_score_thresh``. ``workers`` threads read images ahead; ``progress`` shows a progress bar. The
-    log's last line gives the images per second of the loop (reading, detecting, drawing; not loading the
-    detector).
+    file name) and ``category_name``. It is written (atomically) at the end; ``predictions.jsonl`` gets one
+    line per input as it is done (flushed, so an interrupted run keeps what it did): ``image_id``,
+    ``file_name``, ``height``, ``width`` and ``detections`` (the entries above without the first two), or
+    ``error`` for an unreadable file.
+
+    ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
+    network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
+    exactly). Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix replaced; ``_1``, ``_2``...
+    for further inputs of the same name) show detections with score >= ``draw_score_thresh`` on the image
+    as decoded, its longer side at most ``picture_size``; they are drawn and encoded in the background.
+    ``workers`` threads read images ahead (a few batches at most) and write the pictures; ``progress`` shows
+    a progress bar. The log's last line gives the images per second of the loop (reading, detecting,
+    drawing; not loading the detector).
 
     Returns:
         (the COCO results, the failures as ``(path, reason)``). Unreadable files are skipped with an
         error message naming them; the others are processed.
     """
-    from ssd_lightning.visualize import draw_detections
-
     items = [_as_input(item) for item in inputs]
     ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
     if len(ids) != len(items):
@@ -215,73 +274,97 @@ def predict_images(
     results: list[dict[str, Any]] = []
     used: set[str] = set()
 
-    def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
-        images = torch.stack([tensor for *_, tensor in batch])
-        detections = detector.detect(images, [(img.height, img.width) for _, _, img, _ in batch])
-        for (index, item, img, _), det in zip(batch, detections, strict=True):
+    def run(batch: list[_Read], pool: _Pool) -> list[dict[str, Any]]:
+        detections = detector.detect(torch.stack([r.tensor for r in batch]), [r.size for r in batch])
+        records = []
+        for read, det in zip(batch, detections, strict=True):
+            height, width = read.size
             boxes = det["boxes"].cpu().double().numpy()
             scores = det["scores"].cpu().numpy()
             labels = det["labels"].cpu().numpy()
             clipped = boxes.copy()
-            clipped[:, 0::2] = clipped[:, 0::2].clip(0, img.width)
-            clipped[:, 1::2] = clipped[:, 1::2].clip(0, img.height)
-            rows = to_coco_array([ids[index]], [clipped], [scores], [labels], categories)
-            for entry, label in zip(coco_array_to_results(rows), labels, strict=True):
-                entry.update(file_name=item.name, category_name=categories.names[int(label)])
-                results.append(entry)
+            clipped[:, 0::2] = clipped[:, 0::2].clip(0, width)
+            clipped[:, 1::2] = clipped[:, 1::2].clip(0, height)
+            rows = to_coco_array([ids[read.index]], [clipped], [scores], [labels], categories)
+            entries = coco_array_to_results(rows)
+            for entry, label in zip(entries, labels, strict=True):
+                entry.update(file_name=read.item.name, category_name=categories.names[int(label)])
+            results.extend(entries)
+            found = [{k: v for k, v in e.items() if k not in ("image_id", "file_name")} for e in entries]
+            image = {
+                "image_id": ids[read.index],
+                "file_name": read.item.name,
+                "height": height,
+                "width": width,
+            }
+            records.append({**image, "detections": found})
             if draw:
-                picture = draw_detections(
-                    img,
-                    clipped,
-                    labels,
-                    scores,
-                    class_names=categories.names,
-                    score_thresh=draw_score_thresh,
-                )
-                _save_picture(picture, output_dir, item.name, used, quality=92, subsampling=0)
+                path = output_dir / _picture_name(read.item.name, used)
+                pool.later(
+                    _write_picture, path, read, clipped, labels, scores, picture_size,
+                    class_names=categories.names, score_thresh=draw_score_thresh,
+                )  # fmt: skip
+        return records
 
-    transform = partial(preprocess, size=detector.image_size)
-    failures = _run_batches(items, transform, run, batch_size=batch_size, workers=workers, progress=progress)
-    with open(output_dir / "predictions.json", "w", encoding="utf-8") as f:
-        json.dump(results, f)
+    min_side = 2 * detector.image_size if fast_decode else 0
+    read = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
+    failures = _run_batches(
+        items, ids, read, run, output_dir, batch_size=batch_size, workers=workers, progress=progress
+    )
+    atomic_write_json(output_dir / "predictions.json", results)
     return results, failures
 
 
 def _run_batches(
     items: Sequence[InputImage],
-    transform: Callable[[Image.Image], Tensor],
-    run: Callable[[list[tuple[int, InputImage, Image.Image, Tensor]]], None],
+    ids: Sequence[int],
+    read: Callable[[int, InputImage], _Read],
+    run: Callable[[list[_Read], _Pool], list[dict[str, Any]]],
+    output_dir: Path,
     *,
     batch_size: int,
     workers: int,
     progress: bool,
 ) -> list[tuple[Path, str]]:
-    """Read ``items`` ahead in ``workers`` threads and call ``run`` on batches of ``(index, item, image,
-    tensor)``; unreadable files are logged and skipped. Returns them as ``(path, reason)``; logs the rate."""
+    """Read ``items`` ahead in ``workers`` threads (at most ``max(2 * batch_size, 4 * workers)`` ahead) and
+    call ``run`` on batches of :class:`_Read` with the pool for background work; the records it returns go to
+    ``<output_dir>/predictions.jsonl`` as they come (flushed), one per image. Unreadable files are logged,
+    recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and skipped. Returns them as ``(path,
+    reason)``; logs the rate."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     failures: list[tuple[Path, str]] = []
     bar = _Progress(len(items), progress)
+    pool = _Pool(workers, window=max(2 * batch_size, 4 * workers))
     start = time.perf_counter()
-    batch: list[tuple[int, InputImage, Image.Image, Tensor]] = []
-    try:
-        reads = _read_ahead(items, transform, workers, window=max(2 * batch_size, 4 * workers))
-        for index, (item, image, tensor, reason) in enumerate(reads):
-            if image is None:
-                failures.append((item.path, reason))
-                log.error("skipping %s: cannot read it as an image (%s)", item.path, reason)
-                bar.update(1)
-                continue
-            batch.append((index, item, image, tensor))
-            if len(batch) == batch_size:
-                run(batch)
+    batch: list[_Read] = []
+    finished = False
+    with open(output_dir / "predictions.jsonl", "w", encoding="utf-8") as lines:
+
+        def write(records: Iterable[Mapping[str, Any]]) -> None:
+            lines.writelines(json.dumps(record) + "\n" for record in records)
+            lines.flush()
+
+        try:
+            for done in pool.read_ahead(items, read):
+                if done.image is None:
+                    failures.append((done.item.path, done.reason))
+                    log.error("skipping %s: cannot read it as an image (%s)", done.item.path, done.reason)
+                    write([{"image_id": ids[done.index], "file_name": done.item.name, "error": done.reason}])
+                    bar.update(1)
+                    continue
+                batch.append(done)
+                if len(batch) == batch_size:
+                    write(run(batch, pool))
+                    bar.update(len(batch))
+                    batch = []
+            if batch:
+                write(run(batch, pool))
                 bar.update(len(batch))
-                batch = []
-        if batch:
-            run(batch)
-            bar.update(len(batch))
-    finally:
-        bar.close()
+            finished = True
+        finally:
+            pool.close(wait=finished)
+            bar.close()
     seconds = time.perf_counter() - start
     done = len(items) - len(failures)
     log.info("%d images in %.1f s, %.1f images/s", done, seconds, done / seconds if seconds > 0 else 0.0)
@@ -335,21 +418,21 @@ def classify_images(
     workers: int = 4,
     progress: bool = False,
     labels: Sequence[int] | None = None,
+    picture_size: int = 1280,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Classify ``inputs``; write ``predictions.json`` (and, with ``draw``, pictures) to ``output_dir``.
 
     ``predictions.json`` holds one entry per readable image, in input order: ``image_id`` (the input's
     index), ``file_name`` (its name, as for detection), ``top_k``: the ``top_k`` most likely classes as
-    ``{"label", "name", "score"}`` (softmax probability, to 1e-5), best first. Pictures
-    ``<output_dir>/<name>.jpg`` show the image framed in the top class's colour with its name and score.
+    ``{"label", "name", "score"}`` (softmax probability, to 1e-5), best first; ``predictions.jsonl`` gets
+    each entry (or an ``error``) as it is done, as for detection. Pictures ``<output_dir>/<name>.jpg`` (longer
+    side at most ``picture_size``) show the image framed in the top class's colour with its name and score.
     With the true ``labels`` of the inputs (:func:`imagefolder_labels`), top-1 and top-5 accuracy (overall
     and per class) are logged and written to ``<output_dir>/classification_eval.json``.
 
     Returns:
         (the entries, the unreadable files as ``(path, reason)``).
     """
-    from ssd_lightning.visualize import draw_detections
-
     items = [_as_input(item) for item in inputs]
     names = classifier.class_names
     k = max(1, min(int(top_k), len(names)))
@@ -359,31 +442,32 @@ def classify_images(
     used: set[str] = set()
     hits = np.zeros((len(names), 3), dtype=np.int64)  # per true class: images, top-1 hits, top-5 hits
 
-    def run(batch: list[tuple[int, InputImage, Image.Image, Tensor]]) -> None:
-        probs = classifier.classify(torch.stack([tensor for *_, tensor in batch]))
+    def run(batch: list[_Read], pool: _Pool) -> list[dict[str, Any]]:
+        probs = classifier.classify(torch.stack([r.tensor for r in batch]))
         scores, ranked = probs.topk(max(k, min(5, len(names))), dim=1)
-        for (index, item, img, _), score_row, label_row in zip(batch, scores, ranked, strict=True):
+        for read, score_row, label_row in zip(batch, scores, ranked, strict=True):
             top = [
                 {"label": int(label), "name": names[int(label)], "score": round(float(score), 5)}
                 for score, label in zip(score_row[:k], label_row[:k], strict=True)
             ]
-            results.append({"image_id": index, "file_name": item.name, "top_k": top})
+            results.append({"image_id": read.index, "file_name": read.item.name, "top_k": top})
             if labels is not None:
-                true = labels[index]
+                true = labels[read.index]
                 hits[true] += (1, int(label_row[0]) == true, true in label_row[:5].tolist())
             if draw:
-                best = top[0]
-                picture = draw_detections(
-                    img,
-                    [[0, 0, img.width - 1, img.height - 1]],
-                    [best["label"] + 1],
-                    [best["score"]],
-                    class_names=("", *names),
-                )
-                _save_picture(picture, output_dir, item.name, used, quality=92)
+                height, width = read.size
+                path = output_dir / _picture_name(read.item.name, used)
+                frame = [[0, 0, width - 1, height - 1]]
+                pool.later(
+                    _write_picture, path, read, frame, [top[0]["label"] + 1], [top[0]["score"]],
+                    picture_size, class_names=("", *names),
+                )  # fmt: skip
+        return results[-len(batch) :]
 
+    read = partial(_read, transform=classifier.preprocess, min_side=0)
+    ids = range(len(items))
     failures = _run_batches(
-        items, classifier.preprocess, run, batch_size=batch_size, workers=workers, progress=progress
+        items, ids, read, run, output_dir, batch_size=batch_size, workers=workers, progress=progress
     )
     atomic_write_json(output_dir / "predictions.json", results)
     if labels is not None:
@@ -510,12 +594,18 @@ def _predict(settings: Mapping[str, Any]) -> int:
     inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
     where = f"annotations={settings['annotations']}"
     model = load_model_from_settings(settings)
-    log.info("%d input file(s); weights from %s; device %s", len(inputs), model.source, model.runs_on)
+    dtype = ""  # a classifier runs in fp32, an ONNX export as exported
+    if isinstance(model, Detector) and model.net is not None:
+        dtype = f"; dtype {model.dtype} ({resolve_dtype(settings['dtype'], model.device)[1]})"
+    log.info(
+        "%d input file(s); weights from %s; device %s%s", len(inputs), model.source, model.runs_on, dtype
+    )
     common = {
         "batch_size": settings["batch_size"],
         "draw": settings["draw"],
         "workers": settings["workers"],
         "progress": settings["progress"],
+        "picture_size": settings["picture_size"],
     }
     if isinstance(model, Classifier):
         labels = None
@@ -536,6 +626,7 @@ def _predict(settings: Mapping[str, Any]) -> int:
             draw_score_thresh=settings["draw_score_thresh"],
             image_ids=image_ids,
             categories=categories,
+            fast_decode=settings["fast_decode"],
             **common,
         )
         done = len(inputs) - len(failures)

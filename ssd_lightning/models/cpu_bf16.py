@@ -1,7 +1,10 @@
-"""Strided depthwise convolutions in float32 under CPU bf16 autocast: the same network, faster steps.
+"""bf16 on CPUs: whether this CPU runs it fast, and strided depthwise convolutions kept in float32 under it.
 
-On CPUs, oneDNN's bfloat16 kernels for stride-2 depthwise convolutions (MobileNetV2 has four, three in
-the SSD backbone) are much slower than its float32 ones, backward above all: 2-6x for one layer alone,
+:func:`cpu_has_native_bf16` is the one rule training (``cpu_bf16=auto``) and predict (``dtype=auto``)
+use to choose bf16 or float32.
+
+On CPUs, oneDNN's bfloat16 kernels for stride-2 depthwise convolutions (MobileNetV2 has four, three in the
+SSD backbone) are much slower than its float32 ones, backward above all: 2-6x for one layer alone,
 about 10 % of a whole SSD300-MobileNetV2 training step (docs/benchmarks.md). Everything else keeps running
 in bf16. The swap changes the class of the layers only: parameters, state_dict keys and checkpoints stay
 as they are.
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Float32Conv2d", "run_strided_depthwise_in_float32"]
+__all__ = ["Float32Conv2d", "cpu_has_native_bf16", "run_strided_depthwise_in_float32"]
 
 
 class Float32Conv2d(nn.Conv2d):
@@ -43,3 +46,16 @@ def run_strided_depthwise_in_float32(net: nn.Module) -> int:
     for layer in layers:
         layer.__class__ = Float32Conv2d
     return len(layers)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels (AVX512 / AVX512-BF16 / AMX).
+
+    Without them (AVX2-only CPUs) it falls back to reference kernels: bf16 autocast measured 10-15x slower
+    than float32 there. torch's own test of it is private (``torch.ops.mkldnn._is_mkldnn_bf16_supported``);
+    where it is missing, the public CPU capability decides (AVX512 and up).
+    """
+    query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if query is not None:
+        return bool(query())
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")

@@ -219,6 +219,25 @@ def _write_picture(
     picture.save(path, quality=92, subsampling=0)
 
 
+def _results_of(
+    read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap
+) -> tuple[list[dict[str, Any]], dict[str, Any], np.ndarray]:
+    """One image's detections as COCO results (boxes clipped to the image), its ``predictions.jsonl``
+    record, and the clipped boxes (ltrb, pixels)."""
+    height, width = read.size
+    boxes = det["boxes"].cpu().double().numpy().copy()
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, width)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, height)
+    labels = det["labels"].cpu().numpy()
+    rows = to_coco_array([image_id], [boxes], [det["scores"].cpu().numpy()], [labels], categories)
+    entries = coco_array_to_results(rows)
+    for entry, label in zip(entries, labels, strict=True):
+        entry.update(file_name=read.item.name, category_name=categories.names[int(label)])
+    found = [{k: v for k, v in e.items() if k not in ("image_id", "file_name")} for e in entries]
+    record = {"image_id": image_id, "file_name": read.item.name, "height": height, "width": width}
+    return entries, {**record, "detections": found}, boxes
+
+
 def _as_input(item: InputImage | str | os.PathLike) -> InputImage:
     return item if isinstance(item, InputImage) else InputImage(Path(item), Path(item).name)
 
@@ -278,30 +297,14 @@ def predict_images(
         detections = detector.detect(torch.stack([r.tensor for r in batch]), [r.size for r in batch])
         records = []
         for read, det in zip(batch, detections, strict=True):
-            height, width = read.size
-            boxes = det["boxes"].cpu().double().numpy()
-            scores = det["scores"].cpu().numpy()
-            labels = det["labels"].cpu().numpy()
-            clipped = boxes.copy()
-            clipped[:, 0::2] = clipped[:, 0::2].clip(0, width)
-            clipped[:, 1::2] = clipped[:, 1::2].clip(0, height)
-            rows = to_coco_array([ids[read.index]], [clipped], [scores], [labels], categories)
-            entries = coco_array_to_results(rows)
-            for entry, label in zip(entries, labels, strict=True):
-                entry.update(file_name=read.item.name, category_name=categories.names[int(label)])
+            entries, record, boxes = _results_of(read, det, ids[read.index], categories)
             results.extend(entries)
-            found = [{k: v for k, v in e.items() if k not in ("image_id", "file_name")} for e in entries]
-            image = {
-                "image_id": ids[read.index],
-                "file_name": read.item.name,
-                "height": height,
-                "width": width,
-            }
-            records.append({**image, "detections": found})
+            records.append(record)
             if draw:
                 path = output_dir / _picture_name(read.item.name, used)
+                labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
                 pool.later(
-                    _write_picture, path, read, clipped, labels, scores, picture_size,
+                    _write_picture, path, read, boxes, labels, scores, picture_size,
                     class_names=categories.names, score_thresh=draw_score_thresh,
                 )  # fmt: skip
         return records

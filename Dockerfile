@@ -1,7 +1,8 @@
 # GPU image for clusters. NVIDIA's PyTorch container already ships CUDA, cuDNN, torch and DALI.
 #   docker build -t ssd_lightning .
-#   docker run --gpus all --ipc=host -v /data/coco:/coco ssd_lightning \
-#       python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+#   docker run --gpus all --ipc=host -v /data/coco:/coco -v /data/runs:/workspace/ssd_lightning/outputs \
+#       ssd_lightning python train.py experiment=ssd300_fp16_8gpu data.root=/coco
+# (run directories land in /data/runs on the host: docs/distributed.md, "Containers")
 # COCO itself: scripts/download_coco.sh /data/coco on the host (or inside the image, into the mounted path).
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 

@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.no_dali, pytest.mark.slow]
 
 SUITE = "runs the test suite itself (CI runs `make test`)"
 INSTALLS = "installs packages into the environment"
+DOCKER = "needs a Docker engine (none here); test_readme_commands checks the Dockerfile and train.py command"
 NVIDIA_FILE = "nvidia_ssdpyt_amp.pt"  # NVIDIA's released checkpoint: cannot exist on this machine
 # Commands not run, by their text (comment removed, spaces collapsed), with the reason.
 NOT_RUN: dict[str, str] = {
@@ -74,6 +75,9 @@ NOT_RUN: dict[str, str] = {
     "torchrun --nproc-per-node 2 train.py ...": "'...' stands for any train.py arguments; torchrun runs "
     "are in test_distributed.py",
     "docker stop": "docker's own command, named as one of the things that send SIGTERM",
+    "docker build -t ssd_lightning .": DOCKER,
+    "docker run --gpus all --ipc=host -v /data/coco:/coco -v /data/runs:/workspace/ssd_lightning/outputs "
+    "ssd_lightning python train.py experiment=ssd300_fp16_8gpu data.root=/coco": DOCKER,
     f"python scripts/export_onnx.py nvidia_checkpoint={NVIDIA_FILE} output=ssd300_coco.onnx": NVIDIA_FILE
     + " (NVIDIA's released checkpoint) cannot exist here",
 }

@@ -6,7 +6,15 @@ Three ways to get detections from the same weights and the same input batch:
 
 * ``PyTorch``: ``net(images)`` + ``BoxCoder.decode`` (fp32, ``torch.inference_mode``);
 * ``onnxruntime, network only``: the network-only export (``scripts/export_onnx.py``) + ``BoxCoder.decode``;
-* ``onnxruntime, end-to-end``: the ``end_to_end=true`` graph (decoding and NMS inside).
+* ``onnxruntime, end-to-end``: the ``end_to_end=true`` graph (decoding and NMS inside);
+* ``onnxruntime int8, end-to-end``: that graph quantized (``quantize=int8``:
+  :func:`ssd_lightning.inference.quantize.quantize_onnx`), calibrated on ``--calibration`` (the first
+  ``--calibration-images`` images, read as predict.py reads them) or, without it, on N(0, 1) images like the
+  timed ones. Its ``vs ort fp32`` column is its speed over the fp32 end-to-end graph, same run.
+
+With ``--annotations`` (a COCO file of the images in ``--images``) and a checkpoint, both end-to-end files
+are exported with the checkpoint's metadata and scored by ``predict.py ... annotations=``: AP@0.5 of fp32
+and int8 is printed under the table.
 
 Weights are random (``ssd300(backbone=..., num_classes=...)``, seed 0, BatchNorm statistics measured on
 8 random images) unless ``--ckpt-path`` or ``--nvidia-checkpoint`` names a checkpoint; inputs are N(0, 1)
@@ -22,7 +30,9 @@ the graph's decoding. Both runtimes use ``--threads`` threads; onnxruntime's thr
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,14 +46,20 @@ import torch
 from ssd_lightning.inference.export import (
     EndToEndSSD,
     detection_difference,
+    export_detector,
     export_end_to_end,
     export_network,
 )
+from ssd_lightning.inference.predict import preprocess
+from ssd_lightning.inference.quantize import calibration_tensors, quantize_onnx
 from ssd_lightning.models import BoxCoder, dboxes300_coco, ssd300
 from ssd_lightning.tables import markdown_row, markdown_rule
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
-def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+
+def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, object]:
+    """The network, its decoder settings and the Detector it came from (None: random weights)."""
     if args.ckpt_path or args.nvidia_checkpoint:
         from ssd_lightning.inference.detector import load_detector
 
@@ -53,11 +69,21 @@ def _load_net(args: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
             backbone=args.backbone,
             num_classes=args.num_classes,
         )
-        return detector.net, dict(detector.settings)
+        return detector.net, dict(detector.settings), detector
     torch.manual_seed(0)
     net = ssd300(backbone=args.backbone, num_classes=args.num_classes, weights_backbone=None)
     _set_batchnorm_statistics(net, torch.randn(8, 3, 300, 300))
-    return net.eval(), {}
+    return net.eval(), {}, None
+
+
+def _ap50(onnx_file: Path, images: str, annotations: str, output: Path) -> float:
+    """AP@0.5 of ``onnx_file`` on ``images`` as ``predict.py ... annotations=`` scores it."""
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "predict.py"), f"onnx={onnx_file}", f"input={images}",
+         f"annotations={annotations}", f"output={output}", "draw=false", "device=cpu"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads((output / "coco_eval.json").read_text())["stats"]["mAP_50"]
 
 
 @torch.no_grad()
@@ -102,19 +128,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of each way (median kept)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print every timing (ms)")
+    parser.add_argument("--calibration", default=None, help="int8 calibration images (as predict's input=)")
+    parser.add_argument("--calibration-images", type=int, default=100)
+    parser.add_argument("--annotations", default=None, help="COCO file of --images: AP@0.5 of fp32 and int8")
+    parser.add_argument("--images", default=None, help="the annotated images (default: --calibration)")
     args = parser.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.repeats < 1 or args.threads < 1:
         parser.error("--batch-sizes, --repeats and --threads must be >= 1")
+    args.images = args.images or args.calibration
+    if args.annotations and not (args.images and (args.ckpt_path or args.nvidia_checkpoint)):
+        parser.error("--annotations needs --images (or --calibration) and a checkpoint")
     torch.set_num_threads(args.threads)
 
-    net, decoder = _load_net(args)
+    net, decoder, detector = _load_net(args)
     coder = BoxCoder(dboxes300_coco())
     model = EndToEndSSD(net, coder, **decoder)
     settings = model.decoder_settings
+    if args.calibration:
+        calibration, _ = calibration_tensors(
+            args.calibration, args.calibration_images, preprocess, min_side=600
+        )
+    else:
+        generator = torch.Generator().manual_seed(0)
+        calibration = list(torch.randn(min(args.calibration_images, 16), 3, 300, 300, generator=generator))
+    aps: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        network_only = _session(export_network(net, Path(tmp) / "net.onnx"), args.threads)
-        end_to_end = _session(export_end_to_end(model, Path(tmp) / "e2e.onnx"), args.threads)
+        tmp = Path(tmp)
+        network_only = _session(export_network(net, tmp / "net.onnx"), args.threads)
+        if detector is not None:  # with the checkpoint's class names: predict.py runs it
+            e2e_file, _ = export_detector(detector, tmp / "e2e.onnx", end_to_end=True)
+        else:
+            e2e_file = export_end_to_end(model, tmp / "e2e.onnx")
+        end_to_end = _session(e2e_file, args.threads)
+        int8_file = quantize_onnx(e2e_file, tmp / "e2e_int8.onnx", calibration)
+        end_to_end_int8 = _session(int8_file, args.threads)
+        if args.annotations:
+            for name, path in (("fp32", e2e_file), ("int8", int8_file)):
+                aps[name] = _ap50(path, args.images, args.annotations, tmp / f"predict_{name}")
 
     def pytorch(images: torch.Tensor):
         with torch.inference_mode():
@@ -124,23 +175,26 @@ def main(argv: list[str] | None = None) -> int:
         locs, logits = network_only.run(["locs", "logits"], {"images": images.numpy()})
         return _as_arrays(coder.decode(torch.from_numpy(locs), torch.from_numpy(logits), **settings))
 
-    def ort_end_to_end(images: torch.Tensor):
-        boxes, scores, labels, counts = end_to_end.run(None, {"images": images.numpy()})
+    def ort_end_to_end(images: torch.Tensor, session=end_to_end):
+        boxes, scores, labels, counts = session.run(None, {"images": images.numpy()})
         return [(boxes[i, :n], scores[i, :n], labels[i, :n]) for i, n in enumerate(counts)]
 
     ways: dict[str, Callable] = {
         "PyTorch (net + BoxCoder.decode)": pytorch,
         "onnxruntime, network only + BoxCoder.decode": ort_network_only,
         "onnxruntime, end-to-end graph": ort_end_to_end,
+        "onnxruntime int8, end-to-end graph": lambda images: ort_end_to_end(images, end_to_end_int8),
     }
+    int8_way, fp32_way = "onnxruntime int8, end-to-end graph", "onnxruntime, end-to-end graph"
     print(
         f"SSD300-{args.backbone}, {args.num_classes} classes, CPU fp32, {args.threads} threads, "
         f"decoder {settings}, {'checkpoint' if decoder else 'random'} weights, N(0, 1) images; "
-        f"median of {args.repeats} runs"
+        f"median of {args.repeats} runs; int8 calibrated on {len(calibration)} "
+        f"{'images of ' + args.calibration if args.calibration else 'N(0, 1) images'}"
     )
     columns = ["batch", "way", "detections / image", "ms / batch", "images/s", "vs PyTorch"]
-    columns.append("images as PyTorch")
-    print(markdown_row(columns) + "\n" + markdown_rule("rlrrrrl"), flush=True)  # rows follow as measured
+    columns += ["vs ort fp32", "images as PyTorch"]
+    print(markdown_row(columns) + "\n" + markdown_rule("rlrrrrrl"), flush=True)  # rows follow as measured
     for batch_size in args.batch_sizes:
         images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(batch_size))
         reference = pytorch(images)
@@ -164,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             dets = sum(len(d[1]) for d in outputs[name]) / batch_size
             cells = [batch_size, name, f"{dets:.0f}", f"{median * 1e3:.0f}", f"{batch_size / median:.2f}"]
-            print(markdown_row([*cells, f"{base / median:.2f}x", f"{same}/{batch_size}"]), flush=True)
+            versus = f"{statistics.median(times[fp32_way]) / median:.2f}x" if name == int8_way else ""
+            row = [*cells, f"{base / median:.2f}x", versus, f"{same}/{batch_size}"]
+            print(markdown_row(row), flush=True)
+    if aps:
+        print(
+            f"AP@0.5 on {args.images} ({args.annotations}), predict.py: onnxruntime fp32 end-to-end "
+            f"{aps['fp32']:.4f}, int8 {aps['int8']:.4f} (difference {aps['int8'] - aps['fp32']:+.4f})"
+        )
     return 0
 
 

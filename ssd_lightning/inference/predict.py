@@ -101,7 +101,7 @@ def open_image(path: Path, min_side: int = 0) -> tuple[Image.Image, tuple[int, i
 
 
 # ------------------------------------------------------------------------------------------ reading
-_READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
+READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class _Read:
 def _read(index: int, item: InputImage, transform: Callable[[Image.Image], Tensor], min_side: int) -> _Read:
     try:
         image, size = open_image(item.path, min_side)
-    except _READ_ERRORS as e:
+    except READ_ERRORS as e:
         return _Read(index, item, reason=f"{type(e).__name__}: {e}")
     return _Read(index, item, image, size, transform(image))
 

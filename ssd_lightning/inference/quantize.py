@@ -1,0 +1,327 @@
+"""INT8 for CPU deployment: calibrate an fp32 ONNX export on the user's images and quantize it statically
+(:func:`quantize_onnx`), and measure how far the INT8 file is from PyTorch (:func:`compare_int8`).
+
+onnxruntime's ``quantize_static`` in QDQ format: ``QuantizeLinear``/``DequantizeLinear`` pairs around the
+network's compute ops (onnxruntime fuses them into integer kernels when it loads the file), weights int8 per
+output channel, activations uint8 per tensor from the min/max seen on the calibration images. Only the
+network is quantized: the nodes upstream of a ``Conv``/``MatMul``/``Gemm`` (:func:`network_nodes`); the
+decoding and NMS of an end-to-end graph, and the reshapes of the heads' outputs, stay fp32. Calibration
+images are read and preprocessed as ``predict.py`` reads them (:func:`image_transform`), so the ranges are
+those the file sees in use. The metadata (class names, decoder settings, kind) is copied over, so
+``predict.py onnx=<int8 file>`` runs it as it runs the fp32 export.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from ssd_lightning.errors import ConfigError, DataError
+from ssd_lightning.inference.classifier import Classifier
+from ssd_lightning.inference.detector import Detector
+from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS
+from ssd_lightning.inference.predict import READ_ERRORS, open_image, preprocess
+from ssd_lightning.inference.sources import InputImage, collect_inputs
+from ssd_lightning.models.boxes import box_iou
+
+__all__ = [
+    "COMPUTE_OP_TYPES",
+    "DEFAULT_CALIBRATION_IMAGES",
+    "QUANTIZED_OP_TYPES",
+    "Int8Comparison",
+    "calibration_tensors",
+    "compare_int8",
+    "image_transform",
+    "network_nodes",
+    "quantize_onnx",
+]
+
+log = logging.getLogger(__name__)
+
+#: Images read for calibration unless told otherwise (the first N, in input order).
+DEFAULT_CALIBRATION_IMAGES = 100
+#: The ops whose inputs define the network part of a graph: it is everything upstream of them.
+COMPUTE_OP_TYPES: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
+#: Ops of the network part that get QuantizeLinear/DequantizeLinear (element-wise ones between two
+#: convolutions, so onnxruntime can keep the activations in int8 from one to the next).
+QUANTIZED_OP_TYPES: tuple[str, ...] = (
+    *COMPUTE_OP_TYPES,
+    "Add",
+    "Relu",
+    "Clip",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+)
+
+
+# ------------------------------------------------------------------------------------------ calibration
+def image_transform(model: Detector | Classifier) -> tuple[Callable[[Image.Image], Tensor], int]:
+    """``(transform, min_side)`` with which ``predict.py`` reads images for ``model``: ``transform`` maps a
+    decoded image to the network's (3, S, S) input; ``min_side`` is :func:`open_image`'s reduced JPEG
+    decoding (``fast_decode``, on for detectors)."""
+    if isinstance(model, Classifier):
+        return model.preprocess, 0
+    return partial(preprocess, size=model.image_size), 2 * model.image_size
+
+
+def calibration_tensors(
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    count: int,
+    transform: Callable[[Image.Image], Tensor],
+    *,
+    min_side: int = 0,
+    key: str = "calibration",
+) -> tuple[list[Tensor], list[InputImage]]:
+    """The first ``count`` readable images of ``source`` (what ``predict.py``'s ``input=`` takes: a folder,
+    a glob, ``@list.txt``; in :func:`collect_inputs`' order: sorted by name in a folder or glob, the list's
+    order in a list file), each preprocessed by ``transform``; unreadable files are skipped (and logged).
+
+    Raises:
+        ConfigError: ``count`` < 1. MissingDataError: ``source`` names no image file (the message names
+            ``key``). DataError: none of its image files can be read.
+    """
+    if count < 1:
+        raise ConfigError(f"{key}_images={count}: give how many images to calibrate on (>= 1)")
+    try:
+        items = collect_inputs(source)
+    except FileNotFoundError as e:  # collect_inputs names the key input=; this is calibration=
+        raise type(e)(str(e).replace("input=", f"{key}=", 1)) from None
+    tensors: list[Tensor] = []
+    used: list[InputImage] = []
+    skipped: list[str] = []
+    for item in items:
+        if len(tensors) == count:
+            break
+        try:
+            image, _ = open_image(item.path, min_side)
+        except READ_ERRORS as e:
+            skipped.append(f"{item.name} ({type(e).__name__})")
+            continue
+        tensors.append(transform(image))
+        used.append(item)
+    if skipped:
+        log.warning("%s: skipped %d unreadable file(s): %s", key, len(skipped), ", ".join(skipped[:5]))
+    if not tensors:
+        raise DataError(
+            f"{key}={source}: none of its {len(items)} image file(s) could be read (e.g. {skipped[0]}); "
+            "give images like those the model will see"
+        )
+    return tensors, used
+
+
+def _data_reader(tensors: Sequence[Tensor], input_name: str) -> Any:
+    """An onnxruntime ``CalibrationDataReader`` feeding ``tensors`` one image at a time."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._batches = iter([{input_name: t.unsqueeze(0).numpy()} for t in tensors])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._batches, None)
+
+    return _Reader()
+
+
+# ------------------------------------------------------------------------------------------ quantizing
+def network_nodes(model: Any) -> set[str]:
+    """Names of the nodes of the ``onnx.ModelProto`` ``model`` that belong to its network: the
+    :data:`COMPUTE_OP_TYPES` nodes and every node upstream of one. Decoding, NMS and the reshapes after the
+    last convolutions are downstream of every convolution, hence not in it."""
+    producer = {out: node for node in model.graph.node for out in node.output}
+    found: set[str] = set()
+    stack = [node for node in model.graph.node if node.op_type in COMPUTE_OP_TYPES]
+    while stack:
+        node = stack.pop()
+        if node.name in found:
+            continue
+        found.add(node.name)
+        stack.extend(producer[name] for name in node.input if name in producer)
+    return found
+
+
+def _name_nodes(model: Any) -> None:
+    """Give every node a unique name (``nodes_to_exclude`` selects by name)."""
+    seen: set[str] = set()
+    for index, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_q{index}"
+        seen.add(node.name)
+
+
+def quantize_onnx(
+    fp32_file: str | os.PathLike,
+    output: str | os.PathLike,
+    calibration: Iterable[Tensor],
+    *,
+    per_channel: bool = True,
+    reduce_range: bool = False,
+) -> Path:
+    """Write an INT8 (QDQ) version of the ONNX export ``fp32_file`` to ``output``, calibrated on
+    ``calibration`` (preprocessed (3, S, S) images: :func:`calibration_tensors`).
+
+    Quantized: the :data:`QUANTIZED_OP_TYPES` nodes of :func:`network_nodes` (weights int8 per output
+    channel with ``per_channel``, 7-bit with ``reduce_range`` for CPUs without VNNI where u8 x s8 products
+    can saturate; activations uint8, min/max calibration). Everything else stays fp32. The metadata of
+    ``fp32_file`` is copied. ``output`` appears whole or not at all (written beside it, then renamed).
+
+    Raises:
+        ValueError: ``calibration`` is empty; the graph has no node to quantize.
+    """
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    tensors = list(calibration)
+    if not tensors:
+        raise ValueError("no calibration images")
+    metadata = onnx.load(str(fp32_file), load_external_data=False).metadata_props
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".quantize.", dir=output.parent) as tmp:
+        # onnxruntime's graph optimisation first: folds the Identity nodes the exporter puts in front of
+        # shared weights and biases (a bias behind one stays fp32 and its Conv is not fused)
+        prepared = Path(tmp) / "fp32.onnx"
+        quant_pre_process(str(fp32_file), str(prepared), skip_symbolic_shape=True)
+        model = onnx.load(str(prepared))
+        _name_nodes(model)
+        inside = network_nodes(model)
+        if not inside:
+            raise ValueError(f"{fp32_file} has no {'/'.join(COMPUTE_OP_TYPES)} node to quantize")
+        outside = [node.name for node in model.graph.node if node.name not in inside]
+        (input_name,) = [i.name for i in model.graph.input]
+        named = prepared
+        onnx.save(model, str(named))
+        quantized = Path(tmp) / "int8.onnx"
+        quantize_static(
+            str(named),
+            str(quantized),
+            _data_reader(tensors, input_name),
+            quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=list(QUANTIZED_OP_TYPES),
+            per_channel=per_channel,
+            reduce_range=reduce_range,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=outside,
+            calibrate_method=CalibrationMethod.MinMax,
+            # not CalibMaxIntermediateOutputs: onnxruntime 1.32 drops (does not merge) the ranges of each
+            # full chunk, so only the last images would count
+        )
+        result = onnx.load(str(quantized))
+        del result.metadata_props[:]
+        result.metadata_props.extend(metadata)
+        onnx.checker.check_model(result)
+        fd, partial_file = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+        os.close(fd)
+        try:
+            onnx.save(result, partial_file)
+            os.chmod(partial_file, 0o666 & ~_umask())  # mkstemp's file is private; a written file is not
+            os.replace(partial_file, output)
+        except BaseException:
+            Path(partial_file).unlink(missing_ok=True)
+            raise
+    return output
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ------------------------------------------------------------------------------------------ checking
+@dataclass(frozen=True)
+class Int8Comparison:
+    """How an INT8 file's results compare with PyTorch's (fp32) on the same images.
+
+    Attributes:
+        images: how many images were compared.
+        top_match: images whose top result agrees: the same top-1 class (classifier), or the same label
+            and IoU >= 0.5 for the highest-scoring detection, or no detection in both (detector).
+        max_score_diff: largest |difference| of that top score (a missing detection counts its score).
+        mean_detections: detections per image, (PyTorch, INT8); classifiers: (0, 0).
+    """
+
+    images: int
+    top_match: int
+    max_score_diff: float
+    mean_detections: tuple[float, float] = (0.0, 0.0)
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.top_match}/{self.images} images with PyTorch's top result, "
+            f"max |top score diff| = {self.max_score_diff:.3f}"
+        )
+        if self.mean_detections != (0.0, 0.0):
+            text += (
+                f", detections/image {self.mean_detections[0]:.1f} (PyTorch) vs {self.mean_detections[1]:.1f}"
+            )
+        return text
+
+
+def _top_agreement(reference: dict[str, Tensor], got: dict[str, Tensor]) -> tuple[bool, float]:
+    ref_n, got_n = len(reference["scores"]), len(got["scores"])
+    if ref_n == 0 or got_n == 0:
+        score = float(reference["scores"][0]) if ref_n else float(got["scores"][0]) if got_n else 0.0
+        return ref_n == got_n, score
+    i, j = int(reference["scores"].argmax()), int(got["scores"].argmax())
+    same = (
+        int(reference["labels"][i]) == int(got["labels"][j])
+        and float(
+            box_iou(reference["boxes"][i : i + 1].clamp(0, 1), got["boxes"][j : j + 1].clamp(0, 1))[0, 0]
+        )
+        >= 0.5
+    )
+    return same, abs(float(reference["scores"][i]) - float(got["scores"][j]))
+
+
+@torch.no_grad()
+def compare_int8(
+    model: Detector | Classifier, net: torch.nn.Module, int8_file: str | os.PathLike, images: Sequence[Tensor]
+) -> Int8Comparison:
+    """Run ``int8_file`` (onnxruntime, CPU) and ``net`` (PyTorch fp32: a detector's network + its
+    ``BoxCoder.decode``, or a classifier's network) on ``images`` (preprocessed, e.g. calibration images;
+    random ones say little about a calibrated file) and compare their top results (:class:`Int8Comparison`).
+    A detector file is network-only (``locs``, ``logits``: decoded here) or end-to-end."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(int8_file), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in session.get_outputs()]
+    net = net.eval().float().cpu()
+    top, worst = 0, 0.0
+    counts = [0, 0]
+    for image in images:
+        batch = image.unsqueeze(0).float()
+        got = session.run(None, {"images": batch.numpy()})
+        if isinstance(model, Classifier):
+            ref_p = net(batch).softmax(dim=1)[0]
+            got_p = torch.from_numpy(got[0]).softmax(dim=1)[0]
+            top += int(ref_p.argmax() == got_p.argmax())
+            worst = max(worst, abs(float(ref_p.max()) - float(got_p[ref_p.argmax()])))
+            continue
+        coder, settings = model.box_coder, dict(model.settings)
+        (reference,) = coder.decode(*net(batch), **settings)
+        if tuple(outputs) == END_TO_END_OUTPUTS:
+            boxes, scores, labels, n = (torch.as_tensor(np.asarray(a[0])) for a in got)
+            found = {"boxes": boxes[: int(n)], "scores": scores[: int(n)], "labels": labels[: int(n)]}
+        else:
+            (found,) = coder.decode(torch.from_numpy(got[0]), torch.from_numpy(got[1]), **settings)
+        same, diff = _top_agreement(reference, found)
+        top, worst = top + int(same), max(worst, diff)
+        counts[0] += len(reference["scores"])
+        counts[1] += len(found["scores"])
+    n = max(len(images), 1)
+    return Int8Comparison(len(images), top, worst, (counts[0] / n, counts[1] / n))

@@ -179,33 +179,35 @@ def test_voc_converts_to_the_source_boxes_once(voc, tmp_path):
     assert fixed.train_annotations != dm.train_annotations  # another key: other options
 
 
-def test_a_changed_annotation_file_converts_again(voc, tmp_path):
-    root, _ = voc
-    copy = tmp_path / "voc"
-    shutil.copytree(root, copy)
-    _age(copy)
-    first = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
+def _rename_first_object(copy: Path, _: dict) -> None:
     xml = sorted((copy / "Annotations").glob("*.xml"))[1]
     xml.write_text(xml.read_text().replace("<name>", "<name>big_", 1))
-    old = time.time() - 30
-    os.utime(xml, (old, old))
-    second = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
-    assert second != first and "big_" in second.read_text()
 
 
-def test_a_replaced_image_whose_size_the_conversion_read_converts_again(voc, tmp_path):
-    from PIL import Image
+def _widen_first_image(copy: Path, image: dict) -> None:
+    from PIL import Image  # <size> 0 x 0 in the first xml: the conversion read this image's size
 
-    root, _ = voc
+    Image.new("RGB", (image["width"] + 7, image["height"])).save(copy / "JPEGImages" / image["file_name"])
+
+
+@pytest.mark.parametrize(
+    ("change", "seen"),
+    [
+        (_rename_first_object, lambda data, _: "big_" in json.dumps(data["categories"])),
+        (_widen_first_image, lambda data, image: data["images"][0]["width"] == image["width"] + 7),
+    ],
+    ids=["annotation-file", "image-whose-size-was-read"],
+)
+def test_a_changed_source_file_converts_again(voc, tmp_path, change, seen):
     copy = tmp_path / "voc"
-    shutil.copytree(root, copy)
+    shutil.copytree(voc[0], copy)
     _age(copy)
     first = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
-    image = json.loads(first.read_text())["images"][0]  # <size> 0 x 0: its size came from the image
-    Image.new("RGB", (image["width"] + 7, image["height"])).save(copy / "JPEGImages" / image["file_name"])
+    image = json.loads(first.read_text())["images"][0]
+    change(copy, image)
     _age(copy)
     second = VOCDALIDataModule(copy, cache_dir=tmp_path / "cache").train_annotations
-    assert second != first and json.loads(second.read_text())["images"][0]["width"] == image["width"] + 7
+    assert second != first and seen(json.loads(second.read_text()), image)
 
 
 def test_difficult_objects_are_ignored_by_the_evaluation(voc, tmp_path):

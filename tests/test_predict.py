@@ -249,6 +249,7 @@ def test_fast_decode_keeps_small_images_and_the_detections_of_large_ones(
 def test_dtype_auto_is_the_training_rule_and_bf16_runs_in_nhwc_under_autocast(fake_run, monkeypatch):
     from ssd_lightning.inference import detector as detector_module
     from ssd_lightning.inference.detector import resolve_dtype
+    from ssd_lightning.models.cpu_bf16 import cpu_has_native_bf16
 
     for native, expected in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(detector_module, "cpu_has_native_bf16", lambda native=native: native)
@@ -256,6 +257,10 @@ def test_dtype_auto_is_the_training_rule_and_bf16_runs_in_nhwc_under_autocast(fa
     assert "no native bf16 kernels" in resolve_dtype("auto", "cpu")[1]
     assert resolve_dtype("auto", "cuda:0")[0] == "fp16"
     assert resolve_dtype(32, "cpu") == resolve_dtype("32", "cuda") == ("fp32", "asked for")
+    private = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # torch's own test, private
+    if private is not None:
+        monkeypatch.undo()
+        assert cpu_has_native_bf16() == bool(private()), torch.backends.cpu.get_cpu_capability()
     with pytest.raises(ValueError, match="dtype=fp64: expected auto, 32"):
         resolve_dtype("fp64", "cpu")
 

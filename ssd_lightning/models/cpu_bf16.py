@@ -49,13 +49,12 @@ def run_strided_depthwise_in_float32(net: nn.Module) -> int:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels (AVX512 / AVX512-BF16 / AMX).
+    """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels: AVX-512 and up on x86 (AVX512 /
+    AVX512-BF16 / AMX), any vector extension past the baseline elsewhere.
 
     Without them (AVX2-only CPUs) it falls back to reference kernels: bf16 autocast measured 10-15x slower
-    than float32 there. torch's own test of it is private (``torch.ops.mkldnn._is_mkldnn_bf16_supported``);
-    where it is missing, the public CPU capability decides (AVX512 and up).
+    than float32 there. The public CPU capability decides; on x86 it says AVX512 exactly when torch's private
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` says yes (both need avx512bw/vl/dq; tests/test_predict.py
+    compares them).
     """
-    query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if query is not None:
-        return bool(query())
     return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")

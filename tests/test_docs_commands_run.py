@@ -117,7 +117,9 @@ SCRIPT_SIZE: dict[str, list[str]] = {
         *("--override", "data.num_train=24", "--override", "data.num_val=8"),
     ],
     "benchmarks/benchmark_onnx.py": ["--batch-sizes", "1", "--repeats", "1", "--warmup", "0"],
-    "benchmarks/benchmark_predict.py": ["--small", "4", "--large", "2"],
+    "benchmarks/benchmark_predict.py": [  # rows: the network, predict with pictures, ONNX (each a process)
+        *("--small", "4", "--large", "2", "--rows", "'predict draw=true'", "'predict ONNX'"),
+    ],
     "benchmarks/gpu_benchmark.py": [],  # documented with --dry-run: prints the plan, runs nothing
 }
 # Datamodules that read a dataset this machine does not have (the shapes ones generate theirs).

@@ -473,7 +473,7 @@ def test_detection_analysis_in_a_trainer_fit_matches_the_logged_per_class_ap(sha
     assert len(events.Images("analysis/pr_curves")) == 2
 
 
-def test_detection_analysis_arguments_and_pictures(tmp_path):
+def test_detection_analysis_arguments_and_pictures(tmp_path, monkeypatch):
     from ssd_lightning.callbacks import DetectionAnalysis
     from ssd_lightning.visualize import log_picture, plot_confusion_matrix, plot_pr_curves
 
@@ -486,6 +486,13 @@ def test_detection_analysis_arguments_and_pictures(tmp_path):
     assert Image.open(path).size[0] > 300
     with pytest.raises(ValueError, match=r"\(2, 2\) matrix"):
         plot_confusion_matrix(np.zeros((3, 3)), ["a", "b"], tmp_path / "bad.png")
+    # 1,000 classes: the 60 most confused are drawn (a picture of the usual size, not 18,000 px wide)
+    many = np.diag(np.full(1000, 10))
+    many[7, 900], many[900, 7] = 4, 2
+    drawn = []
+    monkeypatch.setattr("matplotlib.axes.Axes.set_yticks", lambda ax, ticks, names, **kw: drawn.extend(names))
+    path = plot_confusion_matrix(many, [f"c{i}" for i in range(1000)], tmp_path / "many.png")
+    assert len(drawn) == 60 and {"c7", "c900"} <= set(drawn) and max(Image.open(path).size) < 1500
     recall = np.linspace(0, 1, 101)
     precision = np.stack([np.where(recall <= 0.5, 1.0, 0.0), np.full(101, np.nan)])[None]  # (1, 2, 101)
     ap = np.array([[precision[0, 0].mean(), np.nan]])

@@ -39,3 +39,14 @@ def test_csv_rows_keep_their_line_endings(tmp_path):
     path = atomic_write(tmp_path / "m.csv", write)
     assert path.read_bytes() == b'a,"b\nc"\r\n'
     assert list(csv.reader(path.open(newline=""))) == [["a", "b\nc"]]
+
+
+def test_files_get_the_mode_a_plain_open_gives_and_bytes_work(tmp_path):
+    import os
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    path = atomic_write(tmp_path / "a.bin", lambda f: f.write(b"\x00\xff"), binary=True)
+    assert path.read_bytes() == b"\x00\xff"
+    # mkstemp's files are owner-only (0600): a shared run folder or a container's mounted output needs more
+    assert os.stat(path).st_mode & 0o777 == os.stat(plain).st_mode & 0o777

@@ -142,9 +142,9 @@ class VOCConverter:
         listed = self._ids()  # checks the folders first
         annotations, image_dir = self.root / "Annotations", self.root / "JPEGImages"
         present = set(os.listdir(annotations))
-        _, by_stem = self._images_by_stem()
-        # the image folder (files added, removed, renamed) and each listed id's image (sizes read from it)
-        files = [*self.lists.values(), image_dir]
+        names, _ = self._images_by_stem()
+        # every image: an xml's <filename> may name any of them, and sizes missing from an xml are read there
+        files = [*self.lists.values(), *(image_dir / name for name in sorted(names))]
         for split, ids in listed.items():
             for image_id, line in ids:
                 if f"{image_id}.xml" not in present:
@@ -153,8 +153,6 @@ class VOCConverter:
                         f"{annotations / (image_id + '.xml')} does not exist"
                     )
                 files.append(annotations / f"{image_id}.xml")
-                if image_id in by_stem:
-                    files.append(image_dir / by_stem[image_id])
         return files
 
     def convert(self) -> dict[str, tuple[Path, dict[str, Any]]]:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ssd_lightning.data.categories import CategoryMap
+from ssd_lightning.errors import ConfigError
 from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS, METADATA_KEYS, read_metadata
 from ssd_lightning.io.model_record import model_weights, read_model_record
 from ssd_lightning.io.run_config import update_moved_targets
@@ -77,7 +78,7 @@ def resolve_dtype(dtype: str | int, device: str | torch.device) -> tuple[str, st
     10-15x slower than fp32 on CPUs without them)."""
     name = {"32": "fp32", "16": "fp16"}.get(str(dtype), str(dtype))
     if name not in ("auto", "fp32", *_AUTOCAST):
-        raise ValueError(f"dtype={dtype}: expected auto, 32 (fp32), bf16 or 16 (fp16)")
+        raise ConfigError(f"dtype={dtype}: expected auto, 32 (fp32), bf16 or 16 (fp16)")
     if name != "auto":
         return name, "asked for"
     if torch.device(device).type == "cuda":

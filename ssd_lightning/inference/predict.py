@@ -33,7 +33,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from torch import Tensor
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.errors import DataError, user_errors_as_messages
+from ssd_lightning.errors import ConfigError, DataError, user_errors_as_messages
 from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
     ClassAP,
@@ -158,12 +158,14 @@ class _Pool:
             self.behind.popleft().result()
 
     def close(self, wait: bool) -> None:
+        """Wait for the pending tasks (``wait``; the first error is raised) or cancel them; then stop."""
         if self.executor is None:
             return
-        if wait:
-            while self.behind:
+        try:
+            while wait and self.behind:
                 self.behind.popleft().result()
-        self.executor.shutdown(wait=True, cancel_futures=not wait)
+        finally:
+            self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 class _Progress:
@@ -215,8 +217,11 @@ def _write_picture(
     scale = min(1.0, picture_size / max(image.size))
     boxes = np.asarray(boxes, dtype=np.float64) * shrink
     picture = draw_detections(image, boxes, labels, scores, scale=scale, **draw)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    picture.save(path, quality=92, subsampling=0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        picture.save(path, quality=92, subsampling=0)
+    except OSError as e:  # raised on the main thread by _Pool: name the file
+        raise OSError(e.errno, f"cannot write the picture {path}: {e.strerror or e}") from None
 
 
 def _results_of(
@@ -335,7 +340,7 @@ def _run_batches(
     recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and skipped. Returns them as ``(path,
     reason)``; logs the rate."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size={batch_size}: must be >= 1")
     failures: list[tuple[Path, str]] = []
     bar = _Progress(len(items), progress)
     pool = _Pool(workers, window=max(2 * batch_size, 4 * workers))
@@ -594,6 +599,10 @@ def evaluate_predictions(
 
 # ------------------------------------------------------------------------------------------ predict.py
 def _predict(settings: Mapping[str, Any]) -> int:
+    if settings["picture_size"] < 1:
+        raise ConfigError(
+            f"picture_size={settings['picture_size']}: the pictures' longer side in pixels (>= 1)"
+        )
     inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
     where = f"annotations={settings['annotations']}"
     model = load_model_from_settings(settings)

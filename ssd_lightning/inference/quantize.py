@@ -33,6 +33,7 @@ from ssd_lightning.inference.detector import Detector
 from ssd_lightning.inference.onnx_format import END_TO_END_OUTPUTS
 from ssd_lightning.inference.predict import READ_ERRORS, open_image, preprocess
 from ssd_lightning.inference.sources import InputImage, collect_inputs
+from ssd_lightning.io.atomic import atomic_write
 from ssd_lightning.models.boxes import box_iou
 
 __all__ = [
@@ -224,22 +225,8 @@ def quantize_onnx(
         del result.metadata_props[:]
         result.metadata_props.extend(metadata)
         onnx.checker.check_model(result)
-        fd, partial_file = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-        os.close(fd)
-        try:
-            onnx.save(result, partial_file)
-            os.chmod(partial_file, 0o666 & ~_umask())  # mkstemp's file is private; a written file is not
-            os.replace(partial_file, output)
-        except BaseException:
-            Path(partial_file).unlink(missing_ok=True)
-            raise
+        atomic_write(output, lambda f: f.write(result.SerializeToString()), binary=True)
     return output
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 # ------------------------------------------------------------------------------------------ checking

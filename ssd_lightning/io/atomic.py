@@ -18,15 +18,21 @@ from typing import IO, Any
 
 __all__ = ["atomic_write", "atomic_write_json", "atomic_write_text"]
 
+_UMASK = os.umask(0)  # read once, at import: os.umask can only be read by setting it
+os.umask(_UMASK)
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[str]], None]) -> Path:
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary: bool = False) -> Path:
     """Create or replace ``path`` with what ``write`` writes to an open text file (UTF-8, no newline
-    translation, so :mod:`csv` writers work too)."""
+    translation, so :mod:`csv` writers work too), or binary file. The file gets the mode a plain ``open``
+    gives (``0o666`` less the umask), not ``mkstemp``'s owner-only one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        text = {} if binary else {"encoding": "utf-8", "newline": ""}
+        with os.fdopen(fd, "wb" if binary else "w", **text) as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:

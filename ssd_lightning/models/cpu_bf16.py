@@ -50,11 +50,11 @@ def run_strided_depthwise_in_float32(net: nn.Module) -> int:
 
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels: AVX-512 and up on x86 (AVX512 /
-    AVX512-BF16 / AMX), any vector extension past the baseline elsewhere.
+    AVX512-BF16 / AMX), SVE on Arm.
 
     Without them (AVX2-only CPUs) it falls back to reference kernels: bf16 autocast measured 10-15x slower
     than float32 there. The public CPU capability decides; on x86 it says AVX512 exactly when torch's private
     ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` says yes (both need avx512bw/vl/dq; tests/test_predict.py
     compares them).
     """
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "SVE"))

@@ -18,12 +18,14 @@ Exit 1 if the 12 stats, the per-class APs or the written JSON files differ betwe
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -250,6 +252,7 @@ def main() -> int:
         workdir = Path(os.environ[WORKDIR_ENV])
     else:
         workdir = Path(tempfile.mkdtemp(prefix="benchmark_eval_"))
+        atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # the launched ranks share it
         os.environ[WORKDIR_ENV] = str(workdir)
     ann_file = workdir / "instances_val.json"
     if not child:

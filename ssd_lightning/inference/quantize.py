@@ -203,11 +203,10 @@ def quantize_onnx(
             raise ValueError(f"{fp32_file} has no {'/'.join(COMPUTE_OP_TYPES)} node to quantize")
         outside = [node.name for node in model.graph.node if node.name not in inside]
         (input_name,) = [i.name for i in model.graph.input]
-        named = prepared
-        onnx.save(model, str(named))
+        onnx.save(model, str(prepared))  # with the node names
         quantized = Path(tmp) / "int8.onnx"
         quantize_static(
-            str(named),
+            str(prepared),
             str(quantized),
             _data_reader(tensors, input_name),
             quant_format=QuantFormat.QDQ,

@@ -9,11 +9,12 @@ decoded back from the encoded targets; ``batch_<i>.json`` holds them). Classific
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,6 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
-from ssd_lightning.data.coco_validation import check_coco_split
 from ssd_lightning.data.imagefolder_datamodule import ImageFolderDALIDataModule, list_image_folder
 from ssd_lightning.data.inspection import (
     decode_targets,
@@ -136,20 +136,8 @@ def _split_statistics(dm: CocoDALIDataModule) -> tuple[dict[str, dict], dict]:
     statistics of what DALI reads (the checked copy), and that file's arrays."""
     stats: dict[str, dict] = {}
     arrays = {}
-    for split, images, ann_file in (
-        ("train", dm.train_images, dm.train_annotations),
-        ("val", dm.val_images, dm.val_annotations),
-    ):
-        if split == "val" and not Path(ann_file).is_file():
-            continue
-        info = check_coco_split(
-            images,
-            ann_file,
-            check_files=dm.check_files,
-            cache_dir=dm.cache_dir,
-            exif_check=dm.exif_check,
-            size_check=dm.size_check,
-        )
+    for split in ("train", "val") if dm.val_annotations.is_file() else ("train",):
+        info = dm.check_split(split)
         arrays[split] = load_coco_arrays(info.reader_annotation_file)
         stats[split] = {
             "annotation_file": str(info.annotation_file),
@@ -193,13 +181,8 @@ def _summary(stats: dict[str, dict], fit: dict) -> list[str]:
 def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, names: Sequence[str]) -> list:
     """The first ``num_batches`` batches of the datamodule's DALI training pipeline (with image ids), drawn
     with the boxes decoded from their targets; ``batch_<i>.json`` lists those boxes in input pixels."""
-    if num_batches == 0:
-        return []
-    loader = dm.make_loader("train", with_image_ids=True)
-    written = []
-    for i, batch in enumerate(loader):
-        if i >= num_batches:
-            break
+
+    def draw(i: int, batch: dict) -> list[Image.Image]:
         size = batch["images"].shape[-1]
         decoded = decode_targets(batch["boxes"], batch["labels"])
         tiles, records = [], []
@@ -213,6 +196,20 @@ def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, n
                 tiles.append(_caption(tile, f"id {image_id}"))
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / f"batch_{i}.json", {"image_size": size, "images": records})
+        return tiles
+
+    return _save_batches(lambda: dm.make_loader("train", with_image_ids=True), folder, num_batches, draw)
+
+
+def _save_batches(
+    make_loader: Callable[[], Iterable[dict]], folder: Path, num_batches: int, draw
+) -> list[Path]:
+    """``batch_<i>.jpg``: the grid of the tiles ``draw(i, batch)`` makes of each of the first ``num_batches``
+    batches (no loader is built for none)."""
+    written = []
+    for i, batch in enumerate(itertools.islice(make_loader(), num_batches) if num_batches else ()):
+        tiles = draw(i, batch)
+        folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"batch_{i}.jpg"
         _grid(tiles).save(path, quality=90)
         written.append(path)
@@ -237,22 +234,18 @@ def _inspect_classification(dm: ImageFolderDALIDataModule, out: Path, num_batche
         }
     atomic_write_json(out / "data_stats.json", stats)
     _plot_class_counts(stats, out / "data_stats.png")
-    written = []
-    if num_batches:
-        names = dm.class_names
-        for i, batch in enumerate(dm.train_dataloader()):
-            if i >= num_batches:
-                break
-            tiles = []
-            for image, label in zip(_to_pil(batch["images"]), batch["labels"].tolist(), strict=True):
-                if len(tiles) < _MAX_TILES:
-                    scale = max(1, round(160 / image.width))
-                    big = image.resize((image.width * scale, image.height * scale))
-                    tiles.append(_caption(big, names[label]))
-            (out / "batches").mkdir(parents=True, exist_ok=True)
-            path = out / "batches" / f"batch_{i}.jpg"
-            _grid(tiles).save(path, quality=90)
-            written.append(path)
+
+    def draw(i: int, batch: dict) -> list[Image.Image]:
+        names, tiles = dm.class_names, []
+        for image, label in zip(
+            _to_pil(batch["images"][:_MAX_TILES]), batch["labels"].tolist(), strict=False
+        ):
+            scale = max(1, round(160 / image.width))
+            big = image.resize((image.width * scale, image.height * scale))
+            tiles.append(_caption(big, names[label]))
+        return tiles
+
+    written = _save_batches(dm.train_dataloader, out / "batches", num_batches, draw)
     train = stats["train"]
     lines = [
         f"inspect_data: outputs in {out}",

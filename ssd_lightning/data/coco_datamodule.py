@@ -10,16 +10,10 @@ from pathlib import Path
 from typing import Literal
 
 from ssd_lightning.data.categories import CategoryMap
-from ssd_lightning.data.coco_validation import CHECK_MODES, CocoSplitInfo, check_coco_split
-from ssd_lightning.data.dali_datamodule import (
-    DALIDataModule,
-    decode_error_reporter,
-)
+from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split, check_mode_args
+from ssd_lightning.data.dali_datamodule import DALIDataModule, decode_error_reporter
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
-from ssd_lightning.data.dali_pipelines import (
-    coco_train_pipeline,
-    coco_val_pipeline,
-)
+from ssd_lightning.data.dali_pipelines import coco_train_pipeline, coco_val_pipeline
 from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["CocoDALIDataModule"]
@@ -104,30 +98,16 @@ class CocoDALIDataModule(DALIDataModule):
     ) -> None:
         """Stores the arguments (the class docstring says what each does), checks those needing no file."""
         super().__init__()
-        self._set_loader_args(
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_threads=num_threads,
-            prefetch_queue_depth=prefetch_queue_depth,
-            seed=seed,
-            device=device,
-            output_dtype=output_dtype,
-            image_size=image_size,
-        )
-        for name, value in (("exif_check", exif_check), ("size_check", size_check)):
-            if value not in CHECK_MODES:  # at construction: a wrong value fails before anything is read
-                raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
+        self._set_loader_args(locals())
+        check_mode_args(exif_check=exif_check, size_check=size_check)  # fails before anything is read
         if image_size != 300:
             # box_encoder's anchors are dboxes300_coco(), in relative units; other sizes need other anchors
             raise ValueError(f"image_size must be 300 (SSD300 default boxes), got {image_size}")
         self.root = Path(root)
-        self.train_images = Path(train_images) if train_images else self.root / "train2017"
-        self.val_images = Path(val_images) if val_images else self.root / "val2017"
-        ann = self.root / "annotations"
-        self.train_annotations = (
-            Path(train_annotations) if train_annotations else ann / "instances_train2017.json"
-        )
-        self.val_annotations = Path(val_annotations) if val_annotations else ann / "instances_val2017.json"
+        self.train_images = Path(train_images or self.root / "train2017")
+        self.val_images = Path(val_images or self.root / "val2017")
+        self.train_annotations = Path(train_annotations or self.root / "annotations/instances_train2017.json")
+        self.val_annotations = Path(val_annotations or self.root / "annotations/instances_val2017.json")
         self.shuffle = shuffle
         self.augment = augment
         self.include_crowd = include_crowd
@@ -156,16 +136,15 @@ class CocoDALIDataModule(DALIDataModule):
     def category_map(self) -> CategoryMap:
         """Contiguous labels <-> category ids, in the annotation file's category order (DALI's order)."""
         if self._category_map is None:
-            if not (self.val_annotations.is_file() or self.train_annotations.is_file()):
+            split = "val" if self.val_annotations.is_file() else "train"
+            images, ann = self._paths(split)
+            if not ann.is_file():
                 raise MissingDataError(
                     f"no annotation file at {self.val_annotations} or {self.train_annotations}; "
                     "the category map needs one (generate/download the dataset first)"
                 )
-            val = self.val_annotations.is_file()
-            images = self.val_images if val else self.train_images
-            ann = self.val_annotations if val else self.train_annotations
             if images.is_dir():  # check the split (cached): sets _category_map, and setup() reuses it
-                self._split("val" if val else "train")
+                self._split(split)
             else:  # annotations without images (e.g. reading class names only)
                 self._category_map = CategoryMap.from_coco(ann)
         return self._category_map
@@ -176,21 +155,26 @@ class CocoDALIDataModule(DALIDataModule):
         return self.category_map.num_classes
 
     # ----------------------------------------------------------------- building blocks
+    def _paths(self, split: Literal["train", "val"]) -> tuple[Path, Path]:
+        """(image folder, annotation file) of ``split``."""
+        if split == "train":
+            return self.train_images, self.train_annotations
+        return self.val_images, self.val_annotations
+
+    def check_split(self, split: Literal["train", "val"]) -> CocoSplitInfo:
+        """:func:`~ssd_lightning.data.coco_validation.check_coco_split` of one split with this datamodule's
+        settings (cached per machine, not kept here; the loaders use :meth:`_split`)."""
+        return check_coco_split(
+            *self._paths(split),
+            check_files=self.check_files,
+            cache_dir=self.cache_dir,
+            exif_check=self.exif_check,
+            size_check=self.size_check,
+        )
+
     def _split(self, split: Literal["train", "val"]) -> CocoSplitInfo:
         if split not in self._splits:
-            images, ann = (
-                (self.train_images, self.train_annotations)
-                if split == "train"
-                else (self.val_images, self.val_annotations)
-            )
-            info = check_coco_split(
-                images,
-                ann,
-                check_files=self.check_files,
-                cache_dir=self.cache_dir,
-                exif_check=self.exif_check,
-                size_check=self.size_check,
-            )
+            info = self.check_split(split)
             other = self._splits.get("val" if split == "train" else "train")
             if other is not None and other.category_map.category_ids != info.category_map.category_ids:
                 raise DataError(
@@ -201,13 +185,6 @@ class CocoDALIDataModule(DALIDataModule):
                 self._category_map = info.category_map
             self._splits[split] = info
         return self._splits[split]
-
-    def _anchor_list(self) -> list[float]:
-        if self._anchors is None:
-            from ssd_lightning.models import dboxes300_coco
-
-            self._anchors = dboxes300_coco().ltrb.flatten().tolist()
-        return self._anchors
 
     def make_loader(
         self,
@@ -222,65 +199,55 @@ class CocoDALIDataModule(DALIDataModule):
         ``with_image_ids`` adds ``"image_ids"`` to training batches (default: ``train_image_ids``).
         """
         info = self._split(split)
+        common = {
+            "shard_id": shard_id,
+            "num_shards": num_shards,
+            "on_error": _error_reporter(info, split),
+            "file_root": str(info.image_dir),
+            "annotations_file": str(info.reader_annotation_file),
+        }
+        if split != "train":
+            return self._loader(
+                split,
+                coco_val_pipeline,
+                ["images", "image_ids", "shapes"],
+                postprocess=self._postprocess_val,
+                **common,
+                skip_empty=self.val_skip_empty,
+            )
         if with_image_ids is None:
             with_image_ids = self.train_image_ids
-        common = self._pipeline_kwargs(
-            split, shard_id=shard_id, num_shards=num_shards, file_root=info.image_dir
-        )
-        common["annotations_file"] = str(info.reader_annotation_file)
-        on_error = _annotation_error_reporter(
-            info, decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
-        )
-        if split == "train":
-            anchors = self._anchor_list()
+        if self._anchors is None:
+            from ssd_lightning.models import dboxes300_coco
 
-            def factory(**pipeline_kwargs):
-                return coco_train_pipeline(
-                    **common,
-                    **pipeline_kwargs,
-                    anchors_ltrb=anchors,
-                    shuffle=self.shuffle,
-                    shuffle_seed=self.seed,
-                    augment=self.augment,
-                    include_crowd=self.include_crowd,
-                    output_image_ids=with_image_ids,
-                )
-
-            names = ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else [])
-            postprocess = self._postprocess_train
-        else:
-
-            def factory(**pipeline_kwargs):
-                return coco_val_pipeline(**common, **pipeline_kwargs, skip_empty=self.val_skip_empty)
-
-            names = ["images", "image_ids", "shapes"]
-            postprocess = self._postprocess_val
-        return DALILoader(
-            factory,
-            names,
-            mode="train" if split == "train" else "eval",
-            shard_id=shard_id,
-            num_shards=num_shards,
-            postprocess=postprocess,
-            on_error=on_error,
-            dtypes=self._loader_dtypes(),
+            self._anchors = dboxes300_coco().ltrb.flatten().tolist()
+        return self._loader(
+            split,
+            coco_train_pipeline,
+            ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else []),
+            postprocess=self._postprocess_train,
+            **common,
+            anchors_ltrb=self._anchors,
+            shuffle=self.shuffle,
+            shuffle_seed=self.seed,
+            augment=self.augment,
+            include_crowd=self.include_crowd,
+            output_image_ids=with_image_ids,
         )
 
-    def _postprocess_train(self, batch: Batch) -> Batch:
-        out = {
-            "images": self._cast_images(batch["images"]),
-            "boxes": batch["boxes"].float(),
-            "labels": batch["labels"].long(),
-        }
+    # the loader has made int32 outputs int64 and images the output dtype: what is left is names and shapes
+    @staticmethod
+    def _postprocess_train(batch: Batch) -> Batch:
         if "image_ids" in batch:
-            out["image_ids"] = batch["image_ids"].reshape(-1).long()
-        return out
+            batch["image_ids"] = batch["image_ids"].reshape(-1)
+        return batch
 
-    def _postprocess_val(self, batch: Batch) -> Batch:
+    @staticmethod
+    def _postprocess_val(batch: Batch) -> Batch:
         return {
-            "images": self._cast_images(batch["images"]),
-            "image_ids": batch["image_ids"].reshape(-1).long(),
-            "image_sizes": batch["shapes"][:, :2].long(),
+            "images": batch["images"],
+            "image_ids": batch["image_ids"].reshape(-1),
+            "image_sizes": batch["shapes"][:, :2],
         }
 
 
@@ -288,9 +255,10 @@ class CocoDALIDataModule(DALIDataModule):
 _PARSE_ERROR = re.compile(r"Invalid COCO annotation|JSON")
 
 
-def _annotation_error_reporter(info: CocoSplitInfo, other: Callable[[Exception], Exception]):
+def _error_reporter(info: CocoSplitInfo, split: str) -> Callable[[Exception], Exception]:
     """``on_error`` for the COCO loaders: a failure of DALI's annotation parser becomes a DataError naming the
-    annotation file; anything else goes to ``other`` (which names undecodable images)."""
+    annotation file; anything else goes to :func:`decode_error_reporter` (which names undecodable images)."""
+    other = decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
 
     def report(exc: Exception) -> Exception:
         # DALI (ValueError or RuntimeError): "Critical error ...\nError in CPU operator `...readers.coco`,

@@ -38,6 +38,7 @@ __all__ = [
     "CocoSplitInfo",
     "check_coco_split",
     "check_image_headers",
+    "check_mode_args",
     "read_annotation_json",
     "decoder_applies_exif_orientation",
     "exif_orientation",
@@ -429,9 +430,7 @@ def check_coco_split(
             their image, files that are not images or are cut short, EXIF-rotated images whose boxes cannot
             line up with what DALI decodes, images listed with another size than their file's.
     """
-    for name, value in (("exif_check", exif_check), ("size_check", size_check)):
-        if value not in CHECK_MODES:
-            raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
+    check_mode_args(exif_check=exif_check, size_check=size_check)
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
     if not image_dir.is_dir():
         raise MissingDataError(
@@ -460,42 +459,37 @@ def check_coco_split(
                     cache.store_error(exc)  # the processes waiting for this one raise it too
                     raise
                 cache.store(_to_json(info), files_checked=check_files)
-    problem = _orientation_mismatch(info)  # depends on the DALI line, not only on the files: not cached
-    if problem and exif_check == "error":
-        raise DataError(f"{problem}; data.exif_check=warn trains anyway")
-    if problem and exif_check == "warn":
-        log.warning(problem)
-    problem = _size_mismatch(info)  # recorded in the cache entry, judged at every call
-    if problem and size_check == "error":
-        raise DataError(f"{problem}; data.size_check=warn trains anyway")
-    if problem and size_check == "warn":
-        log.warning(problem)
+    # the orientation depends on the DALI line, not only on the files: not cached; sizes are judged every call
+    for key, mode, problem in (
+        ("exif_check", exif_check, _orientation_mismatch(info)),
+        ("size_check", size_check, _size_mismatch(info)),
+    ):
+        if problem and mode == "error":
+            raise DataError(f"{problem}; data.{key}=warn trains anyway")
+        if problem and mode == "warn":
+            log.warning(problem)
     _warn_about_changes(info)
     return info
 
 
 def _warn_about_changes(info: CocoSplitInfo) -> None:
     """One warning line per kind of change the reader or the evaluation will see."""
-    annotation_file = info.annotation_file
+    changes = []
     if info.filled:
         done = ", ".join(_FILLED[what].format(n=n) for what, n in info.filled)
-        warnings.warn(
-            f"{annotation_file}: filled in what the export leaves out: {done}; the reader and the COCO "
-            f"evaluation use the normalised copy {info.evaluation_annotation_file}",
-            stacklevel=3,
+        changes.append(
+            f"filled in what the export leaves out: {done}; the reader and the COCO evaluation use the "
+            f"normalised copy {info.evaluation_annotation_file}"
         )
     if info.num_dropped:
-        warnings.warn(
-            f"{annotation_file}: {info.num_dropped} box(es) narrower or lower than {MIN_BOX_SIZE} px are "
-            "ignored",
-            stacklevel=3,
-        )
+        changes.append(f"{info.num_dropped} box(es) narrower or lower than {MIN_BOX_SIZE} px are ignored")
     if info.num_clipped:
-        warnings.warn(
-            f"{annotation_file}: {info.num_clipped} box(es) extending slightly outside their image were "
-            "clipped to it (the reader uses a clipped copy; evaluation uses the unclipped boxes)",
-            stacklevel=3,
+        changes.append(
+            f"{info.num_clipped} box(es) extending slightly outside their image were clipped to it (the "
+            "reader uses a clipped copy; evaluation uses the unclipped boxes)"
         )
+    for change in changes:
+        warnings.warn(f"{info.annotation_file}: {change}", stacklevel=3)
 
 
 _FILLED = {  # what the normalised copy changed -> how the warning says it
@@ -507,7 +501,13 @@ _FILLED = {  # what the normalised copy changed -> how the warning says it
 
 
 CHECK_MODES = ("error", "warn", "off")  # exif_check, size_check
-EXIF_CHECKS = CHECK_MODES
+
+
+def check_mode_args(**modes: str) -> None:
+    """Raise ``ValueError`` unless every value (``exif_check=...``, ``size_check=...``) is in CHECK_MODES."""
+    for name, value in modes.items():
+        if value not in CHECK_MODES:
+            raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
 
 
 def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
@@ -552,47 +552,39 @@ def _size_mismatch(info: CocoSplitInfo) -> str | None:
     )
 
 
+_COUNTS = ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped", "num_size_mismatches")
+_NAMES = ("exif_listed_upright", "exif_listed_unrotated", "size_mismatches")  # file names
+
+
 def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
     return {
         "reader_annotation_file": str(info.reader_annotation_file.resolve()),
         "evaluation_annotation_file": str(info.evaluation_annotation_file.resolve()),
         "category_ids": list(info.category_map.category_ids),
         "names": list(info.category_map.names),
-        "num_images": info.num_images,
-        "num_images_with_boxes": info.num_images_with_boxes,
-        "num_dropped": info.num_dropped,
-        "num_clipped": info.num_clipped,
         "filled": [list(pair) for pair in info.filled],
-        "exif_listed_upright": list(info.exif_listed_upright),
-        "exif_listed_unrotated": list(info.exif_listed_unrotated),
-        "size_mismatches": list(info.size_mismatches),
-        "num_size_mismatches": info.num_size_mismatches,
+        **{k: getattr(info, k) for k in _COUNTS},
+        **{k: list(getattr(info, k)) for k in _NAMES},
     }
 
 
 def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) -> CocoSplitInfo | None:
     """The cached result, or None when it is malformed or a copy it names is gone."""
     try:
-        counts = {
-            k: int(entry[k]) for k in ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped")
-        }
+        counts = {k: int(entry[k]) for k in _COUNTS}
+        names = {k: tuple(str(n) for n in entry[k]) for k in _NAMES}
         cmap = CategoryMap(
             tuple(int(i) for i in entry["category_ids"]), tuple(str(n) for n in entry["names"])
         )
         filled = tuple((str(what), int(n)) for what, n in entry["filled"])
         reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] or filled else annotation_file
         evaluation = Path(entry["evaluation_annotation_file"]) if filled else annotation_file
-        exif = {k: tuple(str(n) for n in entry[k]) for k in ("exif_listed_upright", "exif_listed_unrotated")}
-        sizes = {
-            "size_mismatches": tuple(str(n) for n in entry["size_mismatches"]),
-            "num_size_mismatches": int(entry["num_size_mismatches"]),
-        }
     except (KeyError, TypeError, ValueError):
         return None
     if not (reader.is_file() and evaluation.is_file()):  # a copy was deleted
         return None
     return CocoSplitInfo(
-        image_dir, annotation_file, reader, evaluation, cmap, **counts, filled=filled, **exif, **sizes
+        image_dir, annotation_file, reader, evaluation, cmap, filled=filled, **counts, **names
     )
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
 from ssd_lightning.data.coco_validation import find_undecodable_images
-from ssd_lightning.data.dali_iterator import DALILoader
+from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import dali_output_dtype
 from ssd_lightning.errors import DataError
 
@@ -88,8 +88,9 @@ class DALIDataModule(pl.LightningDataModule):
     """Base of the DALI datamodules: one sharded :class:`DALILoader` per split and rank.
 
     Subclasses call :meth:`_set_loader_args` in ``__init__`` and implement ``_split(split)`` (read and check
-    a split once; ``setup`` calls it) and ``make_loader(split, *, shard_id, num_shards)``; the loaders are
-    built when Lightning asks for them (after ``setup``), sharded by the trainer's global rank and world size.
+    a split once; ``setup`` calls it) and ``make_loader(split, *, shard_id, num_shards)`` (through
+    :meth:`_loader`); the loaders are built when Lightning asks for them (after ``setup``), sharded by the
+    trainer's global rank and world size.
     Testing runs on the validation split (COCO and ImageNet publish no test labels).
 
     Resuming: :meth:`state_dict` is the training loader's stream state (see
@@ -103,55 +104,59 @@ class DALIDataModule(pl.LightningDataModule):
     _train_loader: DALILoader | None = None
     _train_state: dict[str, Any] | None = None
 
-    def _set_loader_args(
-        self,
-        *,
-        batch_size: int,
-        eval_batch_size: int | None,
-        num_threads: int,
-        prefetch_queue_depth: int,
-        seed: int,
-        device: str,
-        output_dtype: str,
-        image_size: int,
-    ) -> None:
-        """Check (``ValueError``) and keep the arguments every DALI datamodule takes."""
-        check_loader_args(batch_size, eval_batch_size, num_threads, device)
-        self._dali_dtype, self._cast = dali_output_dtype(output_dtype)
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_threads = num_threads
-        self.prefetch_queue_depth = prefetch_queue_depth
-        self.seed = seed
-        self.device = device
-        self.output_dtype = output_dtype
-        self.image_size = image_size
+    def _set_loader_args(self, args: dict[str, Any]) -> None:
+        """Check (``ValueError``) and keep the arguments every DALI datamodule takes, read by name from
+        ``args`` (the subclass ``__init__``'s ``locals()``)."""
+        check_loader_args(args["batch_size"], args["eval_batch_size"], args["num_threads"], args["device"])
+        self._dali_dtype, self._cast = dali_output_dtype(args["output_dtype"])
+        self.batch_size: int = args["batch_size"]
+        self.eval_batch_size: int = args["eval_batch_size"] or self.batch_size
+        self.num_threads: int = args["num_threads"]
+        self.prefetch_queue_depth: int = args["prefetch_queue_depth"]
+        self.seed: int = args["seed"]
+        self.device: str = args["device"]
+        self.output_dtype: str = args["output_dtype"]
+        self.image_size: int = args["image_size"]
 
-    def _pipeline_kwargs(
-        self, split: str, *, shard_id: int, num_shards: int, file_root: str | os.PathLike
-    ) -> dict[str, Any]:
-        """The ``@pipeline_def`` arguments of every graph, for one split and shard (seed offset per rank)."""
+    def _loader(
+        self,
+        split: str,
+        pipeline: Callable[..., Any],
+        names: list[str],
+        *,
+        shard_id: int,
+        num_shards: int,
+        postprocess: Callable[[Batch], Batch],
+        on_error: Callable[[Exception], Exception],
+        **graph_kwargs: Any,
+    ) -> DALILoader:
+        """The :class:`DALILoader` of ``pipeline`` (a ``@pipeline_def``) for one split and shard: the
+        arguments every graph takes (augmentation seed offset per rank), then ``graph_kwargs``."""
         device, cuda_index = pipeline_device(self, self.device)
-        return {
+        kwargs = {
             "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
             "num_threads": self.num_threads,
             "device_id": cuda_index,
             "prefetch_queue_depth": self.prefetch_queue_depth,
             "seed": self.seed + 1009 * shard_id,  # different augmentation per rank
-            "file_root": str(file_root),
             "shard_id": shard_id,
             "num_shards": num_shards,
             "device": device,
             "dtype": self._dali_dtype,
             "image_size": self.image_size,
+            **graph_kwargs,
         }
-
-    def _loader_dtypes(self) -> dict[str, torch.dtype]:
-        """Images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying."""
-        return {} if self._cast is None else {"images": self._cast}
-
-    def _cast_images(self, images: torch.Tensor) -> torch.Tensor:
-        return images if self._cast is None else images.to(self._cast)
+        return DALILoader(
+            lambda **pipeline_kwargs: pipeline(**kwargs, **pipeline_kwargs),
+            names,
+            mode="train" if split == "train" else "eval",
+            shard_id=shard_id,
+            num_shards=num_shards,
+            postprocess=postprocess,
+            on_error=on_error,
+            # images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying
+            dtypes={} if self._cast is None else {"images": self._cast},
+        )
 
     def _split(self, split: str) -> Any:
         raise NotImplementedError

@@ -51,19 +51,64 @@ def _devices(device: str) -> tuple[str, str]:
     return ("mixed", "gpu") if device == "gpu" else ("cpu", "cpu")
 
 
-def _normalize(images, *, dtype: types.DALIDataType, device: str, crop=None, mirror=None):
-    kwargs = {"crop": crop} if crop is not None else {}
-    if mirror is not None:
-        kwargs["mirror"] = mirror
+def _normalize(images, *, dtype: types.DALIDataType, device: str, **kwargs):  # kwargs: crop, mirror
+    mean, std = list(IMAGENET_MEAN), list(IMAGENET_STD)
     return fn.crop_mirror_normalize(
-        images,
-        device=device,
-        mean=list(IMAGENET_MEAN),
-        std=list(IMAGENET_STD),
-        dtype=dtype,
-        output_layout="CHW",
-        **kwargs,
+        images, device=device, mean=mean, std=std, dtype=dtype, output_layout="CHW", **kwargs
     )
+
+
+def _reader(read, shard_id: int, num_shards: int, shuffle: bool = False, seed: int = 0, **kwargs):
+    """``read`` (a DALI reader) named ``"Reader"``, padding the last batch of its shard; ``shuffle``: one
+    global reshuffle per epoch (the same order on every rank), else a fixed shard."""
+    order = reader_shuffle_kwargs(seed) if shuffle else {"stick_to_shard": True}
+    return read(
+        name="Reader", shard_id=shard_id, num_shards=num_shards, pad_last_batch=True, **order, **kwargs
+    )
+
+
+def _decode_resize(jpegs, decoder_device: str, image_device: str, image_size: int):
+    images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
+    return fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+
+
+def _ssd_augment(jpegs, bboxes, labels, decoder_device: str, image_device: str, image_size: int):
+    """NVIDIA's SSD300 augmentation: IoU-constrained random crop (decoded as a slice), flip p=0.5, resize,
+    colour jitter; returns (images uint8, ltrb boxes, labels)."""
+    crop_begin, crop_size, bboxes, labels = fn.random_bbox_crop(
+        bboxes,
+        labels,
+        aspect_ratio=[0.5, 2.0],
+        thresholds=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9],
+        scaling=[0.3, 1.0],
+        bbox_layout="xyXY",
+        allow_no_crop=True,
+        num_attempts=1,
+    )
+    images = fn.decoders.image_slice(
+        jpegs, crop_begin, crop_size, device=decoder_device, output_type=types.RGB
+    )
+    flip = fn.random.coin_flip(probability=0.5)
+    images = fn.flip(images, horizontal=flip, device=image_device)
+    bboxes = fn.bb_flip(bboxes, horizontal=flip, ltrb=True)
+    images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+    # hue is in degrees in DALI; U[-0.5, 0.5] is the reference's value (a very mild jitter).
+    images = fn.hsv(
+        images,
+        hue=fn.random.uniform(range=[-0.5, 0.5]),
+        saturation=fn.random.uniform(range=[0.5, 1.5]),
+        dtype=types.FLOAT,  # float keeps the intermediate from clipping/quantising
+        device=image_device,
+    )
+    images = fn.brightness_contrast(
+        images,
+        brightness=fn.random.uniform(range=[0.875, 1.125]),
+        contrast=fn.random.uniform(range=[0.5, 1.5]),
+        contrast_center=128,
+        dtype=types.UINT8,
+        device=image_device,
+    )
+    return images, bboxes, labels
 
 
 @pipeline_def
@@ -90,9 +135,12 @@ def coco_train_pipeline(
     reference (``include_iscrowd`` defaults to True there).
     """
     decoder_device, image_device = _devices(device)
-    reader_kwargs = reader_shuffle_kwargs(shuffle_seed) if shuffle else {"stick_to_shard": True}
-    outputs = fn.readers.coco(
-        name="Reader",
+    jpegs, bboxes, labels, *image_ids = _reader(
+        fn.readers.coco,
+        shard_id,
+        num_shards,
+        shuffle,
+        shuffle_seed,
         file_root=file_root,
         annotations_file=annotations_file,
         ltrb=True,
@@ -100,56 +148,16 @@ def coco_train_pipeline(
         skip_empty=True,
         include_iscrowd=include_crowd,
         image_ids=output_image_ids,
-        shard_id=shard_id,
-        num_shards=num_shards,
-        pad_last_batch=True,
-        **reader_kwargs,
     )
-    jpegs, bboxes, labels = outputs[:3]
     if augment:
-        crop_begin, crop_size, bboxes, labels = fn.random_bbox_crop(
-            bboxes,
-            labels,
-            aspect_ratio=[0.5, 2.0],
-            thresholds=[0.0, 0.1, 0.3, 0.5, 0.7, 0.9],
-            scaling=[0.3, 1.0],
-            bbox_layout="xyXY",
-            allow_no_crop=True,
-            num_attempts=1,
-        )
-        images = fn.decoders.image_slice(
-            jpegs, crop_begin, crop_size, device=decoder_device, output_type=types.RGB
-        )
-        flip = fn.random.coin_flip(probability=0.5)
-        images = fn.flip(images, horizontal=flip, device=image_device)
-        bboxes = fn.bb_flip(bboxes, horizontal=flip, ltrb=True)
-        images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
-        # hue is in degrees in DALI; U[-0.5, 0.5] is the reference's value (a very mild jitter).
-        images = fn.hsv(
-            images,
-            hue=fn.random.uniform(range=[-0.5, 0.5]),
-            saturation=fn.random.uniform(range=[0.5, 1.5]),
-            dtype=types.FLOAT,  # float keeps the intermediate from clipping/quantising
-            device=image_device,
-        )
-        images = fn.brightness_contrast(
-            images,
-            brightness=fn.random.uniform(range=[0.875, 1.125]),
-            contrast=fn.random.uniform(range=[0.5, 1.5]),
-            contrast_center=128,
-            dtype=types.UINT8,
-            device=image_device,
-        )
+        images, bboxes, labels = _ssd_augment(jpegs, bboxes, labels, decoder_device, image_device, image_size)
     else:
-        images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
-        images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
+        images = _decode_resize(jpegs, decoder_device, image_device, image_size)
     images = _normalize(images, dtype=dtype, device=image_device)
     bboxes, labels = fn.box_encoder(bboxes, labels, criteria=0.5, anchors=list(anchors_ltrb))
     if device == "gpu":
         bboxes, labels = bboxes.gpu(), labels.gpu()
-    if output_image_ids:
-        return images, bboxes, labels, outputs[3]
-    return images, bboxes, labels
+    return images, bboxes, labels, *image_ids
 
 
 @pipeline_def
@@ -167,38 +175,22 @@ def coco_val_pipeline(
     """Validation graph: every image once per shard (``skip_empty``: only those with boxes, NVIDIA's
     protocol), decode RGB, resize, normalise."""
     decoder_device, image_device = _devices(device)
-    jpegs, _, _, image_ids = fn.readers.coco(
-        name="Reader",
+    jpegs, _, _, image_ids = _reader(
+        fn.readers.coco,
+        shard_id,
+        num_shards,
         file_root=file_root,
         annotations_file=annotations_file,
         ltrb=True,
         ratio=True,
         skip_empty=skip_empty,
         image_ids=True,
-        shard_id=shard_id,
-        num_shards=num_shards,
-        pad_last_batch=True,
-        stick_to_shard=True,
     )
     # (H, W, C) of the original, read from the encoded header on the CPU: the shape of a GPU-decoded image
     # would be a GPU->CPU transition, which only DALI's dynamic executor (2.x) can build.
     shapes = fn.peek_image_shape(jpegs, dtype=types.INT64)
-    images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
-    images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
-    images = _normalize(images, dtype=dtype, device=image_device)
-    return images, image_ids, shapes
-
-
-def _file_reader(file_root: str, shard_id: int, num_shards: int, shuffle: bool, seed: int):
-    kwargs = reader_shuffle_kwargs(seed) if shuffle else {"stick_to_shard": True}
-    return fn.readers.file(
-        name="Reader",
-        file_root=file_root,
-        shard_id=shard_id,
-        num_shards=num_shards,
-        pad_last_batch=True,
-        **kwargs,
-    )
+    images = _decode_resize(jpegs, decoder_device, image_device, image_size)
+    return _normalize(images, dtype=dtype, device=image_device), image_ids, shapes
 
 
 @pipeline_def
@@ -215,7 +207,7 @@ def classification_train_pipeline(
 ):
     """Random-resized crop (area 0.08-1, aspect 3/4-4/3), resize, flip p=0.5, normalise."""
     decoder_device, image_device = _devices(device)
-    jpegs, labels = _file_reader(file_root, shard_id, num_shards, shuffle, shuffle_seed)
+    jpegs, labels = _reader(fn.readers.file, shard_id, num_shards, shuffle, shuffle_seed, file_root=file_root)
     images = fn.decoders.image_random_crop(
         jpegs,
         device=decoder_device,
@@ -226,9 +218,7 @@ def classification_train_pipeline(
     )
     images = fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
     images = _normalize(images, dtype=dtype, device=image_device, mirror=fn.random.coin_flip(probability=0.5))
-    if device == "gpu":
-        labels = labels.gpu()
-    return images, labels
+    return images, labels.gpu() if device == "gpu" else labels
 
 
 @pipeline_def
@@ -244,10 +234,8 @@ def classification_val_pipeline(
 ):
     """Resize the shorter side to ``resize_size``, centre-crop ``image_size``, normalise."""
     decoder_device, image_device = _devices(device)
-    jpegs, labels = _file_reader(file_root, shard_id, num_shards, False, 0)
+    jpegs, labels = _reader(fn.readers.file, shard_id, num_shards, file_root=file_root)
     images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
     images = fn.resize(images, resize_shorter=resize_size, device=image_device)
     images = _normalize(images, dtype=dtype, device=image_device, crop=(image_size, image_size))
-    if device == "gpu":
-        labels = labels.gpu()
-    return images, labels
+    return images, labels.gpu() if device == "gpu" else labels

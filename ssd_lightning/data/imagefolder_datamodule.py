@@ -7,15 +7,9 @@ from pathlib import Path
 
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import check_image_headers
-from ssd_lightning.data.dali_datamodule import (
-    DALIDataModule,
-    decode_error_reporter,
-)
+from ssd_lightning.data.dali_datamodule import DALIDataModule, decode_error_reporter
 from ssd_lightning.data.dali_iterator import Batch, DALILoader
-from ssd_lightning.data.dali_pipelines import (
-    classification_train_pipeline,
-    classification_val_pipeline,
-)
+from ssd_lightning.data.dali_pipelines import classification_train_pipeline, classification_val_pipeline
 from ssd_lightning.errors import DataError, MissingDataError
 
 __all__ = ["ImageFolderDALIDataModule", "list_image_folder"]
@@ -84,16 +78,7 @@ class ImageFolderDALIDataModule(DALIDataModule):
         check_files: bool = True,
     ) -> None:
         super().__init__()
-        self._set_loader_args(
-            batch_size=batch_size,
-            eval_batch_size=eval_batch_size,
-            num_threads=num_threads,
-            prefetch_queue_depth=prefetch_queue_depth,
-            seed=seed,
-            device=device,
-            output_dtype=output_dtype,
-            image_size=image_size,
-        )
+        self._set_loader_args(locals())
         if val_resize < image_size:
             raise ValueError(f"val_resize ({val_resize}) must be >= image_size ({image_size})")
         self.root = Path(root)
@@ -137,28 +122,23 @@ class ImageFolderDALIDataModule(DALIDataModule):
         """The loader of ``"train"`` or ``"val"`` for one shard."""
         _, files = self._split(split)
         directory = self.train_dir if split == "train" else self.val_dir
-        common = self._pipeline_kwargs(split, shard_id=shard_id, num_shards=num_shards, file_root=directory)
-        if split == "train":
-
-            def factory(**pipeline_kwargs):
-                return classification_train_pipeline(
-                    **common, **pipeline_kwargs, shuffle=self.shuffle, shuffle_seed=self.seed
-                )
-        else:
-
-            def factory(**pipeline_kwargs):
-                return classification_val_pipeline(**common, **pipeline_kwargs, resize_size=self.val_resize)
-
-        return DALILoader(
-            factory,
+        pipeline, graph_kwargs = (
+            (classification_train_pipeline, {"shuffle": self.shuffle, "shuffle_seed": self.seed})
+            if split == "train"
+            else (classification_val_pipeline, {"resize_size": self.val_resize})
+        )
+        return self._loader(
+            split,
+            pipeline,
             ["images", "labels"],
-            mode="train" if split == "train" else "eval",
             shard_id=shard_id,
             num_shards=num_shards,
             postprocess=self._postprocess,
             on_error=decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}"),
-            dtypes=self._loader_dtypes(),
+            file_root=str(directory),
+            **graph_kwargs,
         )
 
-    def _postprocess(self, batch: Batch) -> Batch:
-        return {"images": self._cast_images(batch["images"]), "labels": batch["labels"].reshape(-1).long()}
+    @staticmethod
+    def _postprocess(batch: Batch) -> Batch:  # the loader made the labels int64
+        return {"images": batch["images"], "labels": batch["labels"].reshape(-1)}

@@ -52,7 +52,6 @@ SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
 )
 #: Edges of the aspect-ratio (w/h) histogram: log-spaced from 1/16 to 16; outside values go to the end bins.
 ASPECT_EDGES: np.ndarray = np.geomspace(1 / 16, 16, 17)
-# a "segmentation" value: polygons (lists of number lists) or an RLE dict (strings in it may hold anything)
 # IoU elements (images x ground truths x default boxes) computed at once by match_default_boxes
 _ELEMENTS_PER_CHUNK = 1 << 22
 

@@ -278,7 +278,7 @@ def _draw_shapes(
     """Draw shapes in order into ``img`` ``(H, W, 3)`` uint8 (in place); later ones occlude earlier ones."""
     height, width = img.shape[:2]
     owner = np.full((height, width), -1, dtype=np.int8)
-    drawn: list[tuple[ShapeObject, tuple[int, int, int, int]]] = []
+    drawn: list[ShapeObject] = []
     for k, (kind, size) in enumerate(zip(kinds, sizes, strict=True)):
         outline, ellipse = _shape_outline(rng, kind, size)
         if ellipse is not None:
@@ -303,12 +303,12 @@ def _draw_shapes(
         colour = _pick_colour(rng, under)
         region[mask] = colour
         owner[y0:y1, x0:x1][mask] = k
-        cat = _CATALOGUE_IDS[kind]
-        obj = ShapeObject(cat, colour, polygon, int(mask.sum()), np.zeros(0, dtype=bool))
-        drawn.append((obj, (x0, y0, x1, y1)))
-    for k, (obj, _) in enumerate(drawn):
+        drawn.append(
+            ShapeObject(_CATALOGUE_IDS[kind], colour, polygon, int(mask.sum()), np.zeros(0, dtype=bool))
+        )
+    for k, obj in enumerate(drawn):
         obj.visible = owner == k
-    return [obj for obj, _ in drawn]
+    return drawn
 
 
 def _finish(rng: np.random.Generator, img: np.ndarray) -> np.ndarray:
@@ -496,6 +496,11 @@ def _write_detection_split(
     path.write_text(json.dumps(coco, separators=(",", ":")))
 
 
+def _occupied(root: Path) -> bool:
+    """``root`` exists and is not an empty folder (which counts as missing)."""
+    return root.exists() and not (root.is_dir() and not any(root.iterdir()))
+
+
 def _write_metadata(root: Path, kind: str, params: dict) -> None:
     (root / METADATA_FILE).write_text(json.dumps({"kind": kind, **params}, indent=2, sort_keys=True) + "\n")
 
@@ -508,7 +513,7 @@ def _atomic_generate(
     If another process renamed a complete dataset into place first, ours is discarded and ``root`` used.
     """
     root = Path(root)
-    if root.exists() and not (root.is_dir() and not any(root.iterdir())):
+    if _occupied(root):
         raise DatasetConflictError(
             f"{root} already exists; delete it to regenerate, or use ensure_*_dataset() to reuse it"
         )
@@ -566,27 +571,14 @@ def make_detection_dataset(
     _check_scales(min_scale, max_scale)
     check_max_objects(max_objects_train)
     names = resolve_categories(categories)
-    params = {
-        "num_train": num_train,
-        "num_val": num_val,
-        "seed": seed,
-        "min_size": min_size,
-        "max_size": max_size,
-    }
-    render = {"min_size": min_size, "max_size": max_size}
-    # Scales, categories and max_objects_train are recorded only when they differ from the defaults:
-    # default datasets stay byte-identical, metadata file included, to those generated before they were
-    # configurable.
-    for key, value, default in (
-        ("min_scale", min_scale, DEFAULT_MIN_SCALE),
-        ("max_scale", max_scale, DEFAULT_MAX_SCALE),
-        ("categories", names, _KINDS),
-    ):
-        render[key] = value
-        if value != default:
-            params[key] = value
-    if max_objects_train != MAX_OBJECTS:
-        params["max_objects_train"] = max_objects_train
+    render = dict(
+        min_size=min_size, max_size=max_size, min_scale=min_scale, max_scale=max_scale, categories=names
+    )
+    params = dict(num_train=num_train, num_val=num_val, seed=seed, min_size=min_size, max_size=max_size)
+    # Scales, categories and max_objects_train are recorded only when they differ from the defaults: default
+    # datasets stay byte-identical, metadata file included, to those generated before they were configurable.
+    chosen = {**render, "max_objects_train": max_objects_train}
+    params |= {k: v for k, v in chosen.items() if k in _UNRECORDED_DEFAULTS and v != _UNRECORDED_DEFAULTS[k]}
 
     def fill(tmp: Path) -> None:
         _write_detection_split(tmp, "train", num_train, 0, seed, {**render, "max_objects": max_objects_train})
@@ -704,7 +696,7 @@ def _ensure(
     conflict: Callable[[Path, dict], str | None] | None = None,
 ) -> Path:
     root = Path(root)
-    if root.exists() and not (root.is_dir() and not any(root.iterdir())):  # an empty folder counts as missing
+    if _occupied(root):
         issue = problem(root)
         if issue is not None:
             raise DatasetConflictError(

@@ -48,7 +48,6 @@ class ShapesDataModule(CocoDALIDataModule):
         categories = None if categories is None else resolve_categories(categories)  # fail at config time
         check_max_objects(max_objects_train)
         super().__init__(root, **kwargs)
-        self.dataset_root = Path(root)
         self.dataset_kwargs = {
             "num_train": num_train,
             "num_val": num_val,
@@ -60,7 +59,7 @@ class ShapesDataModule(CocoDALIDataModule):
         }
 
     def prepare_data(self) -> None:
-        ensure_detection_dataset(self.dataset_root, **self.dataset_kwargs)
+        ensure_detection_dataset(self.root, **self.dataset_kwargs)
 
 
 class ShapesClassificationDataModule(ImageFolderDALIDataModule):
@@ -77,7 +76,6 @@ class ShapesClassificationDataModule(ImageFolderDALIDataModule):
         **kwargs,
     ) -> None:
         super().__init__(root, **kwargs)
-        self.dataset_root = Path(root)
         self.dataset_kwargs = {
             "num_train_per_class": num_train_per_class,
             "num_val_per_class": num_val_per_class,
@@ -86,4 +84,4 @@ class ShapesClassificationDataModule(ImageFolderDALIDataModule):
         }
 
     def prepare_data(self) -> None:
-        ensure_classification_dataset(self.dataset_root, **self.dataset_kwargs)
+        ensure_classification_dataset(self.root, **self.dataset_kwargs)

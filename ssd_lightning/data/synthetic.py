@@ -96,7 +96,6 @@ class _SyntheticDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        *,
         batch_size: int,
         num_classes: int,
         steps_per_epoch: int,
@@ -157,14 +156,7 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
         output_dtype: str = "float32",
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_classes=num_classes,
-            steps_per_epoch=steps_per_epoch,
-            eval_batch_size=eval_batch_size,
-            output_dtype=output_dtype,
-            seed=seed,
-        )
+        super().__init__(batch_size, num_classes, steps_per_epoch, eval_batch_size, output_dtype, seed)
         self.val_annotation_file = None  # benchmarking only: no COCO evaluation
         self._train: list[dict[str, Tensor]] | None = None
         self._val: list[dict[str, Tensor]] | None = None
@@ -180,15 +172,15 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
             boxes, labels = make_detection_targets(n, self._num_classes, g)
             images = torch.randn(n, 3, 300, 300, generator=g).to(self.dtype)
             self._train.append({"images": images, "boxes": boxes, "labels": labels})
-        m, self._val = self.eval_batch_size, []
-        for i in range(_NUM_DISTINCT):
-            self._val.append(
-                {
-                    "images": torch.randn(m, 3, 300, 300, generator=g).to(self.dtype),
-                    "image_ids": torch.arange(i * m + 1, (i + 1) * m + 1, dtype=torch.int64),
-                    "image_sizes": torch.full((m, 2), 300, dtype=torch.int64),
-                }
-            )
+        m = self.eval_batch_size
+        self._val = [
+            {
+                "images": torch.randn(m, 3, 300, 300, generator=g).to(self.dtype),
+                "image_ids": torch.arange(i * m + 1, (i + 1) * m + 1, dtype=torch.int64),
+                "image_sizes": torch.full((m, 2), 300, dtype=torch.int64),
+            }
+            for i in range(_NUM_DISTINCT)
+        ]
 
     def setup(self, stage: str | None = None) -> None:
         if self._train is None:
@@ -213,14 +205,7 @@ class SyntheticClassificationDataModule(_SyntheticDataModule):
         image_size: int = 224,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size,
-            num_classes=num_classes,
-            steps_per_epoch=steps_per_epoch,
-            eval_batch_size=eval_batch_size,
-            output_dtype=output_dtype,
-            seed=seed,
-        )
+        super().__init__(batch_size, num_classes, steps_per_epoch, eval_batch_size, output_dtype, seed)
         self.class_names = [f"class{k}" for k in range(num_classes)]
         self.image_size = image_size
 

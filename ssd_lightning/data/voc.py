@@ -209,9 +209,7 @@ class VOCConverter:
             raise DataError(
                 f"{self.lists[split]}:{line}: image {image_id!r} is listed, but {image_dir} has no {named}"
             )
-        size = tree.find("size")
-        width = _number(size.find("width")) if size is not None else None
-        height = _number(size.find("height")) if size is not None else None
+        width, height = (_number(tree.find(f"size/{side}")) for side in ("width", "height"))
         if not width or not height or width < 0 or height < 0:
             width, height = image_size(image_dir / file_name)
         objects = []
@@ -223,15 +221,14 @@ class VOCConverter:
             box = obj.find("bndbox")
             if box is None:
                 raise DataError(f"{where}: object {name!r} has no <bndbox>")
-            corners = []
-            for tag in _CORNERS:
-                value = _number(box.find(tag))
-                if value is None:
-                    element = box.find(tag)
-                    at = lines.get(element, lines[box]) if element is not None else lines[box]
-                    text = None if element is None else element.text
-                    raise DataError(f"{path}:{at}: <{tag}> of object {name!r} must be a number, got {text!r}")
-                corners.append(value)
+            corners = [_number(box.find(tag)) for tag in _CORNERS]
+            if None in corners:
+                tag = _CORNERS[corners.index(None)]
+                element = box.find(tag)  # the line of the element, or of <bndbox> without one
+                raise DataError(
+                    f"{path}:{lines.get(element, lines[box])}: <{tag}> of object {name!r} must be a number, "
+                    f"got {getattr(element, 'text', None)!r}"
+                )
             xmin, ymin, xmax, ymax = corners
             if xmax < xmin or ymax < ymin:
                 raise DataError(

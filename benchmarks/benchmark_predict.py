@@ -2,6 +2,7 @@
 
     python benchmarks/benchmark_predict.py                  # the demo's network, random weights
     python benchmarks/benchmark_predict.py --ckpt outputs/demo/<run>/checkpoints/last.ckpt   # + mAP per row
+    python benchmarks/benchmark_predict.py --device cuda     # on a GPU: JPEGs decoded there (nvJPEG)
 
 Images (generated in ``--workdir``, default a temporary folder): ``--small`` validation images of a shapes
 dataset (160-480 px, as the demo's) and ``--large`` of them enlarged to 4000x3000 (bilinear, then per-pixel
@@ -13,6 +14,8 @@ Every row runs in a fresh process, so its peak RSS (``VmHWM``) is its own:
 * ``predict draw=false`` / ``predict draw=true``: ``predict_images`` with predict.py's defaults (workers,
   batch size, fast decoding, picture size), from the files to ``predictions.json`` (and the pictures);
 * ``predict exact decode``: the same with ``fast_decode=false`` (every pixel decoded), ``draw=false``;
+* ``predict host decode``: ``gpu_decode=false``, ``draw=false``: with ``--device cuda``, JPEGs read on the
+  host as on a CPU (elsewhere the same as ``predict draw=false``);
 * ``predict ONNX``: the end-to-end export of the same weights in onnxruntime, ``draw=false`` (when
   onnxruntime is installed).
 
@@ -49,6 +52,7 @@ ROWS = {  # name -> predict_images settings (None: the bare network)
     "predict draw=false": {"draw": False},
     "predict draw=true": {"draw": True},
     "predict exact decode": {"draw": False, "fast_decode": False},
+    "predict host decode": {"draw": False, "gpu_decode": False},
     "predict ONNX": {"draw": False},
 }
 
@@ -103,17 +107,17 @@ def _detector(args: argparse.Namespace, onnx: Path | None = None):
     if onnx is not None:
         return load_detector(onnx=onnx, device="cpu")
     if args.ckpt:
-        return load_detector(args.ckpt, **_accepted(load_detector, {"dtype": args.dtype}))
+        return load_detector(args.ckpt, device=args.device, **_accepted(load_detector, {"dtype": args.dtype}))
     from ssd_lightning.data.categories import CategoryMap
     from ssd_lightning.models import ssd300
 
     torch.manual_seed(0)
-    net = ssd300(backbone="mobilenet_v2", num_classes=5, width_mult=0.5).eval()
+    net = ssd300(backbone="mobilenet_v2", num_classes=5, width_mult=0.5).eval().to(args.device)
     settings = {}
     if "dtype" in inspect.signature(Detector).parameters:
         from ssd_lightning.inference.detector import resolve_dtype
 
-        settings["dtype"] = resolve_dtype(args.dtype, "cpu")[0]
+        settings["dtype"] = resolve_dtype(args.dtype, args.device)[0]
     names = ["rectangle", "ellipse", "triangle", "star"]
     return Detector(categories=CategoryMap.from_names(names), net=net, source="random weights", **settings)
 
@@ -134,6 +138,7 @@ def _run_row(args: argparse.Namespace) -> dict:
         tensors.append(predict.preprocess(image))
         sizes.append((image.height, image.width))
     detector.detect(torch.stack(tensors[: args.batch_size]), sizes[: args.batch_size])  # warm-up
+    _synchronize(args.device)
     result = {"precision": getattr(detector, "dtype", "fp32") if onnx is None else "as exported"}
     start, cpu = time.perf_counter(), time.process_time()
     if ROWS[args.row] is None:
@@ -144,6 +149,7 @@ def _run_row(args: argparse.Namespace) -> dict:
         settings = {"batch_size": args.batch_size, "workers": args.workers, **ROWS[args.row]}
         out = Path(tempfile.mkdtemp(prefix="predict_", dir=args.workdir))
         predict.predict_images(detector, inputs, out, **_accepted(predict.predict_images, settings))
+    _synchronize(args.device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if ROWS[args.row] is not None and args.ckpt:
         from ssd_lightning.evaluation import evaluate_coco
@@ -158,6 +164,11 @@ def _run_row(args: argparse.Namespace) -> dict:
         result["mAP"] = evaluate_coco(annotations, out_ids, verbose=False)["mAP"]
     result.update(img_s=len(inputs) / seconds, cpu_ms=1000 * cpu / len(inputs), rss_mib=_peak_rss_mib())
     return result
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def _peak_rss_mib() -> float:
@@ -188,7 +199,9 @@ def _child(args: argparse.Namespace, row: str, image_set: str, pythonpath: str |
     """:func:`_run_row` in a fresh process (``pythonpath``: the package of another checkout)."""
     command = [sys.executable, __file__, "--row", row, "--set", image_set, "--workdir", str(args.workdir)]
     command += ["--batch-size", str(args.batch_size), "--workers", str(args.workers)]
-    command += ["--dtype", str(args.dtype)] + (["--ckpt", args.ckpt] if args.ckpt else [])
+    command += ["--dtype", str(args.dtype), "--device", args.device] + (
+        ["--ckpt", args.ckpt] if args.ckpt else []
+    )
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -206,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=24, help="12-megapixel JPEGs (4000x3000)")
     parser.add_argument("--batch-size", type=int, default=8, help="predict.py's default")
     parser.add_argument("--workers", type=int, default=4, help="predict.py's default")
-    parser.add_argument("--dtype", default="auto", help="auto (predict.py's default), fp32, bf16")
+    parser.add_argument("--dtype", default="auto", help="auto (predict.py's default), fp32, bf16, fp16")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the network (and JPEG decoding) there")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), help="(network: always)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every row, in rotated order (median)")
     parser.add_argument(

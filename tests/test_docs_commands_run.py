@@ -69,6 +69,9 @@ NOT_RUN: dict[str, str] = {
     "pip install -e .": INSTALLS,
     "bash benchmarks/gpu_benchmark.sh": "needs a CUDA GPU; test_gpu_benchmark_script runs its CPU smoke plan",
     "OUT=/tmp/gpu_results bash benchmarks/gpu_benchmark.sh --no-compile": "needs a CUDA GPU",
+    "python benchmarks/benchmark_predict.py --device cuda --ckpt outputs/demo/<run>/checkpoints/last.ckpt": (
+        "needs a CUDA GPU; tests/test_predict_gpu.py runs the GPU reading (its pieces on a CPU too)"
+    ),
     "scripts/download_coco.sh /coco": "downloads 20 GB from COCO's servers; test_download_coco.py runs it "
     "against a local server",
     "scripts/torchrun_example.sh": "starts 8 ranks of a GPU recipe; test_readme_commands composes it",

@@ -7,7 +7,9 @@ draw and encode the pictures behind it. Preprocessing (:func:`preprocess`) is th
 datamodules done with PIL and torch instead of DALI: RGB (EXIF orientation applied), resize to 300×300
 without letterbox (Pillow bilinear), then ``(pixel - 255 * mean) / (255 * std)`` with the ImageNet
 mean/std, NCHW float32. Large JPEGs are decoded at a reduced scale first (:func:`open_image`,
-``fast_decode``). Reasons and measurements: docs/internals.md, "inference/predict.py".
+``fast_decode``). With the detector on CUDA, JPEGs are decoded, resized and normalised on the GPU instead
+(:mod:`ssd_lightning.inference.gpu_decode`, ``gpu_decode``). Reasons and measurements: docs/internals.md,
+"inference/predict.py".
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -125,6 +127,57 @@ def _read(index: int, item: InputImage, transform: Callable[[Image.Image], Tenso
     return _Read(index, item, image, size, transform(image))
 
 
+def _cuda_device_of(detector: Detector) -> torch.device | None:
+    """The CUDA device ``detector``'s network runs on; None on a CPU or for an ONNX session."""
+    device = detector.device if getattr(detector, "net", None) is not None else None
+    return device if device is not None and device.type == "cuda" else None
+
+
+def _one_at_a_time(read: Callable[[int, InputImage], _Read]) -> Callable[..., list[_Read]]:
+    """``read(index, item)`` as a reader of chunks: ``(start, items) -> [_Read]``."""
+    return lambda start, chunk: [read(start + k, item) for k, item in enumerate(chunk)]
+
+
+def _read_on_gpu(
+    start: int,
+    chunk: Sequence[InputImage],
+    device: torch.device,
+    size: int,
+    picture_size: int,
+    host: Callable[[int, InputImage], _Read],
+) -> list[_Read]:
+    """The JPEGs of ``chunk`` decoded together, resized and normalised on ``device`` (each picture, at most
+    ``picture_size``, copied to the host; none for 0); other files, and JPEGs nvJPEG refuses, read by
+    ``host`` (whose message names what is wrong) and their tensor moved to ``device``."""
+    from ssd_lightning.inference import gpu_decode
+
+    def on_host(index: int) -> _Read:
+        done = host(start + index, chunk[index])
+        return done if done.reason else replace(done, tensor=done.tensor.to(device))
+
+    reads: list[_Read | None] = [None] * len(chunk)
+    jpegs: dict[int, int] = {}  # position in chunk -> EXIF orientation
+    for k, item in enumerate(chunk):
+        try:
+            orientation = gpu_decode.jpeg_orientation(item.path)
+        except READ_ERRORS as e:
+            reads[k] = _Read(start + k, item, reason=f"{type(e).__name__}: {e}")
+            continue
+        if orientation is None:
+            reads[k] = on_host(k)
+        else:
+            jpegs[k] = orientation
+    paths = [chunk[k].path for k in jpegs]
+    for k, image in zip(jpegs, gpu_decode.decode_jpegs_on(paths, list(jpegs.values()), device), strict=True):
+        if image is None:
+            reads[k] = on_host(k)
+        else:
+            picture = gpu_decode.picture_of(image, picture_size) if picture_size else None
+            tensor = gpu_decode.network_input(image, size)
+            reads[k] = _Read(start + k, chunk[k], picture, tuple(image.shape[1:]), tensor)
+    return reads
+
+
 class _Pool:
     """``workers`` threads for reading ahead and for writing pictures behind the network, each bounded to
     ``window`` tasks in flight (0 workers: everything in the calling thread, in order)."""
@@ -134,18 +187,22 @@ class _Pool:
         self.window = window
         self.behind: deque[Future] = deque()
 
-    def read_ahead(self, items: Sequence[InputImage], read: Callable[..., _Read]) -> Iterator[_Read]:
-        """``read(index, item)`` of every item, in input order."""
+    def read_ahead(
+        self, items: Sequence[InputImage], read: Callable[..., list[_Read]], chunk: int = 1
+    ) -> Iterator[_Read]:
+        """Every item read, in input order: ``read(start, items[start : start + chunk])`` per chunk."""
+        starts = range(0, len(items), chunk)
         if self.executor is None:
-            yield from (read(index, item) for index, item in enumerate(items))
+            for start in starts:
+                yield from read(start, items[start : start + chunk])
             return
         ahead: deque[Future] = deque()
-        for index, item in enumerate(items):
-            ahead.append(self.executor.submit(read, index, item))
-            if len(ahead) >= self.window:
-                yield ahead.popleft().result()
+        for start in starts:
+            ahead.append(self.executor.submit(read, start, items[start : start + chunk]))
+            if len(ahead) * chunk >= self.window:
+                yield from ahead.popleft().result()
         while ahead:
-            yield ahead.popleft().result()
+            yield from ahead.popleft().result()
 
     def later(self, task: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """``task(*args, **kwargs)`` in the background; beyond ``window`` pending, waits for the oldest (its
@@ -261,6 +318,7 @@ def predict_images(
     progress: bool = False,
     fast_decode: bool = True,
     picture_size: int = 1280,
+    gpu_decode: bool = True,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Detect objects in ``inputs``; write annotated pictures, ``predictions.jsonl`` and
     ``predictions.json`` to ``output_dir``.
@@ -277,7 +335,9 @@ def predict_images(
 
     ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
     network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
-    exactly). Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix replaced; ``_1``, ``_2``...
+    exactly). ``gpu_decode`` with the detector's network on CUDA: JPEGs are decoded (nvJPEG), resized and
+    normalised on the GPU (:mod:`~ssd_lightning.inference.gpu_decode`); other files as on a CPU. Pictures
+    ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix replaced; ``_1``, ``_2``...
     for further inputs of the same name) show detections with score >= ``draw_score_thresh`` on the image
     as decoded, its longer side at most ``picture_size``; they are drawn and encoded in the background.
     ``workers`` threads read images ahead (a few batches at most) and write the pictures; ``progress`` shows
@@ -315,9 +375,23 @@ def predict_images(
         return records
 
     min_side = 2 * detector.image_size if fast_decode else 0
-    read = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
+    host = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
+    read, chunk = _one_at_a_time(host), 1
+    device = _cuda_device_of(detector) if gpu_decode else None
+    if device is not None:  # a batch's JPEGs decoded together
+        size, shown = detector.image_size, picture_size if draw else 0
+        read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
+        chunk = batch_size
     failures = _run_batches(
-        items, ids, read, run, output_dir, batch_size=batch_size, workers=workers, progress=progress
+        items,
+        ids,
+        read,
+        run,
+        output_dir,
+        batch_size=batch_size,
+        workers=workers,
+        progress=progress,
+        chunk=chunk,
     )
     atomic_write_json(output_dir / "predictions.json", results)
     return results, failures
@@ -326,15 +400,17 @@ def predict_images(
 def _run_batches(
     items: Sequence[InputImage],
     ids: Sequence[int],
-    read: Callable[[int, InputImage], _Read],
+    read: Callable[[int, Sequence[InputImage]], list[_Read]],
     run: Callable[[list[_Read], _Pool], list[dict[str, Any]]],
     output_dir: Path,
     *,
     batch_size: int,
     workers: int,
     progress: bool,
+    chunk: int = 1,
 ) -> list[tuple[Path, str]]:
-    """Read ``items`` ahead in ``workers`` threads (at most ``max(2 * batch_size, 4 * workers)`` ahead) and
+    """Read ``items`` ahead in ``workers`` threads, ``chunk`` items a task (at most
+    ``max(2 * batch_size, 4 * workers)`` items ahead), and
     call ``run`` on batches of :class:`_Read` with the pool for background work; the records it returns go to
     ``<output_dir>/predictions.jsonl`` as they come (flushed), one per image. Unreadable files are logged,
     recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and skipped. Returns them as ``(path,
@@ -354,8 +430,8 @@ def _run_batches(
             lines.flush()
 
         try:
-            for done in pool.read_ahead(items, read):
-                if done.image is None:
+            for done in pool.read_ahead(items, read, chunk):
+                if done.reason:
                     failures.append((done.item.path, done.reason))
                     log.error("skipping %s: cannot read it as an image (%s)", done.item.path, done.reason)
                     write([{"image_id": ids[done.index], "file_name": done.item.name, "error": done.reason}])
@@ -472,7 +548,7 @@ def classify_images(
                 )  # fmt: skip
         return results[-len(batch) :]
 
-    read = partial(_read, transform=classifier.preprocess, min_side=0)
+    read = _one_at_a_time(partial(_read, transform=classifier.preprocess, min_side=0))
     ids = range(len(items))
     failures = _run_batches(
         items, ids, read, run, output_dir, batch_size=batch_size, workers=workers, progress=progress
@@ -639,6 +715,7 @@ def _predict(settings: Mapping[str, Any]) -> int:
             image_ids=image_ids,
             categories=categories,
             fast_decode=settings["fast_decode"],
+            gpu_decode=settings["gpu_decode"],
             **common,
         )
         done = len(inputs) - len(failures)

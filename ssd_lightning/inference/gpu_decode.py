@@ -1,0 +1,92 @@
+"""JPEGs decoded on a CUDA device (nvJPEG through ``torchvision.io.decode_jpeg``) into the network's input
+and a picture-sized copy, for ``predict.py`` when the detector runs on CUDA.
+
+Decoding, EXIF orientation, resizing and normalisation all run on the GPU; only the picture (at most
+``picture_size`` on its longer side) comes back to host memory, and only when pictures are drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import ExifTags, Image
+from torch import Tensor
+
+from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["decode_jpegs_on", "jpeg_orientation", "network_input", "orient", "picture_of"]
+
+# torchvision 0.29 deprecates its image codecs for TorchCodec (not pinned here); the call is the same in
+# 0.21-0.29. Filtered once, at import: warnings.catch_warnings is not thread-safe.
+warnings.filterwarnings(
+    "ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning
+)
+
+
+def jpeg_orientation(path: Path) -> int | None:
+    """The EXIF orientation (1-8, 1 when absent) of a JPEG that nvJPEG decodes to RGB (1 or 3 channels);
+    None for any other file (a PNG, a CMYK JPEG), which is read on the host. Only the header is read."""
+    with Image.open(path) as img:
+        if img.format != "JPEG" or img.mode not in ("RGB", "L"):
+            return None
+        return int(img.getexif().get(ExifTags.Base.Orientation, 1))
+
+
+def orient(image: Tensor, orientation: int) -> Tensor:
+    """``image`` (C, H, W) turned as EXIF ``orientation`` says (what ``PIL.ImageOps.exif_transpose`` does)."""
+    if orientation in (5, 6, 7, 8):  # a quarter turn: transposed first
+        image = image.transpose(1, 2)
+    flips = {2: (2,), 3: (1, 2), 4: (1,), 6: (2,), 7: (1, 2), 8: (1,)}.get(orientation, ())
+    return image.flip(flips) if flips else image
+
+
+def decode_jpegs_on(
+    paths: Sequence[Path], orientations: Sequence[int], device: torch.device
+) -> list[Tensor | None]:
+    """The JPEGs at ``paths`` as (3, H, W) uint8 RGB on ``device``, each turned by its EXIF orientation;
+    None for a file nvJPEG refuses (corrupt) or one that does not end in the JPEG end marker (cut off, or
+    with data after the image: nvJPEG fills a cut-off image with grey): the host reads those and says
+    what is wrong. One batched call (on an A100/H100/H200: the hardware JPEG decoder), or, when that
+    fails, one call per file to find which."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = [torch.from_numpy(np.fromfile(path, dtype=np.uint8)) for path in paths]
+    whole = [bytes(one[-2:].tolist()) == b"\xff\xd9" for one in data]
+    images: list[Tensor | None] = [None] * len(data)
+    if all(whole):
+        with contextlib.suppress(RuntimeError):  # one bad file fails the batch
+            images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    for k, one in enumerate(data):
+        if images[k] is None and whole[k]:
+            with contextlib.suppress(RuntimeError):
+                images[k] = decode_jpeg(one, mode=ImageReadMode.RGB, device=device)
+    return [
+        None if image is None else orient(image, k) for image, k in zip(images, orientations, strict=True)
+    ]
+
+
+def network_input(image: Tensor, size: int = 300) -> Tensor:
+    """(3, H, W) uint8 -> (3, size, size) float32 ImageNet-normalised, resized without letterbox
+    (bilinear with antialiasing: PIL's ``BILINEAR`` resize, as :func:`~ssd_lightning.inference.predict.
+    preprocess` does on the host, to within rounding)."""
+    resized = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)
+    mean = torch.tensor(IMAGENET_MEAN, device=image.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=image.device).view(1, 3, 1, 1)
+    return ((resized - mean) / std)[0]
+
+
+def picture_of(image: Tensor, longest: int) -> Image.Image:
+    """(3, H, W) uint8 on any device -> a host PIL image, its longer side at most ``longest``."""
+    height, width = image.shape[1:]
+    scale = min(1.0, longest / max(height, width))
+    if scale < 1.0:
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        image = F.interpolate(image[None].float(), size=size, mode="bilinear", antialias=True)[0]
+        image = image.round().clamp(0, 255).to(torch.uint8)
+    return Image.fromarray(image.permute(1, 2, 0).cpu().numpy())

@@ -24,28 +24,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = [
-    "CompatError",
-    "TRAIN_FETCH_ACTION",
-    "batches_that_stepped",
-    "check_installed",
-    "csv_logger_experiment",
-    "is_compiled_in_place",
-    "job_return_value",
-    "launched_processes",
-    "load_pending_loader_states",
-    "norm_base_class",
-    "replace_signal_handlers",
-    "restore_signal_handling",
-    "set_sigterm_received",
-    "sigterm_received",
-    "skip_per_step_sigterm_broadcast",
-    "storage_use_count",
-    "subprocess_script_launcher",
-    "train_fetch_action",
-    "val_check_time_interval",
-]
-
 SignalHandler = Callable[[int, Any], None]
 
 _PL, _TORCH, _HYDRA = "pytorch_lightning", "torch", "hydra"

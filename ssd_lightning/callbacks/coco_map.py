@@ -16,6 +16,7 @@ import torch
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
+from ssd_lightning.callbacks.evaluation_artifacts import from_datamodule
 from ssd_lightning.evaluation import (
     BACKENDS,
     COCO_STAT_NAMES,
@@ -51,11 +52,6 @@ def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
     gathered: list[Any] | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
     torch.distributed.gather_object(obj, gathered, dst=0)
     return gathered
-
-
-def _atomic_write_json(path: Path, array: np.ndarray) -> None:
-    """Write the ``(M, 7)`` results ``array`` to ``path`` as a COCO results JSON, atomically."""
-    atomic_write(path, lambda f: write_coco_results_json(f, array))
 
 
 def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -179,13 +175,8 @@ class CocoMAPCallback(Callback):
 
     # --------------------------------------------------------------- helpers
     def _resolve(self, trainer: pl.Trainer) -> tuple[Path, Any]:
-        dm = trainer.datamodule
-        ann = (
-            self.annotation_file
-            if self.annotation_file is not None
-            else getattr(dm, "val_annotation_file", None)
-        )
-        cmap = self.category_map if self.category_map is not None else getattr(dm, "category_map", None)
+        ann = from_datamodule(trainer, self.annotation_file, "val_annotation_file")
+        cmap = from_datamodule(trainer, self.category_map, "category_map")
         if ann is None or cmap is None:
             raise ValueError(
                 "CocoMAPCallback needs the validation annotation file and a category map: give the trainer a "
@@ -214,13 +205,7 @@ class CocoMAPCallback(Callback):
         self._absent = self.detections_key != "detections" and self.detections_key not in produced
 
     def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any
     ) -> None:
         # Converted (and evaluated at epoch end) in the sanity check too: contract errors show up early.
         key = self.detections_key
@@ -305,7 +290,8 @@ class CocoMAPCallback(Callback):
                 "or a sampler that repeats images."
             )
         if out_dir is not None:
-            _atomic_write_json(out_dir / f"{self.file_tag}detections_epoch_{epoch}.json", rows)
+            path = out_dir / f"{self.file_tag}detections_epoch_{epoch}.json"
+            atomic_write(path, lambda f: write_coco_results_json(f, rows))  # COCO results JSON
         if len(image_ids) == 0:
             if not sanity:
                 rank_zero_warn("CocoMAPCallback: the validation pass produced no images; logging mAP 0")

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 
-__all__ = ["EvaluationArtifacts"]
+__all__ = ["EvaluationArtifacts", "from_datamodule"]
+
+
+def from_datamodule(trainer: pl.Trainer, value: Any, attribute: str) -> Any:
+    """``value`` if given, else ``trainer.datamodule.<attribute>`` (``None`` when neither is there)."""
+    return value if value is not None else getattr(trainer.datamodule, attribute, None)
 
 
 class EvaluationArtifacts(pl.Callback):

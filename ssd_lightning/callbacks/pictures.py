@@ -13,7 +13,7 @@ import numpy as np
 import pytorch_lightning as pl
 from PIL import Image, ImageOps
 
-from ssd_lightning.callbacks.evaluation_artifacts import EvaluationArtifacts
+from ssd_lightning.callbacks.evaluation_artifacts import EvaluationArtifacts, from_datamodule
 from ssd_lightning.visualize import draw_detections
 
 __all__ = ["PredictionPictures"]
@@ -100,13 +100,7 @@ class PredictionPictures(EvaluationArtifacts):
         )
 
     def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any
     ) -> None:
         if not self._active or len(self._collected) >= self.max_images:
             return
@@ -139,14 +133,9 @@ class PredictionPictures(EvaluationArtifacts):
 
     # ------------------------------------------------------------------ writers
     def _write_pictures(self, trainer: pl.Trainer) -> None:
-        dm = trainer.datamodule
-        image_dir = self.image_dir if self.image_dir is not None else getattr(dm, "val_images", None)
-        ann_file = (
-            self.annotation_file
-            if self.annotation_file is not None
-            else getattr(dm, "val_annotation_file", None)
-        )
-        cmap = self.category_map if self.category_map is not None else getattr(dm, "category_map", None)
+        image_dir = from_datamodule(trainer, self.image_dir, "val_images")
+        ann_file = from_datamodule(trainer, self.annotation_file, "val_annotation_file")
+        cmap = from_datamodule(trainer, self.category_map, "category_map")
         if image_dir is None or ann_file is None:
             self._warn_once(
                 "inputs",
@@ -155,7 +144,6 @@ class PredictionPictures(EvaluationArtifacts):
             )
             return
         images, anns = self._load_annotations(Path(ann_file))
-        names = list(cmap.names) if cmap is not None else None
         folder = self._out_dir(trainer) / "predictions" / f"epoch_{trainer.current_epoch}"
         folder.mkdir(parents=True, exist_ok=True)
         for det in self._collected:
@@ -163,27 +151,30 @@ class PredictionPictures(EvaluationArtifacts):
             if info is None:
                 self._warn_once("id", f"image id {det['image_id']} is not in {ann_file}; skipped")
                 continue
-            path = Path(image_dir) / info["file_name"]
-            with Image.open(path) as img:
-                original = ImageOps.exif_transpose(img).convert("RGB")
-            gt = [a for a in anns.get(det["image_id"], []) if "bbox" in a]
-            gt_boxes = [[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in gt)]
-            gt_labels = None
-            if cmap is not None and gt:
-                gt_labels = cmap.category_id_to_label(np.asarray([int(a["category_id"]) for a in gt]))
-            longer = max(original.size)
-            scale = self.min_display_size / longer if 0 < longer < self.min_display_size else 1.0
-            picture = draw_detections(
-                original,
-                det["boxes"],
-                det["labels"],
-                det["scores"],
-                class_names=names,
-                gt_boxes=gt_boxes,
-                gt_labels=gt_labels,
-                score_thresh=self.score_thresh,
-                scale=scale,
+            picture = self._draw(
+                det, Path(image_dir) / info["file_name"], anns.get(det["image_id"], []), cmap
             )
             # 4:4:4 chroma: thin coloured lines stay crisp
             picture.save(folder / f"{det['image_id']}.jpg", quality=92, subsampling=0)
         log.info("PredictionPictures: wrote %d pictures to %s", len(self._collected), folder)
+
+    def _draw(self, det: dict[str, Any], path: Path, anns: list[dict], cmap: Any) -> Image.Image:
+        """``det``'s boxes over the ground truth ``anns`` (COCO annotations) on the image at ``path``."""
+        with Image.open(path) as img:
+            original = ImageOps.exif_transpose(img).convert("RGB")
+        gt = [a for a in anns if "bbox" in a]
+        gt_labels = None
+        if cmap is not None and gt:
+            gt_labels = cmap.category_id_to_label(np.asarray([int(a["category_id"]) for a in gt]))
+        longer = max(original.size)
+        return draw_detections(
+            original,
+            det["boxes"],
+            det["labels"],
+            det["scores"],
+            class_names=list(cmap.names) if cmap is not None else None,
+            gt_boxes=[[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in gt)],
+            gt_labels=gt_labels,
+            score_thresh=self.score_thresh,
+            scale=self.min_display_size / longer if 0 < longer < self.min_display_size else 1.0,
+        )

@@ -23,11 +23,11 @@ All ranks compute the same numbers (``trainer.strategy.all_gather``); rank 0 pri
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
 import resource
@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
@@ -51,31 +52,12 @@ log = logging.getLogger(__name__)
 MODES = ("training", "inference")
 RESULTS_FILENAME = "benchmark.json"
 
-__all__ = [
-    "MODES",
-    "RESULTS_FILENAME",
-    "ThroughputBenchmark",
-    "device_name",
-    "format_table",
-    "peak_memory",
-    "percentile",
-    "throughput_statistics",
-]
 
-
-# --------------------------------------------------------------------------------------------------------
-# Pure helpers (no Lightning, testable with known numbers)
-# --------------------------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
-    """``q``-th percentile (0..100) with linear interpolation between closest ranks (NumPy's default)."""
+    """``q``-th percentile (0..100), interpolated linearly between closest ranks (NumPy's default)."""
     if not values:
         raise ValueError("percentile of an empty sequence")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(float(v) for v in values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[str, float]:
@@ -144,26 +126,18 @@ def device_name(device: torch.device) -> str:
     """``torch.cuda.get_device_name`` on CUDA, else the CPU model (``/proc/cpuinfo``) or ``platform`` info."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown"
 
 
 def dali_version() -> str | None:
     """Installed NVIDIA DALI version, or ``None`` (DALI is optional for benchmarks)."""
-    module = sys.modules.get("nvidia.dali")
-    if module is not None and getattr(module, "__version__", None):
-        return str(module.__version__)
     for dist in ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
@@ -218,9 +192,6 @@ def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
     return hook
 
 
-# --------------------------------------------------------------------------------------------------------
-# The callback
-# --------------------------------------------------------------------------------------------------------
 class ThroughputBenchmark(pl.Callback):
     """Measure images/s of ``warmup`` + ``iterations`` training or inference batches; stop; report.
 

@@ -26,14 +26,6 @@ log = logging.getLogger(__name__)
 
 TASK_MODES = {"benchmark_training": "training", "benchmark_inference": "inference"}
 
-__all__ = [
-    "TASK_MODES",
-    "collect_results",
-    "config_summary_from_cfg",
-    "format_sweep_table",
-    "run_benchmark_task",
-]
-
 
 def _find_callback(trainer: pl.Trainer) -> ThroughputBenchmark | None:
     found = [cb for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)]

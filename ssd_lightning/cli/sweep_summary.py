@@ -26,16 +26,8 @@ from omegaconf import DictConfig
 
 from ssd_lightning import compat
 from ssd_lightning.io.atomic import atomic_write_text
-from ssd_lightning.metrics_csv import read_last_metrics  # re-exported: the sweep's metric reader
+from ssd_lightning.metrics_csv import read_last_metrics
 from ssd_lightning.tables import markdown_table
-
-__all__ = [
-    "SweepSummary",
-    "read_last_metrics",
-    "collect_jobs",
-    "write_summary",
-    "launcher_rank",
-]
 
 RECORD_NAME = "job_summary.json"
 

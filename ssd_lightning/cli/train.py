@@ -103,7 +103,6 @@ def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
     if cfg.get("matmul_precision"):
         torch.set_float32_matmul_precision(cfg.matmul_precision)  # TF32 on Ampere+ GPUs
         torch.backends.cudnn.allow_tf32 = cfg.matmul_precision != "highest"
-
     datamodule = hydra.utils.instantiate(cfg.data)
     if cfg.task == "inspect_data":  # looks at the data only: no model, no Trainer
         from ssd_lightning.cli.inspect_data import run_inspect_task
@@ -116,6 +115,19 @@ def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
         # The network only, in place: the SSD decoder and losses have data-dependent shapes (graph breaks,
         # recompiles), and in-place compilation keeps the state_dict keys (checkpoints load either way).
         model.net.compile()
+    trainer = _build_trainer(cfg)
+    started = time.perf_counter()
+    metrics = _run_job(cfg, trainer, model, datamodule)
+    elapsed = time.perf_counter() - started
+    _release_process_group()
+    metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
+    if trainer.is_global_zero:
+        _print_summary(cfg, trainer, metrics, elapsed)
+    return metrics
+
+
+def _build_trainer(cfg: DictConfig) -> pl.Trainer:
+    """``cfg.trainer`` with the ``callbacks``/``logger`` groups and atomic checkpoint writes."""
     callbacks = instantiate_group(cfg.get("callbacks"))
     if cfg.trainer.get("enable_progress_bar") is False:  # the Trainer switch wins over callbacks.progress_bar
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.ProgressBar)]
@@ -131,41 +143,41 @@ def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
     compat.check_installed(trainer)  # an unsupported Lightning/Hydra/torch fails here, in one line
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return trainer
 
-    started = time.perf_counter()
+
+def _run_job(
+    cfg: DictConfig, trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
+) -> dict:
+    """``cfg.task`` on ``trainer``: its metrics. A signal's stop exits 128 + signal number (after the
+    scheduler's requeue, if any); after a failure the ranks Lightning started are ended."""
     try:
         if cfg.task == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-            metrics = dict(trainer.callback_metrics)
-        elif cfg.task == "validate":
+            return dict(trainer.callback_metrics)
+        if cfg.task == "validate":
             results = trainer.validate(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-            metrics = dict(results[0]) if results else {}
-        else:
-            metrics = run_benchmark_task(
-                cfg.task,
-                trainer=trainer,
-                model=model,
-                datamodule=datamodule,
-                output_dir=cfg.paths.output_dir,
-                config_summary=config_summary_from_cfg(cfg),
-            )
+            return dict(results[0]) if results else {}
+        return run_benchmark_task(
+            cfg.task,
+            trainer=trainer,
+            model=model,
+            datamodule=datamodule,
+            output_dir=cfg.paths.output_dir,
+            config_summary=config_summary_from_cfg(cfg),
+        )
     except SIGTERMException:
         _release_process_group()  # every rank stopped at the same step and saved: nobody waits for a peer
         interrupt = next((c for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
         release_run_dirs()  # the requeued job may start before this process ends
         if interrupt is not None:
             interrupt.hand_over()  # SIGUSR1/SIGUSR2: the scheduler's requeue (submitit's handler exits here)
-        raise SystemExit(_interrupted_exit_code(trainer)) from None
+        stopped_by = interrupt.stopped_by if interrupt is not None else None
+        # as shells report it: 130 after Ctrl-C, 143 after SIGTERM, 138/140 after SIGUSR1/SIGUSR2
+        raise SystemExit(128 + int(getattr(signal.Signals, stopped_by or "SIGTERM"))) from None
     except Exception:
         _stop_other_ranks(trainer)
         raise
-    elapsed = time.perf_counter() - started
-    _release_process_group()
-
-    metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
-    if trainer.is_global_zero:
-        _print_summary(cfg, trainer, metrics, elapsed)
-    return metrics
 
 
 def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
@@ -323,13 +335,6 @@ def _release_process_group() -> None:
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _interrupted_exit_code(trainer: pl.Trainer) -> int:
-    """128 + signal number, as shells report it: 130 after Ctrl-C, 143 after SIGTERM, 138/140 after
-    SIGUSR1/SIGUSR2 when nothing requeued the job."""
-    stopped_by = next((c.stopped_by for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
-    return 128 + int(getattr(signal.Signals, stopped_by or "SIGTERM", signal.SIGTERM))
 
 
 def main(cfg: DictConfig) -> float | None:

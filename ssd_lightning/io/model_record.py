@@ -28,15 +28,6 @@ from torch import Tensor
 
 from ssd_lightning.io.weights import CheckpointReadError
 
-__all__ = [
-    "FORMAT_VERSION",
-    "KINDS",
-    "MODEL_KEY",
-    "make_model_record",
-    "model_weights",
-    "read_model_record",
-]
-
 MODEL_KEY = "ssd_lightning_model"
 FORMAT_VERSION = 1
 KINDS = ("detector", "classifier")

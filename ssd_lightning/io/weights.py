@@ -27,21 +27,6 @@ from torch import Tensor, nn
 
 from ssd_lightning.errors import ConfigError, UserError
 
-__all__ = [
-    "SAFE_GLOBALS",
-    "CheckpointNotFoundError",
-    "CheckpointReadError",
-    "InitReport",
-    "UntrustedCheckpointError",
-    "init_from_checkpoint",
-    "load_matching",
-    "network_state_dict",
-    "read_checkpoint",
-    "read_nvidia_state_dict",
-    "untrusted_message",
-    "unwrap_distributed_key",
-]
-
 log = logging.getLogger(__name__)
 
 #: Classes ``torch.load(weights_only=True)`` may rebuild beyond tensors and plain containers. The NVIDIA

@@ -110,41 +110,43 @@ class RecipeModule(pl.LightningModule):
 
     The subclass's ``__init__`` arguments become ``hparams`` here (Lightning's ``save_hyperparameters``
     collects them from the constructor chain; plain values only, so checkpoints load with
-    ``torch.load(weights_only=True)``; the full config is in the run's .hydra/ and the loggers). They must
-    include ``lr_scaling``, ``scheduler``, ``init_from``, ``trust_checkpoint``, ``sync_batchnorm`` and
-    ``ema_every_n_steps``, which the hooks below read. Subclasses set ``num_classes`` and add their
-    :meth:`save_model_record` to :meth:`on_save_checkpoint`.
+    ``torch.load(weights_only=True)``; the full config is in the run's .hydra/ and the loggers). Subclasses
+    set ``num_classes``, add their :meth:`save_model_record` to :meth:`on_save_checkpoint` and take these
+    arguments, which this class reads:
 
     Args:
         net: the network; ``forward`` runs it (or another set of weights) in the module's memory format.
         optimizer: partial optimizer holding the base ``lr`` and ``weight_decay``.
+        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``, evaluated when the
+            optimizer is built, from ``trainer.world_size`` and the datamodule's per-device ``batch_size``.
+        scheduler: ``{"name": ..., "warmup_steps"/"warmup_epochs": ...}`` and the keys of that schedule
+            (:func:`ssd_lightning.optim.lr_factor`), stepped every iteration; ``None``: constant LR.
+        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``
+            (:func:`ssd_lightning.io.weights.init_from_checkpoint`); tensors of another shape (class heads)
+            keep their initialisation; no optimizer or epoch state is taken; ignored when resuming.
+        trust_checkpoint: unpickle weight files fully instead of ``torch.load(weights_only=True)``; this can
+            run code from the file, so only for trusted files.
         channels_last: run the network in NHWC memory format.
         ema_decay: keep an :class:`ExponentialMovingAverage` of ``net`` (``None``: off), updated every
-            ``ema_every_n_steps`` optimizer steps and restarted from the weights during the LR warm-up.
-        ema_every_n_steps: optimizer steps between EMA updates (>= 1).
+            ``ema_every_n_steps`` (>= 1) optimizer steps and restarted from the weights during LR warm-up.
+        sync_batchnorm: SyncBatchNorm on several GPU processes (:meth:`configure_model`, the one place it
+            is done; leave the Trainer's flag off); ignored with a warning on CPU.
     """
 
     num_classes: int | None
 
-    def __init__(
-        self,
-        net: nn.Module,
-        *,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        channels_last: bool,
-        ema_decay: float | None,
-        ema_every_n_steps: int,
-    ) -> None:
+    def __init__(self, net: nn.Module, optimizer: Callable[..., torch.optim.Optimizer]) -> None:
         super().__init__()
-        if ema_every_n_steps < 1:
-            raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {ema_every_n_steps}")
         self.save_hyperparameters(logger=False, ignore=["net", "optimizer"])
+        hp = self.hparams
+        if hp.ema_every_n_steps < 1:
+            raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {hp.ema_every_n_steps}")
         self.net = net
         self.optimizer_factory = optimizer
-        self.channels_last = channels_last
-        if channels_last:
+        self.channels_last = hp.channels_last
+        if hp.channels_last:
             self.net.to(memory_format=torch.channels_last)
-        self.ema = ExponentialMovingAverage(net, ema_decay) if ema_decay is not None else None
+        self.ema = ExponentialMovingAverage(net, hp.ema_decay) if hp.ema_decay is not None else None
         self.warmup_steps = 0  # the LR warm-up in optimizer steps, known once the optimizer is built
         self.train_loss_epoch = BatchMean()  # train/loss_epoch: the mean over all ranks' batches
 

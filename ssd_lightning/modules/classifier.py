@@ -55,38 +55,19 @@ class ClassifierLitModule(RecipeModule):
     ``val/loss`` (plain CE), ``val/acc1``, ``val/acc5``, ``val/acc1_best`` (best epoch so far, kept in
     the checkpoint so it survives a resume), the same with ``_ema`` for the EMA weights, and ``test/*``.
 
-    Args:
+    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`):
         net: module mapping (N, 3, H, W) images to (N, num_classes) logits.
-        optimizer: partial optimizer (SGD/RMSprop/AdamW) holding the base ``lr`` and ``weight_decay``.
-        scheduler: ``{"name": "step"|"cosine"|"multistep"|"constant", "step_size", "gamma", "milestones",
-            "warmup_epochs", "min_factor"}`` (see :func:`ssd_lightning.optim.lr_factor`), stepped every
-            iteration; ``None`` keeps the LR constant.
-        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``, evaluated when the
-            optimizer is built, from ``trainer.world_size`` and the datamodule's per-device ``batch_size``.
         label_smoothing: of the training loss.
         norm_weight_decay, bias_weight_decay: weight decay of normalisation parameters and biases
             (``None``: the optimizer's ``weight_decay``).
         depthwise_weight_decay: of depthwise convolution weights (``None``: the optimizer's).
-        ema_decay: keep an exponential moving average of the weights; ``None``: off. With
-            ``ema_decay_scaling="torchvision"`` this is torchvision's ``--model-ema-decay``, scaled when the
-            optimizer is built by world size x per-device batch x ``ema_every_n_steps`` / epochs
+        ema_decay: with ``ema_decay_scaling="torchvision"`` torchvision's ``--model-ema-decay``, scaled when
+            the optimizer is built by world size x per-device batch x ``ema_every_n_steps`` / epochs
             (:func:`ssd_lightning.optim.scale_ema_decay`; the decay applied is logged once); with ``"none"``
-            it is the decay per EMA update as given. During LR warm-up the average restarts from the
-            current weights after every update, as torchvision's reference does.
-        ema_every_n_steps: optimizer steps between EMA updates.
+            the decay per EMA update as given.
         ema_decay_scaling: ``"torchvision"`` (default) or ``"none"``, see ``ema_decay``.
-        sync_batchnorm: convert BatchNorm to SyncBatchNorm in :meth:`configure_model` when training on
-            more than one process on GPUs (off by default: reported worse for MobileNetV2; ignored with a
-            warning on CPU, where torch has no SyncBatchNorm). This is the one
-            place it is done; leave the Trainer's own ``sync_batchnorm`` flag off.
-        channels_last: run the network in NHWC memory format (faster with AMP on GPUs).
+        sync_batchnorm: off by default (reported worse for MobileNetV2).
         num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
-        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net`` (a
-            Lightning checkpoint of this project, a torchvision/DDP state dict); a classifier of another
-            class count keeps its initialisation; no optimizer or epoch state is taken; ignored when resuming
-            from ``ckpt_path`` (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
-        trust_checkpoint: unpickle ``init_from`` fully instead of ``torch.load(weights_only=True)``; this
-            can run code from the file, so only for trusted files.
         confusion_matrix: after each validation (not the sanity check) draw the confusion matrix of ``net``
             on the validation set, normalised by row, to
             ``<trainer.default_root_dir>/analysis/epoch_<e>/classification_confusion.png`` (and TensorBoard,
@@ -116,13 +97,7 @@ class ClassifierLitModule(RecipeModule):
         trust_checkpoint: bool = False,
         confusion_matrix: bool = False,
     ) -> None:
-        super().__init__(
-            net,
-            optimizer=optimizer,
-            channels_last=channels_last,
-            ema_decay=ema_decay,
-            ema_every_n_steps=ema_every_n_steps,
-        )
+        super().__init__(net, optimizer)  # the other arguments reach it as hparams
         if not 0.0 <= label_smoothing < 1.0:
             raise ConfigError(f"model.label_smoothing must be in [0, 1), got {label_smoothing}")
         if ema_decay_scaling not in EMA_DECAY_SCALINGS:

@@ -18,39 +18,23 @@ from ssd_lightning.modules.freezing import freeze_backbone, frozen_modules, keep
 class SSDLitModule(RecipeModule):
     """Trains and evaluates an SSD300-family network.
 
-    Args:
+    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`):
         net: module mapping images (N, 3, 300, 300) to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
-        optimizer: partial optimizer holding the base ``lr`` and ``weight_decay`` (applied to weights
-            only; BatchNorm parameters and biases get none).
-        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": 32}``; evaluated at run time.
-        scheduler: ``{"name": "multistep", "milestones": [43, 54], "gamma": 0.1, "warmup_steps": 300}``
-            or any schedule of :func:`ssd_lightning.optim.lr_factor`; stepped every iteration.
+        optimizer: its ``weight_decay`` applies to weights only; BatchNorm parameters and biases get none.
+        scheduler: e.g. ``{"name": "multistep", "milestones": [43, 54], "gamma": 0.1, "warmup_steps": 300}``.
         decoder: overrides of :class:`~ssd_lightning.models.DecoderSettings` (``None`` values: the default).
-        channels_last: run the network in NHWC memory format (the reference's GPU default).
         nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict), e.g. to
             evaluate it.
-        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``: an
-            NVIDIA SSD300 checkpoint, a Lightning checkpoint of this project or a plain state dict. Class
-            heads of another class count keep their initialisation; no optimizer or epoch state is taken;
-            ignored when resuming from ``ckpt_path``
-            (see :func:`ssd_lightning.io.weights.init_from_checkpoint`).
-        trust_checkpoint: unpickle ``nvidia_checkpoint``/``init_from`` fully instead of
-            ``torch.load(weights_only=True)``; this can run code from the file, so only for trusted files.
+        init_from: also an NVIDIA SSD300 checkpoint.
         freeze: ``"backbone"`` or the number of backbone stages (from the input) to keep fixed: no
             gradients, out of the optimizer, their BatchNorm layers in eval mode
             (:mod:`ssd_lightning.modules.freezing`); ``None``: everything trains.
-        ema_decay: keep an exponential moving average of the weights (``ema = decay * ema + (1 - decay) *
-            weights`` every ``ema_every_n_steps`` optimizer steps; restarted from the weights during LR
-            warm-up); ``None``: off. Both sets are evaluated at every validation (the second set's
-            detections under ``"detections_secondary"``) and both are in every checkpoint.
-        ema_every_n_steps: optimizer steps between EMA updates.
+        ema_decay: both sets of weights are evaluated at every validation (the second set's detections
+            under ``"detections_secondary"``) and both are in every checkpoint.
         use_ema: with EMA on, the EMA weights are the run's weights: ``"detections"`` (``val/*``, so
             ``best.ckpt`` and early stopping), test, predict and the detectors loaded from checkpoints
             (``predict.py``, export) use them, and the raw weights are the second set (``val_raw/*``).
             ``False``: the raw weights are the run's, the EMA the second set (``val_ema/*``).
-        sync_batchnorm: convert BatchNorm to SyncBatchNorm when training on several GPU processes (in
-            :meth:`configure_model`, the one place it is done; leave the Trainer's own flag off). Ignored
-            with a warning on CPU.
     """
 
     def __init__(
@@ -84,13 +68,7 @@ class SSDLitModule(RecipeModule):
                 source=f"nvidia_checkpoint={nvidia_checkpoint}",
             )
             net.load_state_dict(state, strict=True)
-        super().__init__(
-            net,
-            optimizer=optimizer,
-            channels_last=channels_last,
-            ema_decay=ema_decay,
-            ema_every_n_steps=ema_every_n_steps,
-        )
+        super().__init__(net, optimizer)  # the other arguments reach it as hparams
         self.num_classes = getattr(net, "num_classes", None)
         default_boxes = dboxes300_coco()
         self.loss_fn = SSDLoss(default_boxes)

@@ -134,21 +134,19 @@ def _category_index(category_ids: np.ndarray, values: np.ndarray, what: str) -> 
     return at
 
 
-def _padded(image_index: np.ndarray, n_images: int, columns: list[np.ndarray], fill: list[float]):
-    """Rows grouped by ``image_index`` (already sorted) into ``(n_images, width)`` arrays, one per column,
-    and the ``(n_images, width)`` validity mask; ``width`` is the largest group."""
+def _padded(image_index: np.ndarray, n_images: int, xywh: np.ndarray, cls: np.ndarray):
+    """Rows grouped by ``image_index`` (already sorted) -> ``(n_images, width, 4)`` ltrb boxes (0 padding),
+    ``(n_images, width)`` class indices (-1 padding) and validity mask; ``width`` is the largest group."""
     counts = np.bincount(image_index, minlength=n_images)
-    width = int(counts.max()) if counts.size else 0
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     slot = np.arange(len(image_index)) - starts[image_index]
-    valid = np.zeros((n_images, width), dtype=bool)
+    valid = np.zeros((n_images, int(counts.max())), dtype=bool)
     valid[image_index, slot] = True
-    out = []
-    for col, f in zip(columns, fill, strict=True):
-        arr = np.full((n_images, width, *col.shape[1:]), f, dtype=col.dtype)
-        arr[image_index, slot] = col
-        out.append(arr)
-    return out, valid
+    boxes = np.zeros((*valid.shape, 4))
+    boxes[image_index, slot] = _ltrb(xywh)
+    classes = np.full(valid.shape, -1, dtype=cls.dtype)
+    classes[image_index, slot] = cls
+    return boxes, classes, valid
 
 
 def _ltrb(xywh: np.ndarray) -> np.ndarray:
@@ -156,8 +154,8 @@ def _ltrb(xywh: np.ndarray) -> np.ndarray:
 
 
 def _overlaps(dets: np.ndarray, gts: np.ndarray, crowd: bool) -> np.ndarray:
-    """``(C, D, 4)`` and ``(C, G, 4)`` ltrb -> ``(C, D, G)`` IoU (crowd: intersection / detection area,
-    as COCOeval)."""
+    """``(C, D, 4)``, ``(C, G, 4)`` ltrb -> ``(C, D, G)`` IoU (crowd: intersection / detection area, as
+    COCOeval); numpy, not ``models.boxes.box_iou``: a leaf does not import ``models/`` (one layer up)."""
     lt = np.maximum(dets[:, :, None, :2], gts[:, None, :, :2])
     rb = np.minimum(dets[:, :, None, 2:], gts[:, None, :, 2:])
     wh = np.clip(rb - lt, 0.0, None)
@@ -228,19 +226,11 @@ def detection_confusion_matrix(
     Raises:
         ValueError: wrong shapes, or a category id outside ``category_ids``.
     """
-    dets = (
-        np.asarray(detections, dtype=np.float64).reshape(-1, 7) if np.size(detections) else np.zeros((0, 7))
-    )
-    gt = (
-        np.asarray(ground_truth, dtype=np.float64).reshape(-1, 7)
-        if np.size(ground_truth)
-        else np.zeros((0, 7))
-    )
+    dets = np.asarray(detections, dtype=np.float64).reshape(-1, 7)
+    gt = np.asarray(ground_truth, dtype=np.float64).reshape(-1, 7)
     cats = np.unique(np.asarray(category_ids, dtype=np.int64).reshape(-1))
     if len(cats) == 0:
         raise ValueError("category_ids is empty")
-    k = len(cats)
-    threshold = min(float(iou_threshold), 1 - 1e-10)  # COCOeval's comparison
     dets = dets[dets[:, 5] >= score_threshold]
     if image_ids is not None:
         keep = np.asarray(image_ids, dtype=np.int64).reshape(-1)
@@ -248,58 +238,49 @@ def detection_confusion_matrix(
         gt = gt[np.isin(gt[:, 0].astype(np.int64), keep)]
     det_cls = _category_index(cats, dets[:, 6].astype(np.int64), "detections")
     gt_cls = _category_index(cats, gt[:, 5].astype(np.int64), "ground-truth boxes")
-    crowd = gt[:, 6] > 0
     images, index = np.unique(np.concatenate([dets[:, 0], gt[:, 0]]).astype(np.int64), return_inverse=True)
     det_img, gt_img = index[: len(dets)], index[len(dets) :]
-    n_images = len(images)
-    matrix = np.zeros((k + 1, k + 1), dtype=np.int64)
-
-    def add(rows_cls: np.ndarray, cols_cls: np.ndarray) -> None:
-        matrix[:] += np.bincount(rows_cls * (k + 1) + cols_cls, minlength=(k + 1) ** 2).reshape(k + 1, k + 1)
-
-    if n_images == 0:
+    matrix = np.zeros((len(cats) + 1, len(cats) + 1), dtype=np.int64)
+    if len(images) == 0:
         return matrix
     # detections sorted by image, then descending score (stable: ties keep their order, as COCOeval)
     order = np.lexsort((-dets[:, 5], det_img))
-    (d_box, d_cls), d_valid = _padded(
-        det_img[order], n_images, [_ltrb(dets[order, 1:5]), det_cls[order]], [0.0, -1]
-    )
-    g_order = np.argsort(gt_img[~crowd], kind="stable")
-    g_sel = np.flatnonzero(~crowd)[g_order]
-    (g_box, g_cls), g_valid = _padded(
-        gt_img[g_sel], n_images, [_ltrb(gt[g_sel, 1:5]), gt_cls[g_sel]], [0.0, -1]
-    )
-    c_order = np.argsort(gt_img[crowd], kind="stable")
-    c_sel = np.flatnonzero(crowd)[c_order]
-    (c_box, c_cls), c_valid = _padded(
-        gt_img[c_sel], n_images, [_ltrb(gt[c_sel, 1:5]), gt_cls[c_sel]], [0.0, -1]
-    )
-
-    width = max(1, d_box.shape[1]) * max(1, g_box.shape[1] + c_box.shape[1])
+    groups = [_padded(det_img[order], len(images), dets[order, 1:5], det_cls[order])]
+    crowd = gt[:, 6] > 0
+    for sel in (np.flatnonzero(~crowd), np.flatnonzero(crowd)):  # ground truth, then crowd regions
+        sel = sel[np.argsort(gt_img[sel], kind="stable")]
+        groups.append(_padded(gt_img[sel], len(images), gt[sel, 1:5], gt_cls[sel]))
+    width = max(1, groups[0][0].shape[1]) * max(1, groups[1][0].shape[1] + groups[2][0].shape[1])
     chunk = max(1, max_cells // width)
-    for start in range(0, n_images, chunk):
-        sl = slice(start, start + chunk)
-        dv, gv, cv = d_valid[sl], g_valid[sl], c_valid[sl]
-        dc, gc, cc = d_cls[sl], g_cls[sl], c_cls[sl]
-        iou = _overlaps(d_box[sl], g_box[sl], crowd=False)
-        iou[~(dv[:, :, None] & gv[:, None, :])] = -1.0
-        same = dc[:, :, None] == gc[:, None, :]
-        gt_open = gv.copy()
-        first = _greedy(np.where(same, iou, -1.0), threshold, dv, gt_open)
-        det_open = dv & (first < 0)
-        if c_box.shape[1]:
-            ioa = _overlaps(d_box[sl], c_box[sl], crowd=True)
-            own_crowd = (dc[:, :, None] == cc[:, None, :]) & cv[:, None, :] & (ioa >= threshold)
-            det_open &= ~own_crowd.any(axis=2)
-        second = _greedy(iou, threshold, det_open, gt_open)
-        match = np.where(first >= 0, first, second)
-        rows, cols = np.nonzero(match >= 0)
-        add(gc[rows, match[rows, cols]], dc[rows, cols])  # matched pairs
-        fp = det_open & (second < 0)
-        add(np.full(int(fp.sum()), k), dc[fp])  # false positives: background row
-        missed = gt_open  # still free after both passes
-        add(gc[missed], np.full(int(missed.sum()), k))  # missed ground truth: background column
+    threshold = min(float(iou_threshold), 1 - 1e-10)  # COCOeval's comparison
+    for start in range(0, len(images), chunk):
+        _count_images(matrix, *([a[start : start + chunk] for a in group] for group in groups), threshold)
     return matrix
+
+
+def _count_images(matrix: np.ndarray, dets: list, gts: list, crowds: list, threshold: float) -> None:
+    """Add a chunk of images to ``matrix``; ``dets``, ``gts``, ``crowds``: :func:`_padded` of each."""
+    (d_box, dc, dv), (g_box, gc, gv), (c_box, cc, cv) = dets, gts, crowds
+    k = matrix.shape[0] - 1
+    iou = _overlaps(d_box, g_box, crowd=False)
+    iou[~(dv[:, :, None] & gv[:, None, :])] = -1.0
+    gt_open = gv.copy()
+    first = _greedy(np.where(dc[:, :, None] == gc[:, None, :], iou, -1.0), threshold, dv, gt_open)
+    ioa = _overlaps(d_box, c_box, crowd=True)
+    own_crowd = (dc[:, :, None] == cc[:, None, :]) & cv[:, None, :] & (ioa >= threshold)
+    det_open = dv & (first < 0) & ~own_crowd.any(axis=2)
+    second = _greedy(iou, threshold, det_open, gt_open)
+    match = np.where(first >= 0, first, second)
+    rows, cols = np.nonzero(match >= 0)
+    _add(matrix, gc[rows, match[rows, cols]], dc[rows, cols])  # matched pairs
+    fp = det_open & (second < 0)
+    _add(matrix, np.full(int(fp.sum()), k), dc[fp])  # false positives: background row
+    _add(matrix, gc[gt_open], np.full(int(gt_open.sum()), k))  # still free: missed, background column
+
+
+def _add(matrix: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> None:
+    n = matrix.shape[0]
+    matrix += np.bincount(rows * n + cols, minlength=n * n).reshape(n, n)
 
 
 def top_confusions(

@@ -532,32 +532,6 @@ def format_summary(stats: Sequence[float] | Mapping[str, float]) -> str:
     return "\n".join(lines)
 
 
-def _evaluate(
-    annotation_file: str | os.PathLike,
-    detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
-    backend: str,
-    verbose: bool,
-    image_ids: Any,
-) -> _Evaluated:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    ann_path = Path(annotation_file)
-    if not ann_path.is_file():
-        raise FileNotFoundError(
-            f"annotation_file {str(ann_path)!r} does not exist; pass the dataset's COCO instances JSON"
-        )
-    results = _load_results(detections)
-    run = _run_pycocotools if backend == "pycocotools" else _run_faster_coco_eval
-    return run(ann_path, results, image_ids, verbose)
-
-
-def _named_stats(evaluated: _Evaluated, backend: str) -> dict[str, float]:
-    stats = np.asarray(evaluated.coco_eval.stats, dtype=np.float64)
-    if stats.shape[0] < len(COCO_STAT_NAMES):
-        raise RuntimeError(f"{backend} returned {stats.shape[0]} stats, expected {len(COCO_STAT_NAMES)}")
-    return {name: float(v) for name, v in zip(COCO_STAT_NAMES, stats[: len(COCO_STAT_NAMES)], strict=True)}
-
-
 def evaluate_coco(
     annotation_file: str | os.PathLike,
     detections: Sequence[Mapping[str, Any]] | str | os.PathLike | np.ndarray,
@@ -597,11 +571,10 @@ def evaluate_coco(
         ValueError: unknown ``backend``, malformed detections, or image/category ids the annotation file does
             not define.
     """
-    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
-    stats = _named_stats(evaluated, backend)
-    if per_class:
-        stats.update(per_class_metrics(_class_rows(evaluated)))
-    return stats
+    evaluation = evaluate_coco_detailed(
+        annotation_file, detections, backend, verbose=verbose, image_ids=image_ids
+    )
+    return {**evaluation.stats, **(per_class_metrics(evaluation.classes) if per_class else {})}
 
 
 @dataclass(frozen=True)
@@ -647,11 +620,22 @@ def evaluate_coco_detailed(
     """:func:`evaluate_coco` (same arguments, one COCOeval run) with one :class:`ClassAP` row per category of
     the annotation file (category id order, NaN AP without ground truth), the accumulated precision array and
     the parameters needed to read it (:class:`CocoEvaluation`)."""
-    evaluated = _evaluate(annotation_file, detections, backend, verbose, image_ids)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    ann_path = Path(annotation_file)
+    if not ann_path.is_file():
+        raise FileNotFoundError(
+            f"annotation_file {str(ann_path)!r} does not exist; pass the dataset's COCO instances JSON"
+        )
+    run = _run_pycocotools if backend == "pycocotools" else _run_faster_coco_eval
+    evaluated = run(ann_path, _load_results(detections), image_ids, verbose)
+    stats = np.asarray(evaluated.coco_eval.stats, dtype=np.float64)
+    if stats.shape[0] < len(COCO_STAT_NAMES):
+        raise RuntimeError(f"{backend} returned {stats.shape[0]} stats, expected {len(COCO_STAT_NAMES)}")
     params = evaluated.coco_eval.params
     max_dets_index = int(np.argmax(params.maxDets))
     return CocoEvaluation(
-        stats=_named_stats(evaluated, backend),
+        stats={name: float(v) for name, v in zip(COCO_STAT_NAMES, stats, strict=False)},
         classes=_class_rows(evaluated),
         precision=np.asarray(evaluated.coco_eval.eval["precision"], dtype=np.float64),
         iou_thresholds=np.asarray(params.iouThrs, dtype=np.float64),

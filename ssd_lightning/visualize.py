@@ -93,6 +93,38 @@ def _text_colour(fill: tuple[int, int, int]) -> tuple[int, int, int]:
     return (0, 0, 0) if luminance > 140 else (255, 255, 255)
 
 
+def _rect(draw: ImageDraw.ImageDraw, box: np.ndarray, colour: tuple[int, int, int], width: int):
+    """Outline ``box`` (ltrb, rounded to pixels); its ``(l, t, r, b)``, or None when it cannot be drawn."""
+    if not np.all(np.isfinite(box)):
+        return None
+    left, t, r, b = (round(float(v)) for v in box)
+    if r < left or b < t:
+        return None
+    draw.rectangle((left, t, r, b), outline=colour, width=width)
+    return left, t, r, b
+
+
+def _tag(draw: ImageDraw.ImageDraw, font, text: str, x: int, y: int, colour, *, above: bool) -> None:
+    """``text`` in a filled tag at ``x``: above ``y`` (below it when there is no room), or ending at ``y``."""
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    tw, th = right - left + 4, bottom - top + 4
+    y0 = (y - th if y - th >= 0 else y) if above else y - th + 1
+    draw.rectangle((x, y0, x + tw - 1, y0 + th - 1), fill=colour)
+    draw.text((x + 2 - left, y0 + 2 - top), text, fill=_text_colour(colour), font=font)
+
+
+def _predictions(boxes, labels, scores) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    boxes_a = _as_array(boxes, (4,), "boxes")
+    labels_a = _as_array(labels, (), "labels", np.int64)
+    scores_a = None if scores is None else _as_array(scores, (), "scores")
+    if len(labels_a) != len(boxes_a) or (scores_a is not None and len(scores_a) != len(boxes_a)):
+        raise ValueError(
+            f"boxes, labels and scores need the same length, got {len(boxes_a)}, {len(labels_a)}"
+            f"{'' if scores_a is None else f' and {len(scores_a)}'}"
+        )
+    return boxes_a, labels_a, scores_a
+
+
 def draw_detections(
     image: Image.Image,
     boxes=None,
@@ -131,61 +163,31 @@ def draw_detections(
     """
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    out = image.convert("RGB")
+    out = image.convert("RGB")  # a copy
     if scale != 1.0:
-        out = out.resize(
-            (max(1, round(out.width * scale)), max(1, round(out.height * scale))), Image.BILINEAR
-        )
-    else:
-        out = out.copy()
-    boxes_a = _as_array(boxes, (4,), "boxes") * scale
-    labels_a = _as_array(labels, (), "labels", np.int64)
-    scores_a = None if scores is None else _as_array(scores, (), "scores")
-    if len(labels_a) != len(boxes_a) or (scores_a is not None and len(scores_a) != len(boxes_a)):
-        raise ValueError(
-            f"boxes, labels and scores need the same length, got {len(boxes_a)}, {len(labels_a)}"
-            f"{'' if scores_a is None else f' and {len(scores_a)}'}"
-        )
+        size = (max(1, round(out.width * scale)), max(1, round(out.height * scale)))
+        out = out.resize(size, Image.BILINEAR)
+    boxes_a, labels_a, scores_a = _predictions(boxes, labels, scores)
     gt_a = _as_array(gt_boxes, (4,), "gt_boxes") * scale
     gt_labels_a = None if gt_labels is None else _as_array(gt_labels, (), "gt_labels", np.int64)
-
     width = line_width or max(2, round(max(out.size) / 250))
-    font_size = max(10, round(max(out.size) / 40))
-    font = _font(font_size)
+    font = _font(max(10, round(max(out.size) / 40)))
     draw = ImageDraw.Draw(out)
-
-    def rect(box: np.ndarray, colour: tuple[int, int, int]) -> tuple[int, int, int, int] | None:
-        if not np.all(np.isfinite(box)):
-            return None
-        left, t, r, b = (round(float(v)) for v in box)
-        if r < left or b < t:
-            return None
-        draw.rectangle((left, t, r, b), outline=colour, width=width)
-        return left, t, r, b
-
-    def tag(text: str, x: int, y: int, colour: tuple[int, int, int], above: bool) -> None:
-        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-        tw, th = right - left + 4, bottom - top + 4
-        y0 = y - th if above and y - th >= 0 else y
-        draw.rectangle((x, y0, x + tw - 1, y0 + th - 1), fill=colour)
-        draw.text((x + 2 - left, y0 + 2 - top), text, fill=_text_colour(colour), font=font)
-
     for i, box in enumerate(gt_a):
-        drawn = rect(box, GT_COLOUR)
+        drawn = _rect(draw, box, GT_COLOUR, width)
         if drawn and show_labels and gt_labels_a is not None:
             text = _label_text(int(gt_labels_a[i]), class_names, None)
-            th = draw.textbbox((0, 0), text, font=font)
-            tag(text, drawn[0], drawn[3] - (th[3] - th[1] + 4) + 1, GT_COLOUR, above=False)
-
-    order = np.argsort(scores_a, kind="stable") if scores_a is not None else np.arange(len(boxes_a))
+            _tag(draw, font, text, drawn[0], drawn[3], GT_COLOUR, above=False)
+    order = np.argsort(scores_a, kind="stable") if scores_a is not None else range(len(boxes_a))
     for i in order:
         score = None if scores_a is None else float(scores_a[i])
         if score is not None and score < score_thresh:
             continue
         colour = class_colour(int(labels_a[i]))
-        drawn = rect(boxes_a[i], colour)
+        drawn = _rect(draw, boxes_a[i] * scale, colour, width)
         if drawn and show_labels:
-            tag(_label_text(int(labels_a[i]), class_names, score), drawn[0], drawn[1], colour, above=True)
+            text = _label_text(int(labels_a[i]), class_names, score)
+            _tag(draw, font, text, drawn[0], drawn[1], colour, above=True)
     return out
 
 
@@ -199,25 +201,50 @@ def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.n
     return xs[order], ys[order]
 
 
-def _first_key(
-    rows: Sequence[Mapping[str, float]], candidates: Sequence[str], prefix: str = ""
-) -> str | None:
-    keys = set().union(*rows) if rows else set()
-    for key in candidates:
-        if key in keys:
-            return key
-    if prefix:
-        matching = sorted(k for k in keys if k.startswith(prefix))
-        return matching[0] if matching else None
-    return None
-
-
 def _smooth(ys: np.ndarray, window: int) -> np.ndarray:
     if len(ys) < 3 * window or window < 2:
         return ys
     kernel = np.ones(window) / window
     padded = np.concatenate([np.full(window - 1, ys[0]), ys])
     return np.convolve(padded, kernel, mode="valid")
+
+
+def _found_series(
+    rows: Sequence[Mapping[str, float]], candidates: Sequence[str], x: str, prefix: str = ""
+) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """``(key, xs, ys)`` of the first of ``candidates`` (else of the ``prefix*`` columns); None if no data."""
+    keys = set().union(*rows)
+    found = [k for k in candidates if k in keys] or sorted(k for k in keys if prefix and k.startswith(prefix))
+    if found:
+        key = found[0]
+        xs, ys = _series(rows, key, x)
+        if len(xs):
+            return key, xs, ys
+    return None
+
+
+def _plot_run(axes, rows: Sequence[Mapping[str, float]], label: str, colour: str, single: bool) -> dict:
+    """Draw one run on the (loss, lr, val) axes; returns the column drawn on each panel that got a line."""
+    ax_loss, ax_lr, ax_val = axes
+    drawn = {}
+    if found := _found_series(rows, ["train/loss_step", "train/loss"], "step"):
+        drawn["loss"], xs, ys = found
+        smooth = _smooth(ys, max(1, len(ys) // 50))
+        if smooth is not ys:
+            ax_loss.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
+        ax_loss.plot(xs, smooth, color=colour, linewidth=1.5, label=label)
+    if found := _found_series(rows, ["lr"], "step", prefix="lr-"):
+        drawn["lr"], xs, ys = found
+        ax_lr.plot(xs, ys, color=colour, linewidth=1.5, label=label)
+    if found := _found_series(rows, ["val/mAP"], "epoch", prefix="val/"):
+        key, xs, ys = found
+        drawn["val"] = key
+        ax_val.plot(xs, ys, color=colour, marker="o", linewidth=1.5, label=f"{label} {key}")
+        if single and key == "val/mAP":
+            xs50, ys50 = _series(rows, "val/mAP_50", "epoch")
+            if len(xs50):
+                ax_val.plot(xs50, ys50, color=colour, marker="s", linestyle="--", label="val/mAP_50")
+    return drawn
 
 
 def plot_curves(
@@ -247,55 +274,30 @@ def plot_curves(
         for label, rows in runs.items()
     }
     fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
-    ax_loss, ax_lr, ax_val = fig.subplots(1, 3)
-    colours = [f"C{i % 10}" for i in range(len(loaded))]
+    axes = fig.subplots(1, 3)
     single = len(loaded) == 1
-    val_names: set[str] = set()
-    has = {"loss": False, "lr": False, "val": False}
-    for (label, rows), colour in zip(loaded.items(), colours, strict=True):
-        key = _first_key(rows, ["train/loss_step", "train/loss"])
-        if key:
-            xs, ys = _series(rows, key, "step")
-            if len(xs):
-                has["loss"] = True
-                window = max(1, len(ys) // 50)
-                smooth = _smooth(ys, window)
-                if smooth is not ys:
-                    ax_loss.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
-                ax_loss.plot(xs, smooth, color=colour, linewidth=1.5, label=label)
-        key = _first_key(rows, ["lr"], prefix="lr-")
-        if key:
-            xs, ys = _series(rows, key, "step")
-            if len(xs):
-                has["lr"] = True
-                ax_lr.plot(xs, ys, color=colour, linewidth=1.5, label=label)
-        key = _first_key(rows, ["val/mAP"], prefix="val/")
-        if key:
-            xs, ys = _series(rows, key, "epoch")
-            if len(xs):
-                has["val"] = True
-                val_names.add(key)
-                ax_val.plot(xs, ys, color=colour, marker="o", linewidth=1.5, label=f"{label} {key}")
-                if single and key == "val/mAP":
-                    xs50, ys50 = _series(rows, "val/mAP_50", "epoch")
-                    if len(xs50):
-                        ax_val.plot(xs50, ys50, color=colour, marker="s", linestyle="--", label="val/mAP_50")
+    drawn = [
+        _plot_run(axes, rows, label, f"C{i % 10}", single) for i, (label, rows) in enumerate(loaded.items())
+    ]
+    val_names = {d["val"] for d in drawn if "val" in d}
     val_title = next(iter(val_names)) if len(val_names) == 1 else "validation metric"
-    for ax, what, name, xlabel in (
-        (ax_loss, "loss", "training loss", "step"),
-        (ax_lr, "lr", "learning rate", "step"),
-        (ax_val, "val", val_title, "epoch (0-based)"),
+    for ax, what, name, xlabel in zip(
+        axes,
+        ("loss", "lr", "val"),
+        ("training loss", "learning rate", val_title),
+        ("step", "step", "epoch (0-based)"),
+        strict=True,
     ):
         ax.set_title(name)
         ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
-        if not has[what]:
+        if not any(what in d for d in drawn):
             ax.text(
                 0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="grey"
             )
-        elif not single or ax is ax_val:
+        elif not single or what == "val":
             ax.legend(fontsize=8)
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     if title:
         fig.suptitle(title)
     return _save(fig, output)
@@ -312,6 +314,28 @@ def _save(fig, output: str | os.PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- error analysis
+def _legend_classes(ap: np.ndarray, max_legend_classes: int) -> tuple[np.ndarray, set[int]]:
+    """The classes with an AP, best first, and those the legend names: all, or the best and worst
+    ``max_legend_classes // 2``."""
+    defined = np.flatnonzero(~np.isnan(ap))
+    ranked = defined[np.argsort(-ap[defined], kind="stable")]
+    if len(ranked) <= max_legend_classes:
+        return ranked, set(ranked.tolist())
+    half = max_legend_classes // 2
+    return ranked, set(ranked[:half].tolist()) | set(ranked[-half:].tolist())
+
+
+def _finish_pr_panel(ax, has_curves: bool) -> None:
+    """Axes of a PR panel; the legend lists the all-classes line (drawn last) first."""
+    ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02))
+    ax.grid(True, alpha=0.3)
+    if not has_curves:
+        ax.text(0.5, 0.5, "no ground truth", ha="center", va="center", transform=ax.transAxes)
+        return
+    handles, labels = (x[-1:] + x[:-1] for x in ax.get_legend_handles_labels())
+    ax.legend(handles, labels, fontsize=7, title="AP  class", title_fontsize=7, loc="lower left")
+
+
 def plot_pr_curves(
     recall: np.ndarray,
     precision: np.ndarray,
@@ -353,47 +377,19 @@ def plot_pr_curves(
     fig = Figure(figsize=(6.5 * n_iou, 5.2), dpi=100, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, n_iou))
     for i, ax in enumerate(axes):
-        defined = np.flatnonzero(~np.isnan(ap[i]))
-        ranked = defined[np.argsort(-ap[i, defined], kind="stable")]
-        if len(ranked) > max_legend_classes:
-            half = max_legend_classes // 2
-            named = set(ranked[:half].tolist()) | set(ranked[-half:].tolist())
-        else:
-            named = set(ranked.tolist())
+        ranked, named = _legend_classes(ap[i], max_legend_classes)
         for rank, k in enumerate(ranked):
             if k in named:
-                ax.plot(
-                    recall,
-                    precision[i, k],
-                    linewidth=1.2,
-                    color=f"C{rank % 10}",
-                    label=f"{ap[i, k]:.3f} {class_names[k]}",
-                )
+                label = f"{ap[i, k]:.3f} {class_names[k]}"
+                ax.plot(recall, precision[i, k], linewidth=1.2, color=f"C{rank % 10}", label=label)
             else:
                 ax.plot(recall, precision[i, k], linewidth=0.6, color="0.8")
         if np.isfinite(all_ap[i]):
-            ax.plot(
-                recall, all_precision[i], color="black", linewidth=3, label=f"{all_ap[i]:.3f} all classes"
-            )
+            label = f"{all_ap[i]:.3f} all classes"
+            ax.plot(recall, all_precision[i], color="black", linewidth=3, label=label)
         hidden = len(ranked) - len(named)
         ax.set_title(f"IoU {iou_thresholds[i]:g}" + (f" ({hidden} classes in grey)" if hidden else ""))
-        ax.set_xlabel("recall")
-        ax.set_ylabel("precision")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.02)
-        ax.grid(True, alpha=0.3)
-        if len(ranked):
-            handles, labels = ax.get_legend_handles_labels()
-            ax.legend(
-                handles[-1:] + handles[:-1],
-                labels[-1:] + labels[:-1],
-                fontsize=7,
-                title="AP  class",
-                title_fontsize=7,
-                loc="lower left",
-            )
-        else:
-            ax.text(0.5, 0.5, "no ground truth", ha="center", va="center", transform=ax.transAxes)
+        _finish_pr_panel(ax, has_curves=len(ranked) > 0)
     if title:
         fig.suptitle(title)
     return _save(fig, output)
@@ -455,21 +451,11 @@ def plot_confusion_matrix(
     fig.colorbar(shown, cax=colour_bar, label=f"share of the {true_label} row")
     ax.set_xticks(range(size), [str(n) for n in class_names], rotation=90, fontsize=font)
     ax.set_yticks(range(size), [str(n) for n in class_names], fontsize=font)
-    ax.set_xlabel(predicted_label)
-    ax.set_ylabel(true_label)
+    ax.set(xlabel=predicted_label, ylabel=true_label)
     if size <= annotate_max:
-        for r in range(size):
-            for c in range(size):
-                if counts[r, c]:
-                    ax.text(
-                        c,
-                        r,
-                        f"{shares[r, c]:.2f}",
-                        ha="center",
-                        va="center",
-                        fontsize=font,
-                        color="white" if shares[r, c] > 0.5 else "black",
-                    )
+        for r, c in zip(*np.nonzero(counts), strict=True):
+            colour = "white" if shares[r, c] > 0.5 else "black"
+            ax.text(c, r, f"{shares[r, c]:.2f}", ha="center", va="center", fontsize=font, color=colour)
     if title:
         ax.set_title(title, fontsize=10)
     return _save(fig, output)

@@ -457,7 +457,7 @@ def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return vals[:, :k], idx[:, :k]
 
 
-# Box pairs whose IoU is computed at once (bounds memory: roughly 100 bytes per pair).
+# Box pairs whose IoU is computed at once (bounds the memory of one step).
 _PAIRS_PER_CHUNK = 1 << 21
 
 
@@ -473,96 +473,87 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
     Returns:
         (G, K) bool, True for kept boxes.
 
-    IoU is computed as the reference ``calc_iou_tensor`` does, in float32 (intersection clamped at 0,
-    ``inter / (area1 + area2 - inter)``), so decisions match it bit for bit. For rows of finite boxes
-    with positive area and a positive threshold, only pairs that overlap along x can suppress each
-    other; those pairs are found with a sort and a binary search per row instead of all K^2 pairs.
-    Other rows take the dense path.
+    IoU is :func:`box_iou`, the reference's arithmetic, so decisions match it bit for bit. Rows of
+    finite boxes with positive area and a positive threshold look only at pairs that overlap enough
+    along x (:func:`_sweep_pairs`); other rows at all K^2 pairs.
     """
-    num_rows_all, width = valid.shape
-    keep = valid.clone()
+    width = valid.shape[1]
     if width < 2:
-        return keep
+        return valid.clone()
     x1, y1, x2, y2 = boxes.unbind(-1)
-    area = (x2 - x1) * (y2 - y1)
-    regular = (x2 > x1) & (y2 > y1) & torch.isfinite(area)  # NaN fails the comparisons
+    regular = (x2 > x1) & (y2 > y1) & torch.isfinite((x2 - x1) * (y2 - y1))  # NaN fails the comparisons
     needs_nms = valid.sum(dim=1) > 1
-    sparse_ok = (regular | ~valid).all(dim=1) & (iou_threshold > 0)
-
-    dense_rows = (needs_nms & ~sparse_ok).nonzero().squeeze(1)
-    step = max(1, _PAIRS_PER_CHUNK // (width * width))
-    for start in range(0, dense_rows.numel(), step):
-        r = dense_rows[start : start + step]
-        keep[r] = _greedy_nms_dense(boxes[r], valid[r], iou_threshold)
-
-    sparse_rows = (needs_nms & sparse_ok).nonzero().squeeze(1)
-    if sparse_rows.numel() == 0:
-        return keep
-    # Sweep along x. IoU >= t > 0 needs an x-overlap of at least t * max(w_i, w_j) (inter <= ix *
-    # min(h_i, h_j) and union >= max(area_i, area_j)). Sort each row by x1 (padding last): the boxes j
-    # after i that can reach that overlap with i have x1_j <= x2_i - t * w_i, a contiguous run found by
-    # binary search. The bound gets a small slack so float rounding can never drop a real pair.
-    sub_valid = valid[sparse_rows]
-    x1s, order = torch.where(sub_valid, x1[sparse_rows], math.inf).sort(dim=1)
-    # Coordinates in sorted layout, flattened: (R * K,) each.
-    coords = [c[sparse_rows].gather(1, order).flatten() for c in (y1, x2, y2, area)]
-    sy1, sx2, sy2, sarea = coords
-    sx1 = x1s.flatten()
-    width_s = sx2 - sx1
-    reach = sx2 - iou_threshold * width_s * (1 - 1e-4) + 1e-6 * (sx1.abs() + sx2.abs())
-    num_rows = sparse_rows.numel()
-    ends = torch.searchsorted(x1s, reach.view(num_rows, width), right=True)
-    pos = torch.arange(num_rows * width, device=boxes.device)
-    firsts = pos + 1  # flat sorted position of the first partner of each i
-    counts = (ends - torch.arange(1, width + 1, device=boxes.device)).clamp_(min=0).flatten()
-    counts[~sub_valid.gather(1, order).flatten()] = 0
-    # Original flat index (row * K + score rank) of every sorted entry.
-    orig = (sparse_rows[:, None] * width + order).flatten()
-
-    src_all, dst_all = [], []
-    cum = torch.cumsum(counts, 0)
-    chunk_of_i = torch.div(cum - counts, _PAIRS_PER_CHUNK, rounding_mode="floor")
-    bounds = torch.searchsorted(chunk_of_i, torch.unique_consecutive(chunk_of_i)).tolist()
-    bounds.append(counts.numel())
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        c = counts[lo:hi]
-        total = int(cum[hi - 1] - (cum[lo] - counts[lo]))
-        if total == 0:
-            continue
-        i = pos[lo:hi].repeat_interleave(c, output_size=total)  # flat sorted position of i, per pair
-        # j runs over firsts[i], firsts[i] + 1, ...: j = p + (firsts[i] - (start of i's pairs)).
-        shift = firsts[lo:hi] - (cum[lo:hi] - c - (cum[lo] - counts[lo]))
-        j = torch.arange(total, device=boxes.device) + shift.repeat_interleave(c, output_size=total)
-        iw = (torch.minimum(sx2[i], sx2[j]) - sx1[j]).clamp_(min=0)  # sx1[j] >= sx1[i]
-        ih = (torch.minimum(sy2[i], sy2[j]) - torch.maximum(sy1[i], sy1[j])).clamp_(min=0)
-        inter = iw.mul_(ih)
-        hit = (~(inter / (sarea[i] + sarea[j] - inter) < iou_threshold)).nonzero().squeeze(1)
-        i, j = orig[i[hit]], orig[j[hit]]
-        src_all.append(torch.minimum(i, j))  # the earlier box in score order suppresses the later
-        dst_all.append(torch.maximum(i, j))
-    if not src_all:
-        return keep
-    src, dst = torch.cat(src_all), torch.cat(dst_all)
+    sweep = (regular | ~valid).all(dim=1) & (iou_threshold > 0)
+    dense = _all_pairs(boxes, valid, (needs_nms & ~sweep).nonzero().squeeze(1), iou_threshold)
+    sparse = _sweep_pairs(boxes, valid, (needs_nms & sweep).nonzero().squeeze(1), iou_threshold)
+    none = torch.zeros(0, dtype=torch.int64, device=boxes.device)
+    src, dst = (torch.cat([none, *a, *b]) for a, b in zip(dense, sparse, strict=True))
     # Greedy outcome on the suppression graph (edges earlier -> later box): a box is kept iff no kept
     # box has an edge to it. Iterating "kept = valid and not hit by a currently kept box" fixes, pass
     # after pass, every box whose predecessors are fixed, so it reaches the greedy result after the
     # longest edge chain + 1 passes; that fixed point is unique (induction over the score order), so
     # stopping at the first repeat is exact.
-    valid_flat = keep.view(-1).clone()
+    valid_flat = valid.flatten()
     alive = valid_flat
     while True:
         hit = torch.zeros_like(valid_flat)
         hit[dst[alive[src]]] = True
         new = valid_flat & ~hit
         if torch.equal(new, alive):
-            return new.view(num_rows_all, width)
+            return new.view_as(valid)
         alive = new
 
 
-def _greedy_nms_dense(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS over all K^2 pairs of (G, K, 4) ltrb rows in processing order -> keep (G, K)."""
-    suppress = ~(box_iou(boxes, boxes) < iou_threshold)  # [g, i, j]
-    alive = valid.clone()
-    for i in range(boxes.shape[1] - 1):
-        alive[:, i + 1 :] &= ~(suppress[:, i, i + 1 :] & alive[:, i, None])
-    return alive
+def _all_pairs(boxes: Tensor, valid: Tensor, rows: Tensor, iou_threshold: float) -> tuple[list, list]:
+    """Suppression edges (flat ``row * K + i`` -> ``row * K + j``, i < j) of ``rows``, from all K^2 pairs."""
+    width = valid.shape[1]
+    later = torch.ones(width, width, dtype=torch.bool, device=boxes.device).triu_(1)
+    src, dst = [], []
+    step = max(1, _PAIRS_PER_CHUNK // (width * width))
+    for start in range(0, rows.numel(), step):
+        r = rows[start : start + step]
+        suppress = ~(box_iou(boxes[r], boxes[r]) < iou_threshold) & later & valid[r, :, None]
+        g, i, j = suppress.nonzero().unbind(1)
+        src.append(r[g] * width + i)
+        dst.append(r[g] * width + j)
+    return src, dst
+
+
+def _sweep_pairs(boxes: Tensor, valid: Tensor, rows: Tensor, iou_threshold: float) -> tuple[list, list]:
+    """:func:`_all_pairs` for rows of regular boxes and ``iou_threshold > 0``, by a sweep along x.
+
+    IoU >= t > 0 needs an x-overlap of at least t * max(w_i, w_j) (inter <= ix * min(h_i, h_j) and
+    union >= max(area_i, area_j)). Sort each row by x1 (padding last): the boxes j after i that can
+    reach that overlap with i have x1_j <= x2_i - t * w_i, a contiguous run found by binary search.
+    The bound gets a small slack so float rounding can never drop a real pair.
+    """
+    num_rows, width = rows.numel(), valid.shape[1]
+    sub_valid = valid[rows]
+    x1s, order = torch.where(sub_valid, boxes[rows, :, 0], math.inf).sort(dim=1)
+    sorted_boxes = boxes[rows].gather(1, order[..., None].expand(-1, -1, 4)).view(-1, 4)
+    sx1, sx2 = x1s.flatten(), sorted_boxes[:, 2]
+    reach = sx2 - iou_threshold * (sx2 - sx1) * (1 - 1e-4) + 1e-6 * (sx1.abs() + sx2.abs())
+    ends = torch.searchsorted(x1s, reach.view(num_rows, width), right=True)
+    counts = (ends - torch.arange(1, width + 1, device=boxes.device)).clamp_(min=0).flatten()
+    counts[~sub_valid.gather(1, order).flatten()] = 0
+    orig = (rows[:, None] * width + order).flatten()  # flat index (row * K + score rank) of each
+    src, dst = [], []
+    for i, j in _runs(counts):
+        hit = ~(box_iou(sorted_boxes[i, None], sorted_boxes[j, None])[:, 0, 0] < iou_threshold)
+        i, j = orig[i[hit]], orig[j[hit]]
+        src.append(torch.minimum(i, j))  # the earlier box in score order suppresses the later
+        dst.append(torch.maximum(i, j))
+    return src, dst
+
+
+def _runs(counts: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    """Pairs (i, j) for every i and j = i + 1, ..., i + counts[i], about ``_PAIRS_PER_CHUNK`` at a time."""
+    starts = torch.cumsum(counts, 0) - counts
+    chunk_of_i = torch.div(starts, _PAIRS_PER_CHUNK, rounding_mode="floor")
+    bounds = torch.searchsorted(chunk_of_i, torch.unique_consecutive(chunk_of_i)).tolist()
+    for lo, hi in zip(bounds, [*bounds[1:], counts.numel()], strict=False):
+        c = counts[lo:hi]
+        total = int(c.sum())
+        i = torch.arange(lo, hi, device=counts.device).repeat_interleave(c, output_size=total)
+        first = (starts[lo:hi] - starts[lo]).repeat_interleave(c, output_size=total)  # i's first pair
+        yield i, i + 1 + torch.arange(total, device=counts.device) - first

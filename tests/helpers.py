@@ -24,6 +24,8 @@ import pytest
 import torch
 from omegaconf import DictConfig, open_dict
 
+from ssd_lightning.data.categories import CategoryMap
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 TRAIN_PY = REPO_ROOT / "train.py"
@@ -306,3 +308,28 @@ def encode_images(coder, boxes_ltrb, labels):
     """``coder.encode`` per image, stacked: (boxes_cxcywh (N, 4, B), labels (N, B)), the loss's layout."""
     encoded = [coder.encode(b, lab) for b, lab in zip(boxes_ltrb, labels, strict=True)]
     return torch.stack([e[0] for e in encoded]).transpose(1, 2), torch.stack([e[1] for e in encoded])
+
+
+class BrightBox:
+    """Duck-typed Detector on ``device``: the box around the bright pixels (white: ~2 after normalising,
+    grey noise: < 0) of each input, in the image's pixels; records the device of every batch in ``seen``."""
+
+    image_size = 300
+    categories = CategoryMap.from_names(["box"])
+    net = "a network"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.seen: list[torch.device] = []
+
+    def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        self.seen.append(images.device)
+        out = []
+        for image, (height, width) in zip(images.cpu(), sizes, strict=True):
+            ys, xs = torch.nonzero(image.mean(0) > 1.0, as_tuple=True)  # white: ~2, the grey noise: < 0
+            box = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float() / self.image_size
+            scale = torch.tensor([width, height, width, height], dtype=torch.float32)
+            out.append(
+                {"boxes": (box * scale)[None], "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
+            )
+        return out

@@ -13,13 +13,13 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from PIL import Image
 
-from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES, CategoryMap
+from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
 from ssd_lightning.inference.detector import load_detector
 from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
 from ssd_lightning.io.weights import CheckpointReadError
 from ssd_lightning.models import ssd300
 from ssd_lightning.modules.ssd import SSDLitModule
-from tests.helpers import REPO_ROOT, compose_config, run_script
+from tests.helpers import REPO_ROOT, BrightBox, compose_config, run_script
 
 PREDICT_PY = REPO_ROOT / "predict.py"
 
@@ -147,24 +147,6 @@ def rotated_photo(tmp_path_factory) -> Path:
     return path
 
 
-class _BrightBox:
-    """Duck-typed Detector: the box around the bright pixels of each preprocessed image, in pixels."""
-
-    image_size = 300
-    categories = CategoryMap.from_names(["box"])
-
-    def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for image, (height, width) in zip(images, sizes, strict=True):
-            ys, xs = torch.nonzero(image.mean(0) > 1.0, as_tuple=True)  # white: ~2, the grey noise: < 0
-            box = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float() / self.image_size
-            scale = torch.tensor([width, height, width, height], dtype=torch.float32)
-            out.append(
-                {"boxes": (box * scale)[None], "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
-            )
-        return out
-
-
 def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_photo(rotated_photo, tmp_path):
     full, size = open_image(rotated_photo)
     assert full.size == (1200, 1600) and size == (1600, 1200)  # EXIF orientation applied
@@ -173,7 +155,7 @@ def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_pho
     boxes = {}
     for fast in (True, False):
         out = tmp_path / str(fast)
-        results, _ = predict_images(_BrightBox(), [rotated_photo], out, fast_decode=fast, picture_size=500)
+        results, _ = predict_images(BrightBox(), [rotated_photo], out, fast_decode=fast, picture_size=500)
         (entry,) = results
         x, y, w, h = entry["bbox"]
         boxes[fast] = np.array([x, y, x + w, y + h])

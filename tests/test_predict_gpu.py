@@ -14,6 +14,7 @@ from PIL import Image, ImageOps
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.inference import gpu_decode, predict
 from ssd_lightning.inference.predict import collect_inputs, predict_images, preprocess
+from tests.helpers import BrightBox
 
 SHOWN_BOX = (300, 500, 900, 1100)  # ltrb of the white rectangle in the upright photo (1200 x 1600)
 CUDA = pytest.param(
@@ -67,30 +68,6 @@ def photos(tmp_path_factory) -> Path:
     return folder
 
 
-class _BrightBox:
-    """Duck-typed Detector on ``device``: the box around the bright pixels of each input, in pixels."""
-
-    image_size = 300
-    categories = CategoryMap.from_names(["box"])
-    net = "a network"
-
-    def __init__(self, device: str) -> None:
-        self.device = torch.device(device)
-        self.seen: list[torch.device] = []
-
-    def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
-        self.seen.append(images.device)
-        out = []
-        for image, (height, width) in zip(images.cpu(), sizes, strict=True):
-            ys, xs = torch.nonzero(image.mean(0) > 1.0, as_tuple=True)  # white: ~2, the grey noise: < 0
-            box = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float() / self.image_size
-            scale = torch.tensor([width, height, width, height], dtype=torch.float32)
-            out.append(
-                {"boxes": (box * scale)[None], "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
-            )
-        return out
-
-
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_gpu_reading_orients_maps_back_falls_back_and_names_bad_files(photos, tmp_path, monkeypatch, device):
     """The GPU path (on the CPU: the same code with torchvision's CPU decoder) against the host's: boxes in
@@ -100,7 +77,7 @@ def test_gpu_reading_orients_maps_back_falls_back_and_names_bad_files(photos, tm
     monkeypatch.setattr(gpu_decode, "decode_jpegs_on", _counting(gpu_decode.decode_jpegs_on, decoded))
     runs = {}
     for on_gpu in (True, False):
-        detector = _BrightBox(device)
+        detector = BrightBox(device)
         out = tmp_path / str(on_gpu)
         results, failures = predict_images(
             detector, collect_inputs(photos), out, picture_size=500, gpu_decode=on_gpu

@@ -374,14 +374,7 @@ def predict_images(
                 )  # fmt: skip
         return records
 
-    min_side = 2 * detector.image_size if fast_decode else 0
-    host = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
-    read, chunk = _one_at_a_time(host), 1
-    device = _cuda_device_of(detector) if gpu_decode else None
-    if device is not None:  # a batch's JPEGs decoded together
-        size, shown = detector.image_size, picture_size if draw else 0
-        read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
-        chunk = batch_size
+    read, chunk = _detector_reader(detector, fast_decode, gpu_decode, picture_size if draw else 0, batch_size)
     failures = _run_batches(
         items,
         ids,
@@ -395,6 +388,20 @@ def predict_images(
     )
     atomic_write_json(output_dir / "predictions.json", results)
     return results, failures
+
+
+def _detector_reader(
+    detector: Detector, fast_decode: bool, gpu_decode: bool, picture_size: int, batch_size: int
+) -> tuple[Callable[..., list[_Read]], int]:
+    """How :func:`predict_images` reads: ``(read, chunk)`` for :meth:`_Pool.read_ahead` (on CUDA with
+    ``gpu_decode``, a batch's JPEGs together)."""
+    min_side = 2 * detector.image_size if fast_decode else 0
+    host = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
+    device = _cuda_device_of(detector) if gpu_decode else None
+    if device is None:
+        return _one_at_a_time(host), 1
+    size = detector.image_size
+    return partial(_read_on_gpu, device=device, size=size, picture_size=picture_size, host=host), batch_size
 
 
 def _run_batches(
@@ -680,7 +687,6 @@ def _predict(settings: Mapping[str, Any]) -> int:
             f"picture_size={settings['picture_size']}: the pictures' longer side in pixels (>= 1)"
         )
     inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
-    where = f"annotations={settings['annotations']}"
     model = load_model_from_settings(settings)
     dtype = ""  # a classifier runs in fp32, an ONNX export as exported
     if isinstance(model, Detector) and model.net is not None:
@@ -688,13 +694,7 @@ def _predict(settings: Mapping[str, Any]) -> int:
     log.info(
         "%d input file(s); weights from %s; device %s%s", len(inputs), model.source, model.runs_on, dtype
     )
-    common = {
-        "batch_size": settings["batch_size"],
-        "draw": settings["draw"],
-        "workers": settings["workers"],
-        "progress": settings["progress"],
-        "picture_size": settings["picture_size"],
-    }
+    common = {key: settings[key] for key in ("batch_size", "draw", "workers", "progress", "picture_size")}
     if isinstance(model, Classifier):
         labels = None
         if settings["annotations"]:
@@ -703,40 +703,47 @@ def _predict(settings: Mapping[str, Any]) -> int:
             model, inputs, settings["output"], top_k=settings.get("top_k", 5), labels=labels, **common
         )
         log.info("%d image(s) classified -> %s/predictions.json", len(results), settings["output"])
+        score = None
     else:
-        dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
-        image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
-        categories = categories_for_annotations(model.categories, dataset, where=where) if dataset else None
-        results, failures = predict_images(
-            model,
-            inputs,
-            settings["output"],
-            draw_score_thresh=settings["draw_score_thresh"],
-            image_ids=image_ids,
-            categories=categories,
-            fast_decode=settings["fast_decode"],
-            gpu_decode=settings["gpu_decode"],
-            **common,
-        )
-        done = len(inputs) - len(failures)
-        log.info(
-            "%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"]
-        )
+        failures, score = _detect(model, inputs, settings, common)
     if failures:
         shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
         log.error("%d file(s) skipped: %s", len(failures), shown)
     if len(failures) == len(inputs):
         log.error("no image could be read")
         return 1
-    if settings["annotations"] and not isinstance(model, Classifier):
-        evaluate_predictions(
-            settings["annotations"],
-            results,
-            image_ids,
-            settings["output"],
-            annotated_images=len(dataset["images"]),
-        )
+    if score is not None:
+        score()
     return 0
+
+
+def _detect(
+    model: Detector, inputs: Sequence[InputImage], settings: Mapping[str, Any], common: Mapping[str, Any]
+) -> tuple[list[tuple[Path, str]], Callable[[], Any] | None]:
+    """predict.py's detection: the failures, and the scoring against ``annotations`` (None without)."""
+    where = f"annotations={settings['annotations']}"
+    dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
+    image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
+    categories = categories_for_annotations(model.categories, dataset, where=where) if dataset else None
+    results, failures = predict_images(
+        model,
+        inputs,
+        settings["output"],
+        draw_score_thresh=settings["draw_score_thresh"],
+        image_ids=image_ids,
+        categories=categories,
+        fast_decode=settings["fast_decode"],
+        gpu_decode=settings["gpu_decode"],
+        **common,
+    )
+    done = len(inputs) - len(failures)
+    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"])
+    if dataset is None:
+        return failures, None
+    output, annotated = settings["output"], len(dataset["images"])
+    return failures, partial(
+        evaluate_predictions, settings["annotations"], results, image_ids, output, annotated_images=annotated
+    )
 
 
 def predict_from_settings(settings: Mapping[str, Any]) -> int:

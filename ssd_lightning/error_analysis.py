@@ -61,22 +61,11 @@ def pr_curves_from_precision(
 ) -> PRCurves:
     """PR curves at the IoU thresholds ``ious`` from COCOeval's ``eval["precision"]``.
 
-    Args:
-        precision: ``(T, R, K, A, M)``: T IoU thresholds, R recall points, K categories, A area ranges, M
-            maxDets settings; ``-1`` where undefined (a category without ground truth), as both backends
-            store it.
-        iou_thresholds: ``(T,)`` ``params.iouThrs``; each of ``ious`` must be one of them.
-        recall_thresholds: ``(R,)`` ``params.recThrs``.
-        ious: the IoU thresholds to read.
-        area_index: index into A (``params.areaRngLbl``; 0 is ``"all"``).
-        max_dets_index: index into M (``params.maxDets``; -1 is 100).
-
-    Returns:
-        :class:`PRCurves`. A curve's mean is taken over the entries COCOeval counts (``> -1``), so
-        ``ap[i, k]`` is exactly the per-category AP that ``COCOeval.summarize`` computes at that IoU.
-
-    Raises:
-        ValueError: wrong shapes, or an IoU in ``ious`` that is not one of ``iou_thresholds``.
+    ``precision``, ``iou_thresholds``, ``area_index``, ``max_dets_index``: as
+    :func:`ssd_lightning.evaluation.class_ap_from_precision`; ``recall_thresholds``: ``(R,)``
+    ``params.recThrs``; each of ``ious`` must be one of ``iou_thresholds`` (else ValueError). A curve's mean
+    is taken over the entries COCOeval counts (``> -1``), so ``ap[i, k]`` is exactly the per-category AP
+    that ``COCOeval.summarize`` computes at that IoU.
     """
     precision = np.asarray(precision, dtype=np.float64)
     if precision.ndim != 5:
@@ -143,14 +132,10 @@ def _padded(image_index: np.ndarray, n_images: int, xywh: np.ndarray, cls: np.nd
     valid = np.zeros((n_images, int(counts.max())), dtype=bool)
     valid[image_index, slot] = True
     boxes = np.zeros((*valid.shape, 4))
-    boxes[image_index, slot] = _ltrb(xywh)
+    boxes[image_index, slot] = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:4]], axis=1)  # ltrb
     classes = np.full(valid.shape, -1, dtype=cls.dtype)
     classes[image_index, slot] = cls
     return boxes, classes, valid
-
-
-def _ltrb(xywh: np.ndarray) -> np.ndarray:
-    return np.concatenate([xywh[..., :2], xywh[..., :2] + xywh[..., 2:4]], axis=-1)
 
 
 def _overlaps(dets: np.ndarray, gts: np.ndarray, crowd: bool) -> np.ndarray:

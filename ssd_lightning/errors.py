@@ -89,10 +89,6 @@ def _peer_failed(error: BaseException) -> bool:
     return in_a_job and ("Connection closed by peer" in text or "Connection reset by peer" in text)
 
 
-def _log_files() -> list[str]:
-    return [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
-
-
 @contextlib.contextmanager
 def user_errors_as_messages() -> Iterator[None]:
     """Print user errors as one ``Error: ...`` message and exit 2 (config) or 1 (data, files, environment).
@@ -116,20 +112,12 @@ def user_errors_as_messages() -> Iterator[None]:
             raise SystemExit(1) from None
         if not is_user_error(error):
             raise
-        files = _log_files()
-        record = logging.makeLogRecord(
-            {
-                "name": "ssd_lightning",
-                "levelno": logging.ERROR,
-                "levelname": "ERROR",
-                "msg": "failed",
-                "exc_info": (type(error), error, error.__traceback__),
-            }
-        )
-        for handler in logging.getLogger().handlers:  # the traceback goes to the log files only
-            if isinstance(handler, logging.FileHandler):
-                handler.handle(record)
-        where = f"traceback in {files[0]}; " if files else ""
+        files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        exc_info = (type(error), error, error.__traceback__)
+        record = logging.LogRecord("ssd_lightning", logging.ERROR, "", 0, "failed", (), exc_info)
+        for handler in files:  # the traceback goes to the log files only
+            handler.handle(record)
+        where = f"traceback in {files[0].baseFilename}; " if files else ""
         # ours raised inside a constructor Hydra called: our one line, not Hydra's wrapping of it
         shown = error.__cause__ if isinstance(error.__cause__, UserError) else error
         sys.stderr.write(f"{_rank_prefix()}Error: {shown}\n({where}HYDRA_FULL_ERROR=1 prints it here)\n")

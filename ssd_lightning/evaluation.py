@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NamedTuple, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
@@ -50,19 +50,11 @@ __all__ = [
 ]
 
 #: Names of the 12 COCOeval bbox statistics, in ``COCOeval.stats`` order.
+#: AP at IoU 0.50:0.95, 0.50, 0.75 and per area (small < 32^2 <= medium < 96^2 <= large), maxDets 100; then
+#: AR (IoU 0.50:0.95) at maxDets 1, 10, 100 and per area.
 COCO_STAT_NAMES: tuple[str, ...] = (
-    "mAP",  # AP @ IoU 0.50:0.95, area all, maxDets 100
-    "mAP_50",  # AP @ IoU 0.50
-    "mAP_75",  # AP @ IoU 0.75
-    "mAP_small",  # AP, area < 32^2
-    "mAP_medium",  # AP, 32^2 <= area < 96^2
-    "mAP_large",  # AP, area >= 96^2
-    "mAR_1",  # AR, maxDets 1
-    "mAR_10",  # AR, maxDets 10
-    "mAR_100",  # AR, maxDets 100
-    "mAR_small",
-    "mAR_medium",
-    "mAR_large",
+    *("mAP", "mAP_50", "mAP_75", "mAP_small", "mAP_medium", "mAP_large"),
+    *("mAR_1", "mAR_10", "mAR_100", "mAR_small", "mAR_medium", "mAR_large"),
 )
 
 #: Evaluation backends; the first is the default.
@@ -77,9 +69,7 @@ class _LabelMapper(Protocol):
 def _as_numpy(x: Any, dtype: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
-        if x.dtype == torch.bfloat16 or x.dtype == torch.float16:
-            x = x.float()
-        x = x.numpy()
+        x = (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x).numpy()
     return np.asarray(x, dtype=dtype)
 
 
@@ -140,17 +130,10 @@ def to_coco_array(
             )
         if b.shape[0] == 0:
             continue
-        out = np.empty((b.shape[0], 7), dtype=np.float64)
-        out[:, 0] = image_id
-        out[:, 1:3] = b[:, 0:2]
-        out[:, 3:5] = b[:, 2:4] - b[:, 0:2]  # ltrb -> (w, h)
-        out[:, 1:5] = np.round(out[:, 1:5], box_decimals)
-        out[:, 5] = np.round(s, score_decimals)
-        out[:, 6] = _labels_to_category_ids(category_map, lab)
-        rows.append(out)
-    if not rows:
-        return np.zeros((0, 7), dtype=np.float64)
-    return np.concatenate(rows, axis=0)
+        xywh = np.round(np.concatenate([b[:, :2], b[:, 2:] - b[:, :2]], axis=1), box_decimals)  # ltrb -> xywh
+        cats = _labels_to_category_ids(category_map, lab)
+        rows.append(np.column_stack([np.full(len(b), image_id), xywh, np.round(s, score_decimals), cats]))
+    return np.concatenate(rows, axis=0).astype(np.float64) if rows else np.zeros((0, 7), dtype=np.float64)
 
 
 def _check_array(array: Any) -> np.ndarray:
@@ -316,15 +299,9 @@ def _empty_pycocotools_results(coco_gt: Any) -> Any:
     return res
 
 
-class _Evaluated(NamedTuple):
-    """A finished COCOeval (either backend: the same ``stats``, ``params`` and ``eval["precision"]``) and the
-    ground-truth dataset dict it ran on."""
-
-    coco_eval: Any
-    gt_dataset: dict
-
-
-def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool) -> _Evaluated:
+# Each backend's run returns the finished COCOeval (both have the same ``stats``, ``params`` and
+# ``eval["precision"]``) and the ground-truth dataset dict it ran on.
+def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool) -> tuple:
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -337,17 +314,12 @@ def _run_pycocotools(annotation_file: Path, results: list[dict], image_ids: Any,
             coco_eval.params.imgIds = ids
         coco_eval.evaluate()
         coco_eval.accumulate()
-    if verbose:
+    with contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO()):
         coco_eval.summarize()
-    else:
-        with contextlib.redirect_stdout(io.StringIO()):
-            coco_eval.summarize()
-    return _Evaluated(coco_eval, coco_gt.dataset)
+    return coco_eval, coco_gt.dataset
 
 
-def _run_faster_coco_eval(
-    annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool
-) -> _Evaluated:
+def _run_faster_coco_eval(annotation_file: Path, results: list[dict], image_ids: Any, verbose: bool) -> tuple:
     from faster_coco_eval import COCO, COCOeval_faster
 
     def quiet(*args: Any, **kwargs: Any) -> None:
@@ -364,7 +336,7 @@ def _run_faster_coco_eval(
     coco_eval.summarize()  # prints 14 lines (adds AR@0.5, AR@0.75): print the standard 12 ourselves
     if verbose:
         print(format_summary(coco_eval.stats))
-    return _Evaluated(coco_eval, coco_gt.dataset)
+    return coco_eval, coco_gt.dataset
 
 
 @dataclass(frozen=True)
@@ -437,8 +409,7 @@ def _mean_of_defined(precision: np.ndarray) -> np.ndarray:
 
 
 def _metric_keys(category_ids: Sequence[int], names: Sequence[str]) -> list[str]:
-    """Metric-safe names: ``/`` (it would nest the tag in TensorBoard/MLflow) becomes ``_``, surrounding
-    whitespace goes, an empty name becomes ``category_<id>``; names that then collide get ``_<id>``."""
+    """:class:`ClassAP` ``.key`` of each category."""
     keys = [
         str(n).replace("/", "_").strip() or f"category_{c}" for c, n in zip(category_ids, names, strict=True)
     ]
@@ -456,20 +427,14 @@ def _count_gt(gt_dataset: dict, category_ids: np.ndarray, image_ids: Sequence[in
     return np.bincount(np.searchsorted(category_ids, cats[keep]), minlength=len(category_ids))
 
 
-def _class_rows(evaluated: _Evaluated) -> list[ClassAP]:
+def _class_rows(
+    gt_dataset: dict, category_ids: np.ndarray, ap: np.ndarray, ap50: np.ndarray, image_ids: np.ndarray
+) -> list[ClassAP]:
     """One :class:`ClassAP` per category of the evaluation, in category id order."""
-    params = evaluated.coco_eval.params
-    category_ids = np.asarray(params.catIds, dtype=np.int64)
-    ap, ap50 = class_ap_from_precision(
-        evaluated.coco_eval.eval["precision"],
-        params.iouThrs,
-        area_index=list(params.areaRngLbl).index("all"),
-        max_dets_index=int(np.argmax(params.maxDets)),
-    )
-    names_by_id = {int(c["id"]): str(c.get("name", "")) for c in evaluated.gt_dataset.get("categories", [])}
+    names_by_id = {int(c["id"]): str(c.get("name", "")) for c in gt_dataset.get("categories", [])}
     names = [names_by_id.get(int(c), "") for c in category_ids]
     keys = _metric_keys(category_ids.tolist(), names)
-    num_gt = _count_gt(evaluated.gt_dataset, category_ids, params.imgIds)
+    num_gt = _count_gt(gt_dataset, category_ids, image_ids)
     return [
         ClassAP(int(c), name, key, float(a), float(a50), int(n))
         for c, name, key, a, a50, n in zip(category_ids, names, keys, ap, ap50, num_gt, strict=True)
@@ -503,19 +468,12 @@ def format_per_class_table(classes: Iterable[ClassAP]) -> str:
     return "\n".join(lines)
 
 
+_AREAS = ("small", "medium", "large")
 _SUMMARY_ROWS = (  # (AP?, IoU, area, maxDets) per stat, as COCOeval.summarize() prints them
-    (True, "0.50:0.95", "all", 100),
-    (True, "0.50", "all", 100),
-    (True, "0.75", "all", 100),
-    (True, "0.50:0.95", "small", 100),
-    (True, "0.50:0.95", "medium", 100),
-    (True, "0.50:0.95", "large", 100),
-    (False, "0.50:0.95", "all", 1),
-    (False, "0.50:0.95", "all", 10),
-    (False, "0.50:0.95", "all", 100),
-    (False, "0.50:0.95", "small", 100),
-    (False, "0.50:0.95", "medium", 100),
-    (False, "0.50:0.95", "large", 100),
+    *((True, iou, "all", 100) for iou in ("0.50:0.95", "0.50", "0.75")),
+    *((True, "0.50:0.95", area, 100) for area in _AREAS),
+    *((False, "0.50:0.95", "all", max_dets) for max_dets in (1, 10, 100)),
+    *((False, "0.50:0.95", area, 100) for area in _AREAS),
 )
 
 
@@ -555,11 +513,9 @@ def evaluate_coco(
         image_ids: evaluate only these images (default: every image of the annotation file, the official
             protocol). Images listed here without any detection count as misses. A warning says when this is a
             subset of the dataset.
-        per_class: add ``AP/<name>`` (AP@[.5:.95]) and ``AP50/<name>`` (AP@.5) of every category that has
-            ground truth among the evaluated images, in category id order after the 12 stats; a category
-            without ground truth is left out (its AP is undefined). ``<name>`` is the category name with
-            ``/`` replaced by ``_`` (see :class:`ClassAP` ``.key``). Read from the same evaluation: no
-            extra COCOeval run. :func:`evaluate_coco_detailed` gives the rows with ids and GT counts.
+        per_class: add ``AP/<key>`` (AP@[.5:.95]) and ``AP50/<key>`` (AP@.5, :class:`ClassAP` ``.key``) of
+            every category with ground truth among the evaluated images, in category id order after the 12
+            stats; from the same COCOeval run (:func:`evaluate_coco_detailed` gives the full rows).
 
     Returns:
         The 12 COCOeval stats as ``{name: float}`` in ``COCO_STAT_NAMES`` order (then the per-class APs).
@@ -628,24 +584,27 @@ def evaluate_coco_detailed(
             f"annotation_file {str(ann_path)!r} does not exist; pass the dataset's COCO instances JSON"
         )
     run = _run_pycocotools if backend == "pycocotools" else _run_faster_coco_eval
-    evaluated = run(ann_path, _load_results(detections), image_ids, verbose)
-    stats = np.asarray(evaluated.coco_eval.stats, dtype=np.float64)
-    if stats.shape[0] < len(COCO_STAT_NAMES):
-        raise RuntimeError(f"{backend} returned {stats.shape[0]} stats, expected {len(COCO_STAT_NAMES)}")
-    params = evaluated.coco_eval.params
-    max_dets_index = int(np.argmax(params.maxDets))
+    coco_eval, gt_dataset = run(ann_path, _load_results(detections), image_ids, verbose)
+    params = coco_eval.params
+    precision = np.asarray(coco_eval.eval["precision"], dtype=np.float64)
+    iou_thresholds = np.asarray(params.iouThrs, dtype=np.float64)
+    category_ids, image_ids = np.asarray(params.catIds, np.int64), np.asarray(params.imgIds, np.int64)
+    area_index, max_dets_index = list(params.areaRngLbl).index("all"), int(np.argmax(params.maxDets))
+    ap, ap50 = class_ap_from_precision(
+        precision, iou_thresholds, area_index=area_index, max_dets_index=max_dets_index
+    )
     return CocoEvaluation(
-        stats={name: float(v) for name, v in zip(COCO_STAT_NAMES, stats, strict=False)},
-        classes=_class_rows(evaluated),
-        precision=np.asarray(evaluated.coco_eval.eval["precision"], dtype=np.float64),
-        iou_thresholds=np.asarray(params.iouThrs, dtype=np.float64),
+        stats={name: float(v) for name, v in zip(COCO_STAT_NAMES, coco_eval.stats, strict=False)},
+        classes=_class_rows(gt_dataset, category_ids, ap, ap50, image_ids),
+        precision=precision,
+        iou_thresholds=iou_thresholds,
         recall_thresholds=np.asarray(params.recThrs, dtype=np.float64),
-        category_ids=np.asarray(params.catIds, dtype=np.int64),
-        area_index=list(params.areaRngLbl).index("all"),
+        category_ids=category_ids,
+        area_index=area_index,
         max_dets_index=max_dets_index,
         max_dets=int(params.maxDets[max_dets_index]),
-        image_ids=np.asarray(params.imgIds, dtype=np.int64),
-        gt_dataset=evaluated.gt_dataset,
+        image_ids=image_ids,
+        gt_dataset=gt_dataset,
     )
 
 

@@ -5,6 +5,7 @@ Standard library only (Hydra callbacks import it in every job).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fnmatch
 import os
@@ -34,10 +35,8 @@ def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
             for key, value in raw.items():
                 if key is None or value in (None, ""):
                     continue
-                try:
+                with contextlib.suppress(ValueError):
                     row[key] = float(value)
-                except ValueError:
-                    continue
             rows.append(row)
     return rows
 
@@ -58,6 +57,4 @@ def read_last_metrics(metrics_csv: str | os.PathLike, patterns: Iterable[str] = 
     """:func:`last_values` of a ``metrics.csv``; a missing file gives ``{}`` (the job may have logged
     elsewhere, or failed before its first row)."""
     path = Path(metrics_csv)
-    if not path.is_file():
-        return {}
-    return last_values(read_metrics_csv(path), patterns)
+    return last_values(read_metrics_csv(path), patterns) if path.is_file() else {}

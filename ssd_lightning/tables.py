@@ -56,9 +56,6 @@ def markdown_table(
     for row in texts:
         if len(row) != len(columns):
             raise ValueError(f"a row has {len(row)} cells for {len(columns)} columns: {row}")
-    widths = None
-    if pad:
-        widths = [max(len(t) for t in column) for column in zip(columns, *texts, strict=True)]
-    lines = [markdown_row(columns, widths), markdown_rule(align, widths)]
-    lines += [markdown_row(row, widths, align) for row in texts]
-    return "\n".join(lines)
+    widths = [max(len(t) for t in column) for column in zip(columns, *texts, strict=True)] if pad else None
+    body = [markdown_row(row, widths, align) for row in texts]
+    return "\n".join([markdown_row(columns, widths), markdown_rule(align, widths), *body])

@@ -41,16 +41,8 @@ __all__ = [
 # Prediction colours by class label (label k uses PALETTE[(k - 1) % len(PALETTE)]); saturated colours
 # that stay readable on photos. Ground truth uses GT_COLOUR, which is not in the palette.
 PALETTE: tuple[tuple[int, int, int], ...] = (
-    (255, 56, 56),
-    (255, 157, 0),
-    (0, 140, 255),
-    (255, 0, 200),
-    (255, 230, 0),
-    (0, 230, 230),
-    (160, 80, 255),
-    (255, 120, 160),
-    (120, 70, 0),
-    (0, 0, 200),
+    *((255, 56, 56), (255, 157, 0), (0, 140, 255), (255, 0, 200), (255, 230, 0)),
+    *((0, 230, 230), (160, 80, 255), (255, 120, 160), (120, 70, 0), (0, 0, 200)),
 )
 GT_COLOUR: tuple[int, int, int] = (0, 255, 0)
 
@@ -257,15 +249,12 @@ def plot_curves(
 
     Args:
         runs: label -> rows (from :func:`read_metrics_csv`) or the path of a ``metrics.csv``.
-        output: PNG file to write (parent folders are created).
+        output: PNG file to write (parent folders are created); returned.
         title: figure title.
 
     Columns used: loss ``train/loss_step`` (else ``train/loss``), learning rate ``lr`` (else the first
     ``lr-*`` column of ``LearningRateMonitor``), validation ``val/mAP`` (else the first ``val/*`` column),
     x axes ``step`` and ``epoch`` (0-based, as logged). A panel without data says so.
-
-    Returns:
-        the path written.
     """
     from matplotlib.figure import Figure  # imported here: matplotlib is only needed for curves
 
@@ -281,15 +270,13 @@ def plot_curves(
     ]
     val_names = {d["val"] for d in drawn if "val" in d}
     val_title = next(iter(val_names)) if len(val_names) == 1 else "validation metric"
-    for ax, what, name, xlabel in zip(
-        axes,
-        ("loss", "lr", "val"),
-        ("training loss", "learning rate", val_title),
-        ("step", "step", "epoch (0-based)"),
-        strict=True,
-    ):
-        ax.set_title(name)
-        ax.set_xlabel(xlabel)
+    panels = (
+        ("loss", "training loss", "step"),
+        ("lr", "learning rate", "step"),
+        ("val", val_title, "epoch (0-based)"),
+    )
+    for ax, (what, name, xlabel) in zip(axes, panels, strict=True):
+        ax.set(title=name, xlabel=xlabel)
         ax.grid(True, alpha=0.3)
         if not any(what in d for d in drawn):
             ax.text(
@@ -359,13 +346,10 @@ def plot_pr_curves(
         all_precision, all_ap: ``(I, R)`` and ``(I,)``, the all-classes line and its AP.
         iou_thresholds: ``(I,)`` the panel titles.
         class_names: ``K`` names.
-        output: PNG file to write.
+        output: PNG file to write; returned.
         title: figure title.
         max_legend_classes: with more classes than this, the legend names the all-classes line and the
             ``max_legend_classes // 2`` best and worst classes; the others are drawn in light grey.
-
-    Returns:
-        the path written.
     """
     from matplotlib.figure import Figure
 
@@ -385,8 +369,9 @@ def plot_pr_curves(
             else:
                 ax.plot(recall, precision[i, k], linewidth=0.6, color="0.8")
         if np.isfinite(all_ap[i]):
-            label = f"{all_ap[i]:.3f} all classes"
-            ax.plot(recall, all_precision[i], color="black", linewidth=3, label=label)
+            ax.plot(
+                recall, all_precision[i], color="black", linewidth=3, label=f"{all_ap[i]:.3f} all classes"
+            )
         hidden = len(ranked) - len(named)
         ax.set_title(f"IoU {iou_thresholds[i]:g}" + (f" ({hidden} classes in grey)" if hidden else ""))
         _finish_pr_panel(ax, has_curves=len(ranked) > 0)
@@ -411,16 +396,13 @@ def plot_confusion_matrix(
     Args:
         matrix: ``(C, C)`` counts; an all-zero row stays zero.
         class_names: ``C`` names (the last one ``"background"`` for a detection matrix).
-        output: PNG file to write.
+        output: PNG file to write; returned.
         title: figure title (state the thresholds here).
         true_label, predicted_label: axis labels.
         annotate_max: write the shares into the cells when ``C`` is at most this.
         max_classes: beyond this many classes only the ``max_classes`` most confused ones are drawn (most
             off-diagonal counts in their row and column; shares still of the whole row), said in the title:
             1,000 ImageNet classes drawn in full took ~55 s and a 300-megapixel picture per evaluation.
-
-    Returns:
-        the path written.
     """
     from matplotlib.figure import Figure
 
@@ -468,21 +450,17 @@ def log_picture(loggers: Sequence[object], tag: str, path: str | os.PathLike, st
     Returns:
         how many loggers took it.
     """
-    taken = 0
-    image = None
+    taken, image = 0, None
     for logger in loggers:
-        if not any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
-            log_image = getattr(logger, "log_image", None)  # WandbLogger, MLFlowLogger
-            if callable(log_image):
-                log_image(tag, [os.fspath(path)], step=step)
+        if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
+            add_image = getattr(getattr(logger, "experiment", None), "add_image", None)
+            if callable(add_image):
+                if image is None:
+                    with Image.open(path) as img:
+                        image = np.asarray(img.convert("RGB"))
+                add_image(tag, image, global_step=step, dataformats="HWC")
                 taken += 1
-            continue
-        add_image = getattr(getattr(logger, "experiment", None), "add_image", None)
-        if not callable(add_image):
-            continue
-        if image is None:
-            with Image.open(path) as img:
-                image = np.asarray(img.convert("RGB"))
-        add_image(tag, image, global_step=step, dataformats="HWC")
-        taken += 1
+        elif callable(log_image := getattr(logger, "log_image", None)):  # WandbLogger, MLFlowLogger
+            log_image(tag, [os.fspath(path)], step=step)
+            taken += 1
     return taken

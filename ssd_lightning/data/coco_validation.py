@@ -73,10 +73,7 @@ class CocoSplitInfo:
         evaluation_annotation_file: the file to give the COCO evaluation (the original, or the normalised
             copy: same image ids as ``reader_annotation_file``, boxes not clipped).
         category_map: labels <-> category ids in DALI's order.
-        num_images: images listed.
         num_images_with_boxes: images with at least one box DALI keeps (what ``skip_empty`` leaves).
-        num_dropped: boxes below 0.1 px dropped.
-        num_clipped: boxes clipped to the image.
         filled: what the normalised copy filled in, as ``(what, how many)`` pairs (empty: no copy).
         exif_listed_upright: ``file_name`` of the images with an EXIF orientation whose listed size is
             their upright size (what DALI 2.x decodes).
@@ -129,8 +126,6 @@ def check_image_headers(paths: Iterable[Path], *, check_ends: bool = False) -> l
 
 @dataclass
 class _FileScan:
-    """What :func:`_scan_files` found: problems, EXIF candidates, and sizes parsed from the headers."""
-
     missing: list[str]
     bad: list[str]
     truncated: list[str]
@@ -140,10 +135,7 @@ class _FileScan:
 
 def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = False) -> _FileScan:
     """Read each file's first page (and with ``check_ends`` its last page); policy in docs/internals.md.
-
-    ``read_sizes``: also keep each image's (width, height) as parsed from its first page (None where the
-    page does not tell).
-    """
+    ``read_sizes``: also keep each image's (width, height) parsed from that page (None: it does not tell)."""
     scan = _FileScan(missing=[], bad=[], truncated=[], exif_candidates=[], sizes={})
     suspects: list[tuple[Path, str]] = []
     for path in paths:
@@ -336,8 +328,7 @@ def exif_orientation(path: Path) -> tuple[int, tuple[int, int]] | None:
 
 
 def decoder_applies_exif_orientation() -> bool:
-    """Whether this DALI's image decoders turn images upright by their EXIF orientation (2.x: yes, 1.34: no;
-    :func:`ssd_lightning.data.dali_compat.decoders_apply_exif_orientation`)."""
+    """Whether this DALI's decoders apply the EXIF orientation (2.x: yes, 1.34: no); tests patch it here."""
     from ssd_lightning.data.dali_compat import decoders_apply_exif_orientation
 
     return decoders_apply_exif_orientation()
@@ -406,15 +397,13 @@ def check_coco_split(
 ) -> CocoSplitInfo:
     """Validate one COCO split and return what the pipelines need. Policy: docs/internals.md.
 
-    The result is cached (:mod:`ssd_lightning.data.split_cache`): while the annotation file and the image
-    directory are unchanged, later calls (other ranks, later runs) read a small JSON instead of checking
-    again, and concurrent calls for the same split wait for the first one instead of repeating it.
+    While the files are unchanged, later and concurrent calls (other ranks, later runs) reuse the result
+    (:mod:`ssd_lightning.data.split_cache`) instead of checking again.
 
     Args:
         image_dir: directory the ``file_name`` entries are relative to.
         annotation_file: COCO instances JSON.
-        check_files: also check that every listed image exists and starts like an image (and look for
-            EXIF orientations).
+        check_files: also check every listed image's file (exists, is an image, not cut short, EXIF, size).
         cache_dir: where the check results and the normalised and clipped copies go (default
             :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
         exif_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what EXIF-rotated images whose boxes
@@ -424,11 +413,8 @@ def check_coco_split(
             after labelling: boxes are read relative to the listed size).
 
     Raises:
-        FileNotFoundError: ``image_dir``, ``annotation_file`` or a listed image is missing.
-        ValueError: unparsable JSON, missing COCO keys, no images, duplicate or unusable ids, annotations
-            that reference unknown images or categories, malformed or non-finite boxes, boxes far outside
-            their image, files that are not images or are cut short, EXIF-rotated images whose boxes cannot
-            line up with what DALI decodes, images listed with another size than their file's.
+        MissingDataError (FileNotFoundError): ``image_dir``, ``annotation_file`` or a listed image is missing.
+        DataError (ValueError): anything else the policy refuses.
     """
     check_mode_args(exif_check=exif_check, size_check=size_check)
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
@@ -591,10 +577,9 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
 def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip_dir: Path) -> CocoSplitInfo:
     """The check itself: reads the whole annotation file (and one header per image with ``check_files``)."""
     data = read_annotation_json(annotation_file)
-    where = f"annotation file {annotation_file}"
-    category_map = CategoryMap.from_coco(data, where=where) if data["categories"] else None
-    if category_map is None:
+    if not data["categories"]:
         raise DataError(f"annotation file {annotation_file} has an empty 'categories' list")
+    category_map = CategoryMap.from_coco(data, where=f"annotation file {annotation_file}")
     if not data["images"]:
         raise DataError(f"annotation file {annotation_file} lists no images; the split would be empty")
     filled = _normalise(data, annotation_file)
@@ -642,11 +627,8 @@ def _size_mismatches(
     parsed: dict[Path, tuple[int, int] | None],
     oriented: dict[Path, tuple[int, tuple[int, int]] | None],
 ) -> list[str]:
-    """``"file_name (listed WxH, file wxh)"`` for each image whose listed size is not its file's.
-
-    The size comes from the EXIF look-up (stored size), the header, or PIL's lazy ``Image.open``; images
-    with an EXIF orientation other than 1 are left to :func:`_oriented_images`.
-    """
+    """``"file_name (listed WxH, file wxh)"`` for each image whose listed size is not its file's (size from
+    the EXIF look-up, the header or PIL's lazy ``Image.open``); rotated ones: :func:`_oriented_images`."""
     from PIL import Image
 
     found = []
@@ -656,8 +638,7 @@ def _size_mismatches(
             orientation, real = oriented[path]
             if orientation != 1:
                 continue
-        if real is None:
-            real = parsed.get(path)
+        real = real or parsed.get(path)
         if real is None:
             try:
                 with Image.open(path) as img:  # reads the header only
@@ -673,7 +654,7 @@ def _is_int_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_NUMBER = (int, float)  # exact types: what json gives, without bool
+_NUMBER = frozenset({int, float})  # exact types: what json gives, without bool
 
 
 def _is_box(bbox: Any) -> bool:
@@ -684,17 +665,9 @@ def _is_box(bbox: Any) -> bool:
     if type(bbox) is not list or len(bbox) != 4:
         return False
     x, y, w, h = bbox
-    isfinite = math.isfinite
-    return (
-        type(x) in _NUMBER
-        and type(y) in _NUMBER
-        and type(w) in _NUMBER
-        and type(h) in _NUMBER
-        and isfinite(x)
-        and isfinite(y)
-        and isfinite(w)
-        and isfinite(h)
-    )
+    if not {type(x), type(y), type(w), type(h)} <= _NUMBER:
+        return False
+    return math.isfinite(x) and math.isfinite(y) and math.isfinite(w) and math.isfinite(h)
 
 
 def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, int]]:
@@ -789,11 +762,8 @@ def _oriented_images(
     listed: dict[Path, tuple[float, float, str]],
     annotation_file: Path,
 ) -> tuple[list[str], list[str]]:
-    """``file_name`` of the EXIF-rotated images listed with their upright size, and of those listed with
-    their stored size (only where that differs); raises for those listed with neither.
-
-    ``oriented``: :func:`exif_orientation` of each file that may carry a tag.
-    """
+    """``file_name`` of the EXIF-rotated images (``oriented``: :func:`exif_orientation` of each candidate)
+    listed with their upright size, and of those listed with their stored size; raises for the others."""
     upright, unrotated, neither = [], [], []
     for path, found in oriented.items():
         if found is None or found[0] == 1:
@@ -818,9 +788,7 @@ def _oriented_images(
 
 @dataclass
 class _BoxCheck:
-    """What :func:`_check_boxes` found: boxes to clip (annotation, new box), images with boxes, drops."""
-
-    clipped: list[tuple[dict[str, Any], list[float]]]
+    clipped: list[tuple[dict[str, Any], list[float]]]  # (annotation, clipped box)
     with_boxes: set[int]
     dropped: int
 

@@ -142,24 +142,10 @@ class ConvertedDataModule(CocoDALIDataModule):
     """
 
     def __init__(
-        self,
-        converter: Converter,
-        *,
-        train_images: str | os.PathLike | None = None,
-        val_images: str | os.PathLike | None = None,
-        train_annotations: str | os.PathLike | None = None,
-        val_annotations: str | os.PathLike | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        **kwargs: Any,
+        self, converter: Converter, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
     ) -> None:
-        given = {
-            "train_images": train_images,
-            "val_images": val_images,
-            "train_annotations": train_annotations,
-            "val_annotations": val_annotations,
-        }
-        for key, value in given.items():
-            if value is not None:
+        for key in ("train_images", "val_images", "train_annotations", "val_annotations"):
+            if (value := kwargs.pop(key, None)) is not None:
                 raise ConfigError(
                     f"data.{key}={value} is not used by data={converter.format}: the {converter.format} "
                     "layout under data.root says where images and annotations are (docs/own_data.md)"

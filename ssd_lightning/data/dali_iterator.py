@@ -208,9 +208,7 @@ class DALILoader:
 
     # ----------------------------------------------------------------- epochs
     def __iter__(self) -> Iterator[Batch]:
-        if self.mode == "eval":
-            return self._eval_epoch()
-        return self._train_epoch()
+        return self._eval_epoch() if self.mode == "eval" else self._train_epoch()
 
     def _discard_tail(self) -> None:
         while self._pos != 0:

@@ -90,9 +90,6 @@ _UNRECORDED_DEFAULTS = {
 _ANN_ID_STRIDE = 10
 
 
-# --------------------------------------------------------------------------------------------------
-# Rendering primitives
-# --------------------------------------------------------------------------------------------------
 @dataclass
 class ShapeObject:
     """One shape drawn into an image.
@@ -150,14 +147,10 @@ def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray
     gh, gw = max(2, height // 40), max(2, width // 40)
     amp = rng.uniform(10, 45)
     coarse = rng.uniform(-amp, amp, (gh, gw, 3)).astype(np.float32)
-    blot = np.stack(
-        [
-            np.asarray(Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR))
-            for c in range(3)
-        ],
-        axis=-1,
-    )
-    img += blot
+    blot = [
+        Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR) for c in range(3)
+    ]
+    img += np.stack([np.asarray(channel) for channel in blot], axis=-1)
     out = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), mode="RGB")
 
     draw = ImageDraw.Draw(out)
@@ -288,9 +281,7 @@ def _draw_shapes(
         else:
             ex, ey = np.abs(outline).max(axis=0)
         if centres is None:
-            cx = rng.uniform(ex, max(ex, width - ex))
-            cy = rng.uniform(ey, max(ey, height - ey))
-            centre = np.array([cx, cy])
+            centre = np.array([rng.uniform(ex, max(ex, width - ex)), rng.uniform(ey, max(ey, height - ey))])
         else:
             centre = np.clip(centres[k], [ex, ey], [max(ex, width - ex), max(ey, height - ey)])
         polygon = outline + centre
@@ -360,7 +351,6 @@ def render_detection_image(
     n = 0 if index % EMPTY_EVERY == EMPTY_OFFSET else int(rng.integers(1, max_objects + 1))
     short = min(width, height)
     kinds = [names[int(i)] for i in rng.integers(0, len(names), n)]
-    # Log-uniform scale from min_scale (7 %) to max_scale (75 %) of the short side (at least 10 px).
     log_lo, log_hi = math.log(min_scale), math.log(max_scale)
     sizes = [max(10.0, short * math.exp(rng.uniform(log_lo, log_hi))) for _ in range(n)]
     objects = _draw_shapes(rng, img, kinds, sizes)
@@ -386,9 +376,6 @@ def render_classification_image(
     return _finish(rng, img)
 
 
-# --------------------------------------------------------------------------------------------------
-# Writing datasets (atomic)
-# --------------------------------------------------------------------------------------------------
 def resolve_categories(categories: Sequence[str] | None) -> list[str]:
     """The class set ``categories`` names, in :data:`SHAPE_CATALOGUE` (id) order; ``None``: the default four.
 
@@ -445,11 +432,6 @@ def _annotation_path(root: Path, split: str) -> Path:
     return root / "annotations" / f"instances_{SPLITS[split][0]}.json"
 
 
-def _polygon_list(polygon: np.ndarray, width: int, height: int) -> list[float]:
-    clipped = np.clip(polygon, 0, [width, height])
-    return [round(float(v), 2) for v in clipped.reshape(-1)]
-
-
 def _write_detection_split(
     root: Path, split: str, count: int, id_offset: int, seed: int, render_kwargs: dict
 ) -> None:
@@ -475,7 +457,9 @@ def _write_detection_split(
                     "bbox": obj.bbox(),
                     "area": float(obj.visible.sum()),
                     "iscrowd": 0,
-                    "segmentation": [_polygon_list(obj.polygon, width, height)],
+                    "segmentation": [
+                        [round(float(v), 2) for v in np.clip(obj.polygon, 0, [width, height]).flat]
+                    ],
                 }
             )
     coco = {
@@ -508,11 +492,8 @@ def _write_metadata(root: Path, kind: str, params: dict) -> None:
 def _atomic_generate(
     root: Path, fill: Callable[[Path], None], is_complete: Callable[[Path], str | None]
 ) -> Path:
-    """Run ``fill(tmp)`` in a temporary sibling of ``root``, then rename it to ``root``.
-
-    If another process renamed a complete dataset into place first, ours is discarded and ``root`` used.
-    """
-    root = Path(root)
+    """Run ``fill(tmp)`` in a temporary sibling of ``root``, then rename it to ``root``; if another process
+    renamed a complete dataset into place first, ours is discarded and ``root`` used."""
     if _occupied(root):
         raise DatasetConflictError(
             f"{root} already exists; delete it to regenerate, or use ensure_*_dataset() to reuse it"
@@ -551,19 +532,12 @@ def make_detection_dataset(
     """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
 
     Train image ids are ``1..num_train``, val ids ``num_train + 1 .. num_train + num_val``; annotation ids
-    are ``image_id * 10 + k`` for the k-th shape drawn in the image. Image ``i`` of a split depends only
-    on ``(seed, split, i, min_size, max_size, min_scale, max_scale, categories)``; shape extents are
-    log-uniform in ``[min_scale, max_scale]`` times the image's short side (at least 10 px). The defaults
-    are the dataset ``make train`` has always generated; a larger ``min_scale`` leaves out the smallest
-    shapes. ``categories`` picks another class set from :data:`SHAPE_CATALOGUE` (see
-    :func:`render_detection_image`); the annotation files list exactly those categories, with their
-    catalogue ids, and the metadata file records them (:func:`ensure_detection_dataset` refuses to reuse a
-    folder of another class set). ``max_objects_train`` is the most shapes a *training* image holds
-    (1..9); the val split always holds 1..:data:`MAX_OBJECTS`, so another value changes the training images
-    only and scores on the val split keep their meaning.
-
-    Returns:
-        ``root`` as a :class:`~pathlib.Path`.
+    are ``image_id * 10 + k`` for the k-th shape drawn in the image. Images: :func:`render_detection_image`
+    (the defaults are the dataset ``make train`` has always generated). The annotation files list exactly
+    the ``categories``, with their catalogue ids, and the metadata file records them
+    (:func:`ensure_detection_dataset` refuses to reuse a folder of another class set). ``max_objects_train``
+    is the most shapes a *training* image holds (1..9); the val split always holds 1..:data:`MAX_OBJECTS`,
+    so scores on the val split keep their meaning. Returns ``root`` as a :class:`~pathlib.Path`.
     """
     if num_train < 0 or num_val < 0:
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
@@ -628,9 +602,6 @@ def make_classification_dataset(
     return _atomic_generate(Path(root), fill, _classification_problem)
 
 
-# --------------------------------------------------------------------------------------------------
-# ensure_*: generate only when missing
-# --------------------------------------------------------------------------------------------------
 def _detection_problem(root: Path) -> str | None:
     """``None`` if ``root`` holds a complete COCO-layout dataset, else what is missing."""
     for split, (folder, _) in SPLITS.items():

@@ -161,14 +161,8 @@ class SplitCache:
     def store_error(self, error: errors.UserError) -> None:
         """Record what the check found wrong, for the processes waiting for this one (see the module doc)."""
         if self._current_identity() == self._identity:
-            kind = type(error).__name__
-            self._write(
-                {
-                    "identity": self._identity,
-                    "error": {"kind": kind, "message": str(error)},
-                    "written": time.time(),
-                }
-            )
+            found = {"kind": type(error).__name__, "message": str(error)}
+            self._write({"identity": self._identity, "error": found, "written": time.time()})
 
     def _write(self, entry: dict[str, Any]) -> bool:
         try:

@@ -180,14 +180,8 @@ class VOCConverter:
                             f"{obj['where']}: class {obj['name']!r} is not in data.classes {classes} (add "
                             "it, or leave data.classes out to take the names the files use)"
                         )
-                    annotations.append(
-                        {
-                            "image_id": image_id,
-                            "category_id": category[obj["name"]],
-                            "bbox": obj["bbox"],
-                            "iscrowd": int(obj["difficult"]),
-                        }
-                    )
+                    box = {"bbox": obj["bbox"], "iscrowd": int(obj["difficult"])}
+                    annotations.append({"image_id": image_id, "category_id": category[obj["name"]], **box})
             entries = [
                 {"id": i, "file_name": image["file_name"], "width": image["width"], "height": image["height"]}
                 for i, image in enumerate(images, 1)
@@ -236,14 +230,8 @@ class VOCConverter:
                     f"({', '.join(f'{t}={v:g}' for t, v in zip(_CORNERS, corners, strict=True))})"
                 )
             difficult = (obj.findtext("difficult") or "0").strip().lower() in ("1", "true")
-            objects.append(
-                {
-                    "name": name,
-                    "bbox": voc_box_to_coco(xmin, ymin, xmax, ymax),
-                    "difficult": difficult,
-                    "where": where,
-                }
-            )
+            box = voc_box_to_coco(xmin, ymin, xmax, ymax)
+            objects.append({"name": name, "bbox": box, "difficult": difficult, "where": where})
         return {"file_name": file_name, "width": int(width), "height": int(height), "objects": objects}
 
 

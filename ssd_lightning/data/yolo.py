@@ -73,9 +73,7 @@ class YOLOConverter:
         if self._read is None:
             if not self.data_yaml.is_file():
                 where = (
-                    "the folder does not exist"
-                    if not self.root.is_dir()
-                    else f"no {self.data_yaml.name} in it"
+                    f"no {self.data_yaml.name} in it" if self.root.is_dir() else "the folder does not exist"
                 )
                 raise MissingDataError(
                     f"no YOLO dataset at {self.root} (data.root): {where}; data=yolo reads {self.data_yaml}"
@@ -169,24 +167,13 @@ class YOLOConverter:
             entries, annotations = [], []
             for image_id, path in enumerate(paths, 1):
                 width, height = image_size(path)
-                entries.append(
-                    {
-                        "id": image_id,
-                        "file_name": path.relative_to(image_dir).as_posix(),
-                        "width": width,
-                        "height": height,
-                    }
-                )
+                name = path.relative_to(image_dir).as_posix()
+                entries.append({"id": image_id, "file_name": name, "width": width, "height": height})
                 label = label_path(path)
                 if label.is_file():
                     for category_id, (x1, y1, x2, y2) in _read_labels(label, names):
-                        annotations.append(
-                            {
-                                "image_id": image_id,
-                                "category_id": category_id,
-                                "bbox": [x1 * width, y1 * height, (x2 - x1) * width, (y2 - y1) * height],
-                            }
-                        )
+                        bbox = [x1 * width, y1 * height, (x2 - x1) * width, (y2 - y1) * height]
+                        annotations.append({"image_id": image_id, "category_id": category_id, "bbox": bbox})
             out[split] = (image_dir, coco_dict(entries, annotations, names))
         return out
 

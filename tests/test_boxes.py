@@ -10,6 +10,7 @@ from reference_ssd import RefEncoder, ref_dboxes300_coco
 from torchvision.models.detection.anchor_utils import DefaultBoxGenerator
 
 from ssd_lightning.models import BoxCoder, DefaultBoxes, dboxes300_coco
+from ssd_lightning.models.boxes import match_boxes
 from tests.helpers import encode_images
 
 
@@ -138,6 +139,17 @@ def test_encode_equals_reference_on_random_boxes():
         assert torch.equal(lab, rlab)
         assert torch.equal(b, rb)
         assert (lab > 0).sum() >= m  # every ground truth got at least its forced box
+
+
+@pytest.mark.parametrize(("last_wins_ties", "expected"), [(False, [0, -1, 2, 1]), (True, [-1, 0, 2, 2])])
+def test_match_boxes_tie_rules(last_wins_ties, expected):
+    # g0 (top half): IoU .5 with boxes 0 and 1, forced onto the first or the last of them; g1 = g2 (bottom
+    # half) both forced onto box 2 (IoU 1): the later wins in both rules; box 3: IoU .909 with g1 and g2.
+    defaults = torch.tensor([[0, 0, 0.5, 0.5], [0.5, 0, 1, 0.5], [0, 0.5, 1, 1], [0, 0.45, 1, 1]])
+    gts = torch.tensor([[[0, 0, 1, 0.5], [0, 0.5, 1, 1], [0, 0.5, 1, 1]]] * 2)  # two images
+    gt_index, positive, best_iou = match_boxes(gts, defaults, last_wins_ties=last_wins_ties)
+    assert torch.where(positive, gt_index, -1).tolist() == [expected] * 2
+    assert best_iou.tolist() == [[0.5, 1.0, 1.0]] * 2
 
 
 def test_encode_per_image_and_input_checks(tiny_coder):

@@ -5,16 +5,8 @@ Everything works on numpy arrays read from a COCO annotation file in one ``json.
 
 The default-box fit (:func:`match_default_boxes`, :func:`default_box_fit`) applies the matching rule of
 DALI's ``fn.box_encoder`` (the training targets of :func:`~ssd_lightning.data.dali_pipelines.
-coco_train_pipeline`), with its float32 IoU and its tie order:
-
-1. every ground truth is forced onto its best default box (IoU set to 2); among equal IoUs the default
-   box with the larger index wins;
-2. every default box takes its best ground truth (forced values included); among equal values the later
-   ground truth wins (so the later one of two ground truths forced onto the same box keeps it);
-3. the default box is a positive when that value is strictly greater than the criteria (0.5).
-
-:class:`~ssd_lightning.models.BoxCoder`'s ``encode`` implements the same rule, except that its argmaxes
-keep the first of equal values; the two differ only on exact float ties.
+coco_train_pipeline`): :func:`~ssd_lightning.models.boxes.match_boxes` with DALI's tie order (among equal
+IoUs the larger index wins, where :class:`~ssd_lightning.models.BoxCoder` keeps the reference's smaller).
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ from torch import Tensor
 
 from ssd_lightning.data.coco_validation import read_annotation_json
 from ssd_lightning.errors import DataError
-from ssd_lightning.models.boxes import box_iou, cxcywh_to_ltrb
+from ssd_lightning.models.boxes import cxcywh_to_ltrb, match_boxes
 
 __all__ = [
     "SIZE_BUCKETS",
@@ -211,12 +203,6 @@ def label_statistics(arrays: CocoArrays) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- default boxes
-def _last_argmax(values: Tensor, dim: int) -> Tensor:
-    """Index of the maximum along ``dim``; among equal maxima the largest index (DALI's ``>=`` scan)."""
-    n = values.shape[dim]
-    return n - 1 - values.flip(dim).argmax(dim)
-
-
 def match_default_boxes(
     boxes_ltrb: Sequence[Tensor | np.ndarray], anchors_ltrb: Tensor, criteria: float = 0.5
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -251,13 +237,7 @@ def match_default_boxes(
         idx = order[start : start + take]
         start += take
         gt = torch.as_tensor(np.stack([np.asarray(boxes_ltrb[i], dtype=np.float32) for i in idx]))
-        ious = box_iou(gt, anchors)  # (n, m, B)
-        best, _ = ious.max(dim=2)  # (n, m)
-        forced_at = _last_argmax(ious, 2)  # (n, m)
-        ious.scatter_(2, forced_at[..., None], 2.0)
-        per_anchor = ious.transpose(1, 2).contiguous()  # (n, B, m)
-        best_gt = _last_argmax(per_anchor, 2)  # (n, B): the later box wins equal values
-        positive = per_anchor.gather(2, best_gt[..., None]).squeeze(2) > criteria  # (n, B)
+        best_gt, positive, best = match_boxes(gt, anchors, criteria, last_wins_ties=True)  # DALI's ties
         per_gt = torch.zeros(len(idx), m, dtype=torch.int64)
         per_gt.scatter_add_(1, best_gt, positive.to(torch.int64))
         rows = (offsets[idx][:, None] + np.arange(m)).reshape(-1)

@@ -29,6 +29,7 @@ __all__ = [
     "box_iou",
     "dboxes300_coco",
     "ltrb_to_cxcywh",
+    "match_boxes",
     "scale_to_pixels",
     "cxcywh_to_ltrb",
 ]
@@ -142,6 +143,35 @@ def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     area1 = (boxes1[..., 2] - boxes1[..., 0]) * (boxes1[..., 3] - boxes1[..., 1])
     area2 = (boxes2[..., 2] - boxes2[..., 0]) * (boxes2[..., 3] - boxes2[..., 1])
     return inter / (area1[..., :, None] + area2[..., None, :] - inter)
+
+
+def match_boxes(
+    boxes_ltrb: Tensor, default_ltrb: Tensor, iou_threshold: float = 0.5, *, last_wins_ties: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The package's one matcher: ground truth (n, m, 4) of n images (m >= 1) onto default boxes (B, 4), ltrb.
+
+    Every ground truth is forced onto its best default box (IoU counted as 2; of several forced onto one,
+    the later gets it); every other default box takes its best ground truth and is positive when their IoU
+    is > ``iou_threshold``. Among equal IoUs the smaller index wins (the NVIDIA reference's ``torch.max``),
+    with ``last_wins_ties`` the larger (DALI's ``fn.box_encoder``); both are kept because they differ often:
+    a ground truth overlapping equally sized default boxes equally is forced onto the first or the last.
+    Returns ``gt_index`` (n, B) int64 per default box (meaningful where positive), ``positive`` (n, B) bool
+    and ``best_iou`` (n, m) float32, each ground truth's highest IoU with a default box (before forcing).
+    """
+    ious = box_iou(boxes_ltrb, default_ltrb)  # (n, m, B)
+    best_iou, forced_at = _max(ious, 2, last_wins_ties)  # per ground truth: (n, m)
+    gt_iou, gt_index = _max(ious, 1, last_wins_ties)  # per default box: (n, B)
+    forced = torch.full_like(gt_index, -1)  # the last ground truth forced onto each default box
+    gts = torch.arange(forced_at.shape[1], device=forced.device).expand_as(forced_at)
+    forced.scatter_reduce_(1, forced_at, gts, reduce="amax")
+    positive = torch.where(forced >= 0, 2.0, gt_iou) > iou_threshold
+    return torch.where(forced >= 0, forced, gt_index), positive, best_iou
+
+
+def _max(values: Tensor, dim: int, last: bool) -> tuple[Tensor, Tensor]:
+    """``values.max(dim)``; with ``last`` the largest index among equal maxima (else the smallest)."""
+    best, index = values.flip(dim).max(dim) if last else values.max(dim)
+    return best, (values.shape[dim] - 1 - index) if last else index
 
 
 class DefaultBoxes:
@@ -277,8 +307,7 @@ class BoxCoder:
             ``boxes_cxcywh`` (B, 4) float32: per default box its matched ground truth as (cx, cy, w, h), or
             the default box itself when unmatched; ``labels`` (B,) int64, 0 where unmatched.
 
-        Every ground truth is also forced onto its best default box (IoU to that box counted as 2); if
-        two ground truths share the same best default box the later one gets it (as the reference).
+        The rule is :func:`match_boxes` with the reference's tie order.
         """
         if boxes_ltrb.ndim != 2 or boxes_ltrb.shape[-1] != 4:
             raise ValueError(f"boxes_ltrb must have shape (M, 4), got {tuple(boxes_ltrb.shape)}")
@@ -289,22 +318,13 @@ class BoxCoder:
             )
         dboxes_ltrb, _ = self._dboxes(boxes_ltrb.device)
         boxes_ltrb = boxes_ltrb.float()
-        num_gt = boxes_ltrb.shape[0]
         out_boxes = dboxes_ltrb.clone()
         out_labels = torch.zeros(self.num_boxes, dtype=torch.int64, device=boxes_ltrb.device)
-        if num_gt > 0:
-            ious = box_iou(boxes_ltrb, dboxes_ltrb)  # (M, B)
-            best_gt_iou, best_gt = ious.max(dim=0)  # per default box
-            best_dbox = ious.max(dim=1).indices  # per ground truth
-            # Force each ground truth onto its best default box; the later ground truth wins a clash.
-            forced = torch.full_like(best_gt, -1)
-            forced.scatter_reduce_(0, best_dbox, torch.arange(num_gt, device=best_gt.device), reduce="amax")
-            is_forced = forced >= 0
-            best_gt = torch.where(is_forced, forced, best_gt)
-            best_gt_iou = torch.where(is_forced, torch.full_like(best_gt_iou, 2.0), best_gt_iou)
-            matched = best_gt_iou > iou_threshold
-            out_labels[matched] = labels.to(torch.int64)[best_gt[matched]]
-            out_boxes[matched] = boxes_ltrb[best_gt[matched]]
+        if boxes_ltrb.shape[0] > 0:
+            gt_index, positive, _ = match_boxes(boxes_ltrb[None], dboxes_ltrb, iou_threshold)
+            positive, matched_gt = positive[0], gt_index[0, positive[0]]
+            out_labels[positive] = labels.to(torch.int64)[matched_gt]
+            out_boxes[positive] = boxes_ltrb[matched_gt]
         return ltrb_to_cxcywh(out_boxes), out_labels
 
     # ------------------------------------------------------------------ decode

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -156,6 +157,45 @@ def partial_kwarg(optimizer: Callable, key: str, default: float | None = None) -
     if isinstance(optimizer, functools.partial):
         return optimizer.keywords.get(key, default)
     return default
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.optimizer") -> None:
+    """Raise :class:`ConfigError` naming ``{key}.lr``/``{key}.weight_decay`` unless the base ``lr`` and
+    ``weight_decay`` are numbers >= 0, as torch's optimizers take them (``lr=0`` evaluates fixed weights;
+    ``None``: not set, checked where it is needed)."""
+    if lr is not None and not (_is_number(lr) and lr >= 0):
+        raise ConfigError(f"{key}.lr={lr!r}: must be a number >= 0 (the base LR before scaling)")
+    if weight_decay is not None and not (_is_number(weight_decay) and weight_decay >= 0):
+        raise ConfigError(f"{key}.weight_decay={weight_decay!r}: must be a number >= 0")
+
+
+def check_scheduler_args(scheduler: Mapping, *, key: str = "model.scheduler") -> None:
+    """Raise :class:`ConfigError` naming ``{key}.<name>`` for a ``warmup_steps`` that is no integer >= 0, a
+    ``gamma`` outside (0, 1] or ``milestones`` that are not strictly increasing non-negative epochs (the
+    keys of :func:`build_scheduler`; absent or ``None`` ones are not checked)."""
+    warmup, gamma, milestones = (scheduler.get(k) for k in ("warmup_steps", "gamma", "milestones"))
+    if warmup is not None and not (_is_int(warmup) and warmup >= 0):
+        raise ConfigError(f"{key}.warmup_steps={warmup!r}: must be an integer >= 0 (optimizer steps)")
+    if gamma is not None and not (_is_number(gamma) and 0 < gamma <= 1):
+        raise ConfigError(f"{key}.gamma={gamma!r}: must be in (0, 1] (the LR factor per decay)")
+    if milestones is not None:
+        listed = isinstance(milestones, Iterable) and not isinstance(milestones, str)
+        items = list(milestones) if listed else None
+        if not (
+            items is not None
+            and all(_is_int(m) and m >= 0 for m in items)
+            and all(a < b for a, b in zip(items, items[1:], strict=False))
+        ):
+            shown = items if items is not None else milestones
+            raise ConfigError(f"{key}.milestones={shown!r}: must be strictly increasing non-negative epochs")
 
 
 def lr_factor(

@@ -9,8 +9,10 @@ initialisation. The end-to-end tests go through ``train(cfg)`` and read the modu
 from __future__ import annotations
 
 import logging
+import re
 from typing import ClassVar
 
+import hydra
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -127,16 +129,43 @@ def test_missing_file_names_the_key(tmp_path):
 
 
 def test_config_check_fails_early_on_a_missing_file_unless_resuming(tmp_path):
+    """The file is read at fit start; validate_config raises then what reading it would raise later."""
     from ssd_lightning.cli.config_checks import validate_config
 
     missing = tmp_path / "nope.ckpt"
     cfg = compose_config([f"model.init_from={missing}"])
-    with pytest.raises(ConfigError, match=r"model\.init_from=.*nope\.ckpt.*no such file"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"model\.init_from=.*nope\.ckpt.*no such file"
+    ) as early:
         validate_config(cfg, cuda_device_count=0)
+    assert "point model.init_from at a .ckpt of a run of this project" in str(early.value)
+    with pytest.raises(CheckpointNotFoundError) as late:
+        init_from_checkpoint(ssd300(backbone="resnet18", num_classes=3), missing)
+    assert str(late.value) == str(early.value)
     validate_config(compose_config([f"model.init_from={missing}", "ckpt_path=x.ckpt"]), cuda_device_count=0)
-    both = compose_config([f"model.init_from={missing}", "model.nvidia_checkpoint=n.pt", "ckpt_path=x.ckpt"])
-    with pytest.raises(ConfigError, match=r"model\.nvidia_checkpoint is set too"):
-        validate_config(both, cuda_device_count=0)
+
+
+def test_nvidia_checkpoint_and_init_from_together_fail_in_the_constructor(tmp_path):
+    """SSDLitModule refuses both files before reading either (validate_config leaves it to the module)."""
+    from hydra.errors import InstantiationException
+
+    from ssd_lightning.cli.config_checks import validate_config
+
+    both = compose_config(
+        [
+            f"model.init_from={tmp_path / 'nope.ckpt'}",
+            f"model.nvidia_checkpoint={tmp_path / 'n.pt'}",
+            "ckpt_path=x.ckpt",
+            "model.net.backbone=resnet18",
+        ]
+    )
+    validate_config(both, cuda_device_count=0)
+    with pytest.raises(InstantiationException) as info:
+        hydra.utils.instantiate(both.model)
+    assert isinstance(info.value.__cause__, ConfigError)
+    assert re.search(
+        r"model\.nvidia_checkpoint and model\.init_from are both set: .*; keep one", str(info.value.__cause__)
+    )
 
 
 # ------------------------------------------------------------------------------------------ through train()

@@ -1,9 +1,13 @@
-"""``validate_config``: cheap checks of a composed config before anything heavy starts.
+"""``validate_config``: the checks of a composed config that no single constructor can make.
 
-Hydra already rejects unknown groups/options and misspelled keys (struct mode). This catches what Hydra
-cannot: wrong types and impossible values of the keys users override most, and hardware the config asks for
-but the machine does not have. Every problem names the key, the value and what is accepted; all problems are
-reported together in one :class:`~ssd_lightning.errors.ConfigError`.
+A value is checked where it is used: the constructor or function that takes it raises one message naming
+the config key (``model.optimizer.lr``: :class:`~ssd_lightning.modules.base.RecipeModule`;
+``model.net.backbone``: :func:`~ssd_lightning.models.ssd300`; ``data.num_threads``: the datamodules).
+What stays here spans config groups (devices x accelerator x machine, precision x accelerator, multirun x
+launcher, model x data, model x task), is read by this run orchestration itself (``task``, ``seed``), or
+must fail before anything is built (a weight file read at fit start); each says why in one line. Hydra
+already rejects unknown groups/options and misspelled keys (struct mode). Problems are reported together
+in one :class:`~ssd_lightning.errors.ConfigError`, each naming the key, the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ssd_lightning.cli.launch_check import multirun_launch_problem
 from ssd_lightning.errors import ConfigError, UserError
+from ssd_lightning.io.weights import INIT_FROM_FILES, check_checkpoint_file
 
 __all__ = ["TASKS", "check_writable_dir", "validate_config"]
 
@@ -28,10 +33,6 @@ _GPU_ACCELERATORS = ("gpu", "cuda")
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _select(cfg: DictConfig, key: str):
@@ -67,57 +68,37 @@ def _increasing_ints(value) -> bool:
 
 
 def _check_values(p: _Problems) -> None:
+    # read by cli/train.py, which decides from it what to build (its benchmark branch checks only at the end)
     p.check("task", lambda v: v in TASKS, f"must be one of {', '.join(TASKS)}")
+    # read by cli/train.py: pl.seed_everything takes 1.5 as 1 silently
     p.check("seed", _is_int, "must be an integer (or null for a random seed)")
+    # Lightning's Trainer accepts 0 (trains nothing) and strings
     p.check("trainer.max_epochs", lambda v: _is_int(v) and (v >= 1 or v == -1), "must be an integer >= 1")
+    # data/: the synthetic datamodules leave eval_batch_size unchecked, and the messages there name no
+    # data.* key; move both there when they do (tests/test_configs.py pins data.batch_size here)
     for key in ("data.batch_size", "data.eval_batch_size"):
         p.check(key, lambda v: _is_int(v) and v > 0, "must be a positive integer (images per device)")
-    p.check("data.num_threads", lambda v: _is_int(v) and v > 0, "must be a positive integer (DALI threads)")
-    p.check("model.optimizer.lr", lambda v: _is_number(v) and v > 0, "must be a positive number (base LR)")
-    p.check("model.optimizer.weight_decay", lambda v: _is_number(v) and v >= 0, "must be a number >= 0")
-    p.check("model.scheduler.warmup_steps", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
-    p.check("model.scheduler.gamma", lambda v: _is_number(v) and 0 < v <= 1, "must be in (0, 1]")
-    p.check("model.scheduler.milestones", _increasing_ints, "must be strictly increasing non-negative epochs")
-    # null: read from the data (train._num_classes_from_data); synthetic data has nothing to read it from
-    p.check("model.net.num_classes", lambda v: _is_int(v) and v >= 2, "must be an integer >= 2, or null")
+    # model x data: null reads it from the data (train._num_classes_from_data); synthetic data has nothing
     if _select(p.cfg, "model.net.num_classes") is None and "num_classes" in (_select(p.cfg, "data") or {}):
         p.add(
             "model.net.num_classes",
             None,
             "null reads it from annotations or image folders; set it for this data",
         )
+    # callbacks/eval_schedule.py checks it too; tests/test_configs.py pins it here
     p.check("eval_epochs", _increasing_ints, "must be strictly increasing non-negative 0-based epochs")
-    if str(_select(p.cfg, "model.net._target_") or "").endswith("ssd300"):
-        from ssd_lightning.models.backbones import SSD_BACKBONES
-
-        names = ", ".join(SSD_BACKBONES)
-        p.check("model.net.backbone", lambda v: v in SSD_BACKBONES, f"must be one of {names}")
-        p.check(
-            "model.net.background_prior", lambda v: _is_number(v) and 0 < v < 1, "must be in (0, 1) or null"
-        )
-        p.check("model.net.zero_init_residual", lambda v: isinstance(v, bool), "must be true or false")
-
-
-def _check_weight_files(p: _Problems) -> None:
-    """``model.init_from``, ``model.trust_checkpoint``: a missing file fails before anything heavy starts."""
+    # model x trainer: the model's weight files and the Trainer's checkpoint IO (ckpt_path) both read it,
+    # and cli/train.py passes it to the latter as bool(value), which makes "no" true
     p.check("model.trust_checkpoint", lambda v: isinstance(v, bool), "must be true or false")
-    init_from = _select(p.cfg, "model.init_from")
-    if init_from is None:
-        return
-    if _select(p.cfg, "model.nvidia_checkpoint") is not None:
-        p.add(
-            "model.init_from",
-            init_from,
-            "model.nvidia_checkpoint is set too: nvidia_checkpoint loads every weight strictly (to evaluate "
-            "it), init_from what matches (to fine-tune); keep one",
-        )
-    elif not _select(p.cfg, "ckpt_path") and not Path(str(init_from)).expanduser().is_file():
-        p.add(
-            "model.init_from",
-            init_from,
-            "no such file; point it at an NVIDIA SSD300 checkpoint, a .ckpt of a run of this project or a "
-            "state dict (when resuming with ckpt_path=, the file is not read)",
-        )
+
+
+def _check_init_from_file(cfg: DictConfig) -> None:
+    """``model.init_from`` is read at fit start, after the data is prepared: a missing file fails now, with
+    the error :func:`~ssd_lightning.io.weights.read_checkpoint` would raise then. Not when resuming
+    (``ckpt_path``): the file is not read."""
+    init_from = _select(cfg, "model.init_from")
+    if init_from is not None and not _select(cfg, "ckpt_path"):
+        check_checkpoint_file(init_from, what="model.init_from", expected=INIT_FROM_FILES)
 
 
 def _check_devices(p: _Problems, cuda_device_count: int) -> None:
@@ -151,7 +132,9 @@ def _check_multirun_launch(p: _Problems, cuda_device_count: int, hydra_cfg: Dict
 def validate_config(
     cfg: DictConfig, *, cuda_device_count: int | None = None, hydra_cfg: DictConfig | None = None
 ) -> list[str]:
-    """Raise :class:`ConfigError` listing every problem; return warnings (strings) for odd but valid settings.
+    """Raise :class:`ConfigError` listing every problem, then
+    :class:`~ssd_lightning.io.weights.CheckpointNotFoundError` for a missing ``model.init_from`` file; return
+    warnings (strings) for odd but valid settings.
 
     ``cuda_device_count`` defaults to ``torch.cuda.device_count()``; ``hydra_cfg`` (the job's ``hydra`` node,
     for the multirun checks) to ``HydraConfig.get()`` when Hydra runs the job.
@@ -160,7 +143,6 @@ def validate_config(
         cuda_device_count = torch.cuda.device_count()
     problems = _Problems(cfg)
     _check_values(problems)
-    _check_weight_files(problems)
     _check_devices(problems, cuda_device_count)
     _check_multirun_launch(problems, cuda_device_count, hydra_cfg)
     if problems.lines:
@@ -170,6 +152,7 @@ def validate_config(
             + "\n  ".join(problems.lines)
             + "\n(show the composed config with: python train.py <your overrides> --cfg job)"
         )
+    _check_init_from_file(cfg)
     warnings = []
     accelerator = str(_select(cfg, "trainer.accelerator") or "auto")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and cuda_device_count == 0)

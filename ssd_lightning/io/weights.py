@@ -64,8 +64,28 @@ def untrusted_message(what: str, path: str | os.PathLike, error: BaseException) 
     )
 
 
+#: What ``model.init_from`` may point at, for the messages about it.
+INIT_FROM_FILES = (
+    "a .ckpt of a run of this project, an NVIDIA SSD300 checkpoint or a state dict (when resuming with "
+    "ckpt_path=, init_from is not read)"
+)
+
+
+def check_checkpoint_file(path: str | os.PathLike, *, what: str, expected: str = "") -> Path:
+    """``path`` expanded, or :class:`CheckpointNotFoundError` naming ``what`` when it is no file.
+
+    :func:`read_checkpoint` runs it; a caller that reads the file much later (``model.init_from``, at fit
+    start) runs it first too, so the same error comes before anything is built. ``expected`` says what the
+    file should be."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        hint = f"; point {what} at {expected}" if expected else ""
+        raise CheckpointNotFoundError(f"{what}={path} not found: no such file{hint}")
+    return path
+
+
 def read_checkpoint(
-    path: str | os.PathLike, *, trust_checkpoint: bool = False, what: str = "checkpoint"
+    path: str | os.PathLike, *, trust_checkpoint: bool = False, what: str = "checkpoint", expected: str = ""
 ) -> Any:
     """Load ``path`` on the CPU with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`.
 
@@ -74,16 +94,15 @@ def read_checkpoint(
         trust_checkpoint: unpickle the file fully instead (``weights_only=False``): only for files from a
             source you trust, since unpickling can run code the file names.
         what: how the caller names the file in messages (the config key, e.g. ``"model.init_from"``).
+        expected: what the file should be, for the message when it does not exist.
 
     Raises:
-        CheckpointNotFoundError: no such file.
+        CheckpointNotFoundError: no such file (:func:`check_checkpoint_file`).
         UntrustedCheckpointError: the file holds objects ``weights_only`` refuses (the message says how to
             trust it); nothing of the file has run.
         CheckpointReadError: not a file ``torch.load`` can read (truncated, not a checkpoint).
     """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{what}={path} not found: no such file")
+    path = check_checkpoint_file(path, what=what, expected=expected)
     try:
         if trust_checkpoint:
             log.warning("%s=%s: unpickling it fully (trust_checkpoint=true)", what, path)
@@ -267,7 +286,7 @@ def init_from_checkpoint(
         CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see :func:`read_checkpoint`.
     """
     source = f"{what}={path}"
-    checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what=what)
+    checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what=what, expected=INIT_FROM_FILES)
     state, left_out = network_state_dict(checkpoint, source=source)
     report = load_matching(net, state, source=source, left_out=left_out)
     parameters = {name for name, _ in net.named_parameters()}

@@ -93,8 +93,10 @@ class SSD300(nn.Module):
             )
         if num_classes < 2:
             raise ValueError(f"num_classes counts the background too and must be >= 2, got {num_classes}")
-        if background_prior is not None and not 0 < background_prior < 1:
-            raise ValueError(f"background_prior must be in (0, 1) or None, got {background_prior}")
+        if background_prior is not None and not (
+            isinstance(background_prior, float | int) and 0 < background_prior < 1
+        ):
+            raise ValueError(f"background_prior must be in (0, 1) or None, got {background_prior!r}")
         self.num_classes = num_classes
         self.num_defaults = list(num_defaults)
         self.out_channels = channels
@@ -179,6 +181,8 @@ def ssd300(
         log.warning("width_mult=%s does not apply to the %s backbone: it is built at full width",
                     width_mult, backbone)  # fmt: skip
         width_mult = 1.0
+    if not isinstance(zero_init_residual, bool):
+        raise ValueError(f"zero_init_residual must be True or False, got {zero_init_residual!r}")
     if zero_init_residual and spec.zero_init is None:
         raise ValueError(f"zero_init_residual=True: the {backbone} backbone has no residual branches to zero")
     net = spec.build(weights=weights_backbone, width_mult=width_mult)

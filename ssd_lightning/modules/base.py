@@ -27,7 +27,15 @@ from ssd_lightning.io.weights import init_from_checkpoint
 from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
 from ssd_lightning.modules.ema import ExponentialMovingAverage
-from ssd_lightning.optim import build_optimizer, build_scheduler, partial_kwarg, scale_lr, warmup_iterations
+from ssd_lightning.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_args,
+    check_scheduler_args,
+    partial_kwarg,
+    scale_lr,
+    warmup_iterations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +149,9 @@ class RecipeModule(pl.LightningModule):
         hp = self.hparams
         if hp.ema_every_n_steps < 1:
             raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {hp.ema_every_n_steps}")
+        # here, not when the optimizer is built: a bad value fails before any data is prepared
+        check_optimizer_args(partial_kwarg(optimizer, "lr"), partial_kwarg(optimizer, "weight_decay"))
+        check_scheduler_args(hp.scheduler or {})
         self.net = net
         self.optimizer_factory = optimizer
         self.channels_last = hp.channels_last

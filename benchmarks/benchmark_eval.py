@@ -220,12 +220,20 @@ def instrument(module: Any) -> type:
     """Time the module-level helpers the callback calls, and the two hooks; returns the timed class."""
     if not getattr(module, "_benchmark_instrumented", False):
         module._gather_to_rank_zero = _timed("gather", module._gather_to_rank_zero)
-        module._atomic_write_json = _timed("write JSON", module._atomic_write_json)
+        for name in (
+            "_atomic_write_json",
+            "atomic_write_json",
+        ):  # the helper's name in older / newer revisions
+            if hasattr(module, name):
+                setattr(module, name, _timed("write JSON", getattr(module, name)))
         module.evaluate_coco = _timed("evaluate", module.evaluate_coco)
-        if hasattr(module, "evaluate_coco_per_class"):  # not in revisions before per-class AP
-            module.evaluate_coco_per_class = _timed("evaluate", module.evaluate_coco_per_class)
-            evaluation = sys.modules[module.evaluate_coco_per_class.__module__]
-            evaluation._class_rows = _timed("per-class rows", evaluation._class_rows)
+        # per-class AP: evaluate_coco_per_class in older revisions, evaluate_coco_detailed in newer ones
+        for name in ("evaluate_coco_per_class", "evaluate_coco_detailed"):
+            if hasattr(module, name):
+                setattr(module, name, _timed("evaluate", getattr(module, name)))
+                evaluation = sys.modules[getattr(module, name).__module__]
+                if hasattr(evaluation, "_class_rows"):
+                    evaluation._class_rows = _timed("per-class rows", evaluation._class_rows)
         module._benchmark_instrumented = True
     base = module.CocoMAPCallback
 

@@ -92,11 +92,8 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         return (main or found or [None])[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if (
-            (self.pr_curves or self.confusion)
-            and self._coco_callback(trainer) is None
-            and trainer.is_global_zero
-        ):
+        wanted = self.pr_curves or self.confusion
+        if wanted and self._coco_callback(trainer) is None and trainer.is_global_zero:
             log.info("DetectionAnalysis: no CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -105,9 +102,9 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         due = self._count_evaluation(trainer)
         coco = self._coco_callback(trainer)
         evaluated = coco.take_evaluation() if coco is not None else None
-        if not trainer.is_global_zero or evaluated is None or not due:
-            return
-        if not (self.pr_curves or self.confusion):
+        if not (
+            trainer.is_global_zero and evaluated is not None and due and (self.pr_curves or self.confusion)
+        ):
             return
         try:
             self.analyse(evaluated, self._out_dir(trainer), trainer)
@@ -134,13 +131,9 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         return folder
 
     def _write_pr_curves(self, ev: Any, names: list[str], folder: Path, title: str) -> Path:
+        indices = {"area_index": ev.area_index, "max_dets_index": ev.max_dets_index}
         curves = pr_curves_from_precision(
-            ev.precision,
-            ev.iou_thresholds,
-            ev.recall_thresholds,
-            ious=PR_IOUS,
-            area_index=ev.area_index,
-            max_dets_index=ev.max_dets_index,
+            ev.precision, ev.iou_thresholds, ev.recall_thresholds, ious=PR_IOUS, **indices
         )
         record = {
             "area": "all",
@@ -165,35 +158,24 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
                 for i, iou in enumerate(curves.iou_thresholds)
             ],
         }
-        folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / "pr_curves.json", record, allow_nan=False)
+        arrays = (curves.recall, curves.precision, curves.ap, curves.all_precision, curves.all_ap)
         return plot_pr_curves(
-            curves.recall,
-            curves.precision,
-            curves.ap,
-            curves.all_precision,
-            curves.all_ap,
-            curves.iou_thresholds.tolist(),
-            names,
-            folder / "pr_curves.png",
+            *arrays, curves.iou_thresholds.tolist(), names, folder / "pr_curves.png",
             title=f"{title}: precision/recall (area all, {ev.max_dets} detections per image)",
-        )
+        )  # fmt: skip
 
     def _write_confusion(self, evaluated: EvaluatedEpoch, names: list[str], folder: Path, title: str) -> Path:
         ev = evaluated.evaluation
+        thresholds = {"iou_threshold": self.confusion_iou, "score_threshold": self.confusion_score_thresh}
+        gt = ground_truth_array(ev.gt_dataset.get("annotations", []))
         matrix = detection_confusion_matrix(
-            evaluated.detections,
-            ground_truth_array(ev.gt_dataset.get("annotations", [])),
-            ev.category_ids,
-            iou_threshold=self.confusion_iou,
-            score_threshold=self.confusion_score_thresh,
-            image_ids=ev.image_ids,
+            evaluated.detections, gt, ev.category_ids, image_ids=ev.image_ids, **thresholds
         )
         labels = [*names, "background"]
         top = top_confusions(matrix, 3)
         record = {
-            "iou_threshold": self.confusion_iou,
-            "score_threshold": self.confusion_score_thresh,
+            **thresholds,
             "rows": "true class (last: background = false positives)",
             "columns": "predicted class (last: background = missed ground truth)",
             "category_ids": [int(c) for c in ev.category_ids],
@@ -201,19 +183,13 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
             "matrix": matrix.tolist(),
             "top_confusions": [{"true": labels[t], "predicted": labels[p], "count": n} for t, p, n in top],
         }
-        folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / "confusion_matrix.json", record, allow_nan=False)
         if top:
             text = ", ".join(f"{labels[t]} -> {labels[p]} ({n})" for t, p, n in top)
             log.info(
                 "DetectionAnalysis: epoch %d, top confusions (true -> predicted): %s", evaluated.epoch, text
             )
+        title += f"\ndetections: IoU >= {self.confusion_iou:g}, score >= {self.confusion_score_thresh:g}"
         return plot_confusion_matrix(
-            matrix,
-            labels,
-            folder / "confusion_matrix.png",
-            title=(
-                f"{title}\ndetections: IoU >= {self.confusion_iou:g}, "
-                f"score >= {self.confusion_score_thresh:g}; share of each true row"
-            ),
+            matrix, labels, folder / "confusion_matrix.png", title=title + "; share of each true row"
         )

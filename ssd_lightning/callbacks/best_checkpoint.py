@@ -20,11 +20,7 @@ class BestCheckpoint(ModelCheckpoint):
     A run whose validation does not log ``monitor`` (its callback disabled, e.g. ``~callbacks.coco_map``)
     writes no ``best.ckpt`` and says so once, instead of failing the way ``ModelCheckpoint`` does.
 
-    Args:
-        dirpath: the run's checkpoint folder.
-        monitor: the metric to maximise (or minimise, with ``mode="min"``).
-        mode: ``"max"`` or ``"min"``.
-        filename: file name without ``.ckpt``.
+    ``filename`` is without ``.ckpt``; ``mode`` is ``"max"`` or ``"min"``.
     """
 
     def __init__(
@@ -50,6 +46,5 @@ class BestCheckpoint(ModelCheckpoint):
             self._said_missing = True
             log.warning(
                 "validation logged no %s: no %s.ckpt is written (is the callback that logs it disabled?)",
-                self.monitor,
-                self.filename,
+                *(self.monitor, self.filename),
             )

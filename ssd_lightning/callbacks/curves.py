@@ -20,11 +20,7 @@ class TrainingCurves(EvaluationArtifacts):
     sanity check or ``trainer.validate``) and at the end of ``fit``, the buffered metrics are flushed and
     :func:`ssd_lightning.visualize.plot_curves` draws ``metrics.csv`` (title ``"<run dir name>: epoch <e>"``).
     No ``CSVLogger``: no curves (warned once). A plot that fails is warned about once per error type and
-    never stops training.
-
-    Args:
-        output_dir: where ``curves.png`` goes; default ``trainer.default_root_dir``.
-        every_n_evals: redraw after every n-th evaluation of ``fit`` (>= 1).
+    never stops training. ``output_dir`` (where ``curves.png`` goes) defaults to ``trainer.default_root_dir``.
     """
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -38,11 +34,10 @@ class TrainingCurves(EvaluationArtifacts):
             self._write_curves(trainer)
 
     def _write_curves(self, trainer: pl.Trainer) -> None:
-        csv_loggers = [lg for lg in trainer.loggers if isinstance(lg, CSVLogger)]
-        if not csv_loggers:
+        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        if csv_logger is None:
             self._warn_once("csv", "curves.png needs a CSVLogger (logger=default or csv); no curves")
             return
-        csv_logger = csv_loggers[0]
         out_dir = self._out_dir(trainer)
         try:
             csv_logger.save()  # flush what is buffered so the curves include the latest values

@@ -20,8 +20,6 @@ class EarlyStopping(LightningEarlyStopping):
         monitor: the metric (``optimized_metric``), logged by the validation.
         patience: evaluations without an improvement larger than ``min_delta`` before stopping; ``None``:
             never stop.
-        min_delta: the improvement that counts.
-        mode: ``"max"`` (mAP, accuracy) or ``"min"``.
     """
 
     def __init__(
@@ -34,14 +32,9 @@ class EarlyStopping(LightningEarlyStopping):
                 f"callbacks.early_stopping.patience must be null or an int >= 0, got {patience!r}"
             )
         super().__init__(
-            monitor=monitor,
-            patience=0 if patience is None else patience,
-            min_delta=min_delta,
-            mode=mode,
-            strict=True,
-            verbose=True,
-            check_on_train_epoch_end=False,
-        )
+            monitor=monitor, patience=0 if patience is None else patience, min_delta=min_delta, mode=mode,
+            strict=True, verbose=True, check_on_train_epoch_end=False,
+        )  # fmt: skip
         self.enabled = patience is not None
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -49,9 +49,7 @@ class EvalSchedule(Callback):
     @staticmethod
     def _last_epoch(trainer: pl.Trainer) -> int | None:
         max_epochs = trainer.max_epochs
-        if max_epochs is None or max_epochs < 0:
-            return None
-        return max_epochs - 1
+        return None if max_epochs is None or max_epochs < 0 else max_epochs - 1
 
     def should_validate(self, epoch: int, last_epoch: int | None = None) -> bool:
         """Whether validation runs after 0-based ``epoch`` (``last_epoch``: ``max_epochs - 1``, if known)."""
@@ -89,20 +87,13 @@ class EvalSchedule(Callback):
         self._apply(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply(trainer)  # current_epoch is restored from the checkpoint by now
+        self._apply(trainer)  # at on_train_start, current_epoch is restored from the checkpoint
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply(trainer)
+    on_train_epoch_start = on_train_start
 
-    def _restore(self, trainer: pl.Trainer) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: BaseException) -> None:
         if self._user_check_val_every_n_epoch is not None:
             trainer.check_val_every_n_epoch = self._user_check_val_every_n_epoch
             self._user_check_val_every_n_epoch = None
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore(trainer)
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._restore(trainer)
+    on_exception = on_fit_end  # (trainer, pl_module, exception)

@@ -127,8 +127,7 @@ class InterruptCheckpoint(pl.Callback):
             raise ValueError(f"check_every_n_steps must be >= 1 or None, got {check_every_n_steps}")
         if not check_every_seconds > 0:
             raise ValueError(f"check_every_seconds must be > 0, got {check_every_seconds}")
-        self.dirpath = dirpath
-        self.filename = filename
+        self.dirpath, self.filename = dirpath, filename
         self.check_every_n_steps = check_every_n_steps
         self.check_every_seconds = float(check_every_seconds)
         self.stopped_by: str | None = None  # what stopped the run on this rank: "SIGTERM" / "SIGINT" / ...
@@ -145,18 +144,14 @@ class InterruptCheckpoint(pl.Callback):
     # -- signals: handlers only set a flag ---------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stopped_by, self.saved_path, self._received, self._agreed = None, None, None, None
-        self._trainer = trainer
-        self._rank = trainer.global_rank
+        self._trainer, self._rank = trainer, trainer.global_rank
         # before Lightning registers its handlers (after this hook): submitit's, if any, for hand_over()
         self._before = {int(s): signal.getsignal(s) for s in _REQUEUE_SIGNALS}
-        environment = getattr(trainer.strategy, "cluster_environment", None)
-        if environment is None and SLURMEnvironment.detect():
-            environment = SLURMEnvironment()
-        self._slurm_requeue = (
-            isinstance(environment, SLURMEnvironment)
-            and environment.auto_requeue
-            and environment.requeue_signal is not None
-        )
+        env = getattr(trainer.strategy, "cluster_environment", None)
+        if env is None and SLURMEnvironment.detect():
+            env = SLURMEnvironment()
+        slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
+        self._slurm_requeue = slurm
         # Lightning's SIGTERM and SLURM SIGUSR1 handlers run a collective or save from inside the handler;
         # ours only take note (SIGUSR1/SIGUSR2 until on_train_start installs ours for good)
         compat.replace_signal_handlers(
@@ -197,18 +192,15 @@ class InterruptCheckpoint(pl.Callback):
             return
         self._received = name
         if self._rank == 0:
-            what = "Ctrl-C" if name == "SIGINT" else name
-            again = " (press Ctrl-C again to abort now)" if name == "SIGINT" else ""
+            what, why = ("Ctrl-C", " (press Ctrl-C again to abort now)") if name == "SIGINT" else (name, "")
             if name in ("SIGUSR1", "SIGUSR2"):
-                again = " (the scheduler's time-limit/requeue signal)"
-            log.warning(f"{what}: stopping after this step and saving {self.filename}{again}")
+                why = " (the scheduler's time-limit/requeue signal)"
+            log.warning(f"{what}: stopping after this step and saving {self.filename}{why}")
         trainer = self._trainer
-        if (
-            trainer is not None
-            and not _distributed(trainer)
-            and not (trainer.validating or trainer.sanity_checking)
+        # one process: nothing to agree on; the step in flight is the last one (Lightning's own path)
+        if trainer is not None and not (
+            _distributed(trainer) or trainer.validating or trainer.sanity_checking
         ):
-            # one process: nothing to agree on; the step in flight is the last one (Lightning's own path)
             self._stop(trainer, name)
 
     def _stop(self, trainer: pl.Trainer, agreed: str) -> None:
@@ -281,9 +273,8 @@ class InterruptCheckpoint(pl.Callback):
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         if self.dirpath is not None:
             return Path(self.dirpath) / self.filename
-        checkpoint = trainer.checkpoint_callback
-        dirpath = getattr(checkpoint, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
-        return Path(dirpath) / self.filename
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        return Path(dirpath or Path(trainer.default_root_dir) / "checkpoints") / self.filename
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -316,13 +307,8 @@ class InterruptCheckpoint(pl.Callback):
 
     def _record(self, path: Path, epoch: int, step: int) -> None:
         """``interrupted.json`` next to the checkpoint: what a requeued job checks before continuing."""
-        record = {
-            "signal": self.stopped_by,
-            "epoch": epoch,
-            "step": step,
-            "checkpoint": path.name,
-            "job_id": scheduler_job_id(),
-        }
+        record = {"signal": self.stopped_by, "epoch": epoch, "step": step, "checkpoint": path.name}
+        record["job_id"] = scheduler_job_id()
         try:
             atomic_write_text(path.parent / INTERRUPTED_FILE, json.dumps(record, indent=1) + "\n")
         except OSError as error:
@@ -338,13 +324,10 @@ class InterruptCheckpoint(pl.Callback):
         """What requeues the job after a SIGUSR1/SIGUSR2 stop: submitit's handler, "scontrol" or None."""
         if self._agreed not in ("SIGUSR1", "SIGUSR2"):
             return None
-        signum = int(signal.Signals[self._agreed])
-        before = self._before.get(signum)
+        before = self._before.get(int(signal.Signals[self._agreed]))
         if callable(before):
             return before
-        if self._slurm_requeue and signum == int(signal.SIGUSR1):
-            return "scontrol"
-        return None
+        return "scontrol" if self._slurm_requeue and self._agreed == "SIGUSR1" else None
 
     def hand_over(self) -> None:
         """After a SIGUSR1/SIGUSR2 stop and its save (the process group released): requeue the job as the
@@ -365,8 +348,7 @@ class InterruptCheckpoint(pl.Callback):
 
 def _scontrol_requeue() -> None:
     """``scontrol requeue <job>``: what Lightning's SLURM auto-requeue handler does after its own save."""
-    job_id = _slurm_job_id()
-    if not job_id:
+    if not (job_id := _slurm_job_id()):
         log.error("SIGUSR1: no SLURM_JOB_ID, the job is not requeued")
         return
     try:

@@ -44,8 +44,7 @@ class NonFiniteGuard(pl.Callback):
             raise ValueError(f"patience must be >= 1, got {patience}")
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be >= 1, got {check_every_n_steps}")
-        self.patience = patience
-        self.check_every_n_steps = check_every_n_steps
+        self.patience, self.check_every_n_steps = patience, check_every_n_steps
         self.zero_nonfinite_grads = zero_nonfinite_grads
         self._counters: torch.Tensor | None = None
         self._reported_losses = 0
@@ -75,9 +74,7 @@ class NonFiniteGuard(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if self._counters is None:
-            self._reset(pl_module.device)
-        c = self._counters
+        c = self._counters  # set by on_fit_start
         if isinstance(loss, torch.Tensor):
             bad = ~torch.isfinite(loss.detach()).all().to(c.device)
             c[0] = torch.where(bad, c[0] + 1, 0)
@@ -92,8 +89,7 @@ class NonFiniteGuard(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # runs before ModelCheckpoint's epoch-end save (Lightning orders checkpoint callbacks last)
-        if self._counters is not None:
-            self._check(trainer, pl_module, log_metrics=False)
+        self._check(trainer, pl_module, log_metrics=False)
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, log_metrics: bool) -> None:
         consecutive, losses, skipped, first = self._counters.tolist()  # the one host sync
@@ -107,8 +103,7 @@ class NonFiniteGuard(pl.Callback):
                 f"(first at {where}; {consecutive} in a row now)"
             )
             self._reported_losses = losses
-        stop = trainer.strategy.reduce_boolean_decision(consecutive >= self.patience, all=False)
-        if stop:
+        if trainer.strategy.reduce_boolean_decision(consecutive >= self.patience, all=False):
             raise NonFiniteLossError(
                 f"the training loss was NaN/inf for {max(consecutive, self.patience)}+ consecutive steps "
                 f"(first at {where}; {losses} non-finite losses, {skipped} steps with NaN/inf gradients "

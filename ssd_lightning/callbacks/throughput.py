@@ -153,18 +153,11 @@ def format_table(results: Mapping[str, Any]) -> str:
         f"{int(s['iterations'])} iterations after {results.get('warmup')} warm-up, "
         f"{results.get('device_name')}"
     )
-    rows = [
-        ("img/s median", s["images_per_second_median"]),
-        ("img/s mean", s["images_per_second_mean"]),
-        ("img/s min", s["images_per_second_min"]),
-        ("img/s max", s["images_per_second_max"]),
-        ("img/s p90 (90% reach)", s["images_per_second_p90"]),
-        ("img/s all images/time", s["images_per_second_average"]),
-        ("latency ms median", s["latency_ms_median"]),
-        ("latency ms p90", s["latency_ms_p90"]),
-        ("latency ms p99", s["latency_ms_p99"]),
-        (f"peak memory MiB ({results.get('peak_memory_kind')})", results["peak_memory_bytes"] / 2**20),
-    ]
+    rows = [(f"img/s {k}", s[f"images_per_second_{k}"]) for k in ("median", "mean", "min", "max")]
+    rows += [("img/s p90 (90% reach)", s["images_per_second_p90"])]
+    rows += [("img/s all images/time", s["images_per_second_average"])]
+    rows += [(f"latency ms {k}", s[f"latency_ms_{k}"]) for k in ("median", "p90", "p99")]
+    rows += [(f"peak memory MiB ({results.get('peak_memory_kind')})", results["peak_memory_bytes"] / 2**20)]
     table = markdown_table(("statistic", "value"), [(n, f"{v:.2f}") for n, v in rows], align="lr", pad=True)
     return head + "\n" + table
 
@@ -231,14 +224,11 @@ class ThroughputBenchmark(pl.Callback):
             raise ValueError(f"warmup must be >= 0 iterations, got {warmup}")
         if int(iterations) < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
-        self.mode = mode
-        self.warmup = int(warmup)
-        self.iterations = int(iterations)
+        self.mode, self.warmup, self.iterations = mode, int(warmup), int(iterations)
         self.include_data_loading = bool(include_data_loading)
         self.output_dir = None if output_dir is None else Path(output_dir)
         self.config_summary: dict[str, Any] = dict(config_summary or {})
-        self.clock = clock
-        self.print_table = print_table
+        self.clock, self.print_table = clock, print_table
         self.results: dict[str, Any] | None = None
         self.results_path: Path | None = None
         self.statistics: dict[str, float] | None = None
@@ -316,9 +306,7 @@ class ThroughputBenchmark(pl.Callback):
             log.warning(
                 "throughput benchmark timed %d of %d iterations (the loop ended first: give it at least "
                 "warmup + iterations = %d batches, e.g. more data or data.steps_per_epoch)",
-                n,
-                self.iterations,
-                self.total_iterations,
+                *(n, self.iterations, self.total_iterations),
             )
         if n == 0:
             return
@@ -333,10 +321,9 @@ class ThroughputBenchmark(pl.Callback):
         self.results = self._describe(trainer, pl_module, statistics, memory, memory_kind, int(per_device))
         if trainer.is_global_zero:
             out_dir = self.output_dir or Path(trainer.default_root_dir)
-            path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
-            self.results_path = path
+            self.results_path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
             if self.print_table:
-                print(format_table(self.results) + f"\nwritten to {path}", flush=True)
+                print(format_table(self.results) + f"\nwritten to {self.results_path}", flush=True)
 
     def _describe(
         self,
@@ -348,11 +335,10 @@ class ThroughputBenchmark(pl.Callback):
         per_device_batch: int,
     ) -> dict[str, Any]:
         net = getattr(pl_module, "net", None)
-        summary = self.config_summary
+        summary, device = self.config_summary, pl_module.device
         backbone = summary.get("backbone", getattr(net, "backbone_name", None))
         compiled = any(_is_compiled(m) for m in (pl_module, net) if m is not None)  # what ran, not the config
         channels_last = summary.get("channels_last", getattr(pl_module, "channels_last", False))
-        device = pl_module.device
         return {
             "mode": self.mode,
             "model": type(pl_module).__name__,
@@ -398,8 +384,7 @@ class ThroughputBenchmark(pl.Callback):
 
 def _is_compiled(module: torch.nn.Module) -> bool:
     """Compiled in place (``module.compile()``) or wrapped (``torch.compile(module)``)."""
-    in_place = compat.is_compiled_in_place(module)
-    return in_place or type(module).__name__ == "OptimizedModule"
+    return compat.is_compiled_in_place(module) or type(module).__name__ == "OptimizedModule"
 
 
 def _is_jsonable(value: Any) -> bool:

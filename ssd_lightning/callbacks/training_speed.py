@@ -83,14 +83,7 @@ class TrainingSpeed(pl.Callback):
         self._reset_interval()
 
     def _reset_interval(self) -> None:
-        self._elapsed = 0.0  # closed segments of this interval
-        self._batches = 0
-        self._images = 0
-        self._wait = 0.0
-
-    @property
-    def _measuring(self) -> bool:
-        return self._batches_seen >= self.warmup_steps
+        self._elapsed, self._batches, self._images, self._wait = 0.0, 0, 0, 0.0  # _elapsed: closed segments
 
     def _pause(self, now: float) -> None:
         if self._running_since is not None:
@@ -103,7 +96,8 @@ class TrainingSpeed(pl.Callback):
 
     # -- the loader's __next__, seen through Lightning's profiler ------------------------------------------
     def _fetch_start(self) -> None:
-        self._fetch_started = self.clock() if self._measuring and self._running_since is not None else None
+        measuring = self._batches_seen >= self.warmup_steps and self._running_since is not None
+        self._fetch_started = self.clock() if measuring else None
 
     def _fetch_stop(self) -> None:
         if self._fetch_started is not None:
@@ -148,9 +142,6 @@ class TrainingSpeed(pl.Callback):
         compat.train_fetch_action(trainer)  # still the action Lightning times the fetch with
         self._patch_profiler(trainer)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._unpatch_profiler()
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unpatch_profiler()  # also after an exception
 
@@ -185,7 +176,7 @@ class TrainingSpeed(pl.Callback):
             return
         self._batches += 1
         self._images += _batch_size(batch)
-        step = _logging_step(trainer)
+        step = compat.batches_that_stepped(trainer) + 1  # the 1-based count Lightning tests for logging
         n = trainer.log_every_n_steps
         if n > 0 and step % n == 0 and step != self._last_logged_step:
             self._last_logged_step = step
@@ -205,19 +196,9 @@ class TrainingSpeed(pl.Callback):
         if any(elapsed <= 0 for _, elapsed, _ in per_rank):
             return  # a clock that did not move (cannot happen with perf_counter): nothing to report
         rate, wait_fraction = interval_speed(per_rank)
+        images, elapsed = sum(n for n, _, _ in per_rank), max(e for _, e, _ in per_rank)
         self.last_interval = IntervalSpeed(
-            step=step,
-            batches=self._batches,
-            images=sum(n for n, _, _ in per_rank),
-            elapsed=max(e for _, e, _ in per_rank),
-            wait=self._wait,
-            images_per_second=rate,
-            data_wait_fraction=wait_fraction,
+            step, self._batches, images, elapsed, self._wait, rate, wait_fraction
         )
         for name, value in ((IMAGES_PER_SECOND, rate), (DATA_WAIT_FRACTION, wait_fraction)):
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
-
-
-def _logging_step(trainer: pl.Trainer) -> int:
-    """The 1-based count Lightning tests against ``log_every_n_steps`` when it writes step metrics."""
-    return compat.batches_that_stepped(trainer) + 1

@@ -120,15 +120,8 @@ def load_classifier(
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     size = record["input"]
-    return Classifier(
-        class_names=tuple(record["classes"]["names"]),
-        image_size=int(size["image_size"]),
-        resize=int(size["resize"] or round(size["image_size"] * 256 / 224)),
-        mean=tuple(size["mean"]),
-        std=tuple(size["std"]),
-        net=net.eval().to(device),
-        source=str(ckpt_path),
-    )
+    inputs = {**size, "resize": size["resize"] or round(size["image_size"] * 256 / 224)}
+    return _classifier(record["classes"]["names"], inputs, net=net.eval().to(device), source=str(ckpt_path))
 
 
 def classifier_from_onnx(session: Any, meta: Mapping[str, Any], path: Path) -> Classifier:
@@ -136,12 +129,11 @@ def classifier_from_onnx(session: Any, meta: Mapping[str, Any], path: Path) -> C
     outputs = tuple(o.name for o in session.get_outputs())
     if outputs != CLASSIFIER_OUTPUTS:
         raise ValueError(f"onnx={path} has outputs {', '.join(outputs)}, not {', '.join(CLASSIFIER_OUTPUTS)}")
-    return Classifier(
-        class_names=tuple(meta["class_names"]),
-        image_size=int(meta["image_size"]),
-        resize=int(meta["resize"]),
-        mean=tuple(meta["mean"]),
-        std=tuple(meta["std"]),
-        session=session,
-        source=str(path),
-    )
+    return _classifier(meta["class_names"], meta, session=session, source=str(path))
+
+
+def _classifier(names: Sequence[str], inputs: Mapping[str, Any], **model: Any) -> Classifier:
+    """A :class:`Classifier` of ``names`` with the transform of ``inputs`` (``image_size``, ``resize``,
+    ``mean``, ``std``: a model record's ``input``, an export's metadata); ``model``: its net or session."""
+    size, resize, mean, std = (inputs[k] for k in ("image_size", "resize", "mean", "std"))
+    return Classifier(tuple(names), int(size), int(resize), tuple(mean), tuple(std), **model)

@@ -61,9 +61,8 @@ def load_nvidia_checkpoint(
         FileNotFoundError, pickle.UnpicklingError: see :func:`ssd_lightning.io.weights.read_checkpoint`.
         ValueError: not a checkpoint dict, or keys/shapes that do not fit the model.
     """
-    source = (
-        f"nvidia_checkpoint={path_or_dict}" if isinstance(path_or_dict, (str, os.PathLike)) else "checkpoint"
-    )
+    is_file = isinstance(path_or_dict, (str, os.PathLike))
+    source = f"nvidia_checkpoint={path_or_dict}" if is_file else "checkpoint"
     state = read_nvidia_state_dict(path_or_dict, trust_checkpoint=trust_checkpoint)
     return nvidia_state_dict(state, backbone=backbone, num_classes=num_classes, source=source)
 
@@ -135,15 +134,13 @@ class Detector:
 
     @property
     def decoder(self) -> dict[str, Any]:
-        """The decoder settings as a dict (the keyword arguments of :meth:`BoxCoder.decode`)."""
+        """The keyword arguments of :meth:`BoxCoder.decode`."""
         return dict(self.settings)
 
     @property
     def runs_on(self) -> str:
         """``cpu``, ``cuda:0``, ... or ``onnxruntime <provider>``."""
-        if self.session is not None:
-            return "onnxruntime " + self.session.get_providers()[0]
-        return str(self.device)
+        return f"onnxruntime {self.session.get_providers()[0]}" if self.session else str(self.device)
 
     @torch.inference_mode()
     def detect(self, images: Tensor, sizes: Sequence[tuple[int, int]]) -> list[dict[str, Tensor]]:
@@ -170,12 +167,9 @@ class Detector:
         boxes, scores, labels, counts = self.session.run(
             ["boxes", "scores", "labels", "num_detections"], {"images": images.float().cpu().numpy()}
         )
+        outputs = {"boxes": boxes, "scores": scores, "labels": labels}
         detections = [
-            {
-                "boxes": torch.from_numpy(boxes[i, :n]),
-                "scores": torch.from_numpy(scores[i, :n]),
-                "labels": torch.from_numpy(labels[i, :n]),
-            }
+            {key: torch.from_numpy(value[i, :n]) for key, value in outputs.items()}
             for i, n in enumerate(int(c) for c in counts)
         ]
         return scale_to_pixels(detections, sizes)
@@ -184,11 +178,6 @@ class Detector:
 # ------------------------------------------------------------------------------------------ loading
 def _numbered(num_classes: int) -> CategoryMap:
     return CategoryMap.from_names([f"class_{k}" for k in range(1, num_classes)])
-
-
-def _run_config_path(ckpt_path: Path) -> Path:
-    """``<run>/checkpoints/<name>.ckpt`` -> ``<run>/.hydra/config.yaml``."""
-    return ckpt_path.resolve().parent.parent / ".hydra" / "config.yaml"
 
 
 def _load_run_config(config_path: Path):
@@ -212,20 +201,15 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
     """Names and category ids from the run's annotation file; ``class_<k>`` if it is not readable."""
     from omegaconf import OmegaConf
 
+    root = OmegaConf.select(cfg, "data.root", throw_on_resolution_failure=False)
     candidates = []
-    for key, default_rel in (
-        ("val_annotations", "annotations/instances_val2017.json"),
-        ("train_annotations", "annotations/instances_train2017.json"),
-    ):
-        value = OmegaConf.select(cfg, f"data.{key}", throw_on_resolution_failure=False)
-        root = OmegaConf.select(cfg, "data.root", throw_on_resolution_failure=False)
+    for split in ("val", "train"):
+        value = OmegaConf.select(cfg, f"data.{split}_annotations", throw_on_resolution_failure=False)
         if value:
             candidates.append(Path(str(value)))
         elif root:
-            candidates.append(Path(str(root)) / default_rel)
-    for path in candidates:
-        if not path.is_file():
-            continue
+            candidates.append(Path(str(root)) / f"annotations/instances_{split}2017.json")
+    for path in filter(Path.is_file, candidates):
         try:
             cmap = CategoryMap.from_coco(path)
         except (ValueError, OSError) as e:
@@ -243,19 +227,6 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
     return _numbered(num_classes)
 
 
-def checkpoint_weights_prefix(hparams: Mapping[str, Any]) -> str:
-    """The run's weights in an SSDLitModule checkpoint without a model record (written before records
-    existed): ``ema.module.`` when it kept an EMA that is the run's weights (``ema_decay`` set, ``use_ema``
-    true), else ``net.``."""
-    return "ema.module." if hparams.get("ema_decay") is not None and hparams.get("use_ema", True) else "net."
-
-
-def categories_of_record(record: Mapping[str, Any]) -> CategoryMap:
-    """The class names and dataset category ids a detector's model record holds."""
-    classes = record["classes"]
-    return CategoryMap(tuple(classes["category_ids"]), tuple(classes["names"]))
-
-
 def _from_checkpoint(
     ckpt: Path, run_config: str | os.PathLike | None, trust_checkpoint: bool
 ) -> tuple[nn.Module, CategoryMap, Mapping, int]:
@@ -271,12 +242,13 @@ def _from_checkpoint(
                 "predict.py and scripts/export_onnx.py take it as it is"
             )
         net = build_network(record["architecture"])
-        net.load_state_dict(model_weights(checkpoint, record["weights"], source=source), strict=True)
-        if record["weights"] != "net.":
-            log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
-        size = int(record["input"]["image_size"])
-        return net, categories_of_record(record), record.get("decoder") or {}, size
-    config_path = Path(run_config) if run_config is not None else _run_config_path(ckpt)
+        _load_weights(net, checkpoint, record["weights"], ckpt)
+        classes = CategoryMap(tuple(record["classes"]["category_ids"]), tuple(record["classes"]["names"]))
+        return net, classes, record.get("decoder") or {}, int(record["input"]["image_size"])
+    # <run>/checkpoints/<name>.ckpt -> <run>/.hydra/config.yaml
+    config_path = (
+        Path(run_config) if run_config is not None else ckpt.resolve().parents[1] / ".hydra/config.yaml"
+    )
     if not config_path.is_file():
         raise CheckpointReadError(
             f"{source} records no model (written by an ssd_lightning before checkpoints did, or by another "
@@ -291,30 +263,32 @@ def _from_checkpoint(
         net_cfg.weights_backbone = None  # the checkpoint has every weight; never download
     net = hydra.utils.instantiate(net_cfg)
     hparams = checkpoint.get("hyper_parameters") or {}
-    prefix = checkpoint_weights_prefix(hparams)
-    net.load_state_dict(model_weights(checkpoint, prefix, source=source), strict=True)
+    # before model records: the run kept an EMA that is its weights when ema_decay is set and use_ema true
+    with_ema = hparams.get("ema_decay") is not None and hparams.get("use_ema", True)
+    _load_weights(net, checkpoint, "ema.module." if with_ema else "net.", ckpt)
     if getattr(net, "num_classes", None) is None:
         raise ValueError(f"{config_path}: model.net builds a network without `num_classes`; not an SSD300")
+    return net, _categories_from_run(cfg, int(net.num_classes)), hparams.get("decoder") or {}, 300
+
+
+def _load_weights(net: nn.Module, checkpoint: Mapping[str, Any], prefix: str, ckpt: Path) -> None:
+    """``net`` gets the checkpoint's weights under ``prefix`` (``net.`` or the EMA's), strictly."""
+    net.load_state_dict(model_weights(checkpoint, prefix, source=f"ckpt_path={ckpt}"), strict=True)
     if prefix != "net.":
         log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
-    saved = hparams.get("decoder") or {}
-    return net, _categories_from_run(cfg, int(net.num_classes)), saved, 300
 
 
 def _onnx_providers(device: str | torch.device) -> list[str]:
     """onnxruntime execution providers for ``device`` (``auto``: CUDA when this onnxruntime has it)."""
     import onnxruntime as ort
 
-    available = ort.get_available_providers()
-    device = str(device)
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
+    available, device = ort.get_available_providers(), str(device)
     if device.startswith("cuda") and "CUDAExecutionProvider" not in available:
         raise ValueError(
             f"device={device}: this onnxruntime has no CUDAExecutionProvider (it has "
             f"{', '.join(available)}); install onnxruntime-gpu or use device=cpu"
         )
-    if device == "auto" and "CUDAExecutionProvider" not in available:
+    if device == "cpu" or (device == "auto" and "CUDAExecutionProvider" not in available):
         return ["CPUExecutionProvider"]
     return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
@@ -357,12 +331,9 @@ def detector_from_onnx(
                 f"{settings.get(key)}); re-export with `scripts/export_onnx.py ... end_to_end=true "
                 f"decoder.{key}={value}`"
             )
+    categories = CategoryMap(tuple(meta["category_ids"]), tuple(meta["class_names"]))
     return Detector(
-        categories=CategoryMap(tuple(meta["category_ids"]), tuple(meta["class_names"])),
-        settings=settings,
-        session=session,
-        source=str(path),
-        image_size=int(meta["image_size"]),
+        categories, settings, session=session, source=str(path), image_size=int(meta["image_size"])
     )
 
 
@@ -394,9 +365,8 @@ def load_detector(
     * ``onnx``: an end-to-end export (:func:`ssd_lightning.inference.export.export_detector`) run with
       onnxruntime; names, ids and decoder settings from its metadata (``decoder`` may only repeat them).
 
-    ``dtype`` (:func:`resolve_dtype`; ``auto``: the precision training validates with on this
-    device) is the network's; an ONNX export runs as exported. ``decoder`` overrides the decoder settings
-    (``None`` values are ignored). Checkpoints are read with
+    ``dtype`` (:func:`resolve_dtype`) is the network's; an ONNX export runs as exported. ``decoder``
+    overrides the decoder settings (``None`` values are ignored). Checkpoints are read with
     ``torch.load(weights_only=True)``; ``trust_checkpoint=True`` unpickles them fully (can run code).
 
     Raises:
@@ -419,31 +389,17 @@ def load_detector(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if nvidia_checkpoint is not None:
         net = ssd300(backbone=backbone, num_classes=num_classes)
-        net.load_state_dict(
-            load_nvidia_checkpoint(
-                nvidia_checkpoint,
-                backbone=backbone,
-                num_classes=num_classes,
-                trust_checkpoint=trust_checkpoint,
-            )
-        )
+        kwargs = {"backbone": backbone, "num_classes": num_classes, "trust_checkpoint": trust_checkpoint}
+        net.load_state_dict(load_nvidia_checkpoint(nvidia_checkpoint, **kwargs))
         coco = CategoryMap.coco()
         categories = coco if num_classes == coco.num_classes else _numbered(num_classes)
-        saved: Mapping = {}
-        source = str(nvidia_checkpoint)
-        image_size = 300
+        saved, image_size = {}, 300
     else:
         net, categories, saved, image_size = _from_checkpoint(Path(ckpt_path), run_config, trust_checkpoint)
-        source = str(ckpt_path)
     settings = DecoderSettings.from_mapping(decoder, base=DecoderSettings.from_mapping(saved))
-    return Detector(
-        categories=categories,
-        settings=settings,
-        net=net.eval().to(device),
-        source=source,
-        image_size=image_size,
-        dtype=resolve_dtype(dtype, device)[0],
-    )
+    source = str(ckpt_path if nvidia_checkpoint is None else nvidia_checkpoint)
+    net, dtype = net.eval().to(device), resolve_dtype(dtype, device)[0]
+    return Detector(categories, settings, net, source=source, image_size=image_size, dtype=dtype)
 
 
 def load_detector_from_settings(settings: Mapping[str, Any]) -> Detector:

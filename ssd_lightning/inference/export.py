@@ -168,10 +168,8 @@ class EndToEndSSD(nn.Module):
         box_coder: the :class:`BoxCoder` of ``net``'s default boxes.
         score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
 
-    ``forward(images)`` returns ``boxes`` (N, K, 4) float32 ltrb in [0, 1] (relative to the image, clipped),
-    ``scores`` (N, K) float32, ``labels`` (N, K) int64 in 1..C-1, ``num_detections`` (N,) int64, with
-    K = ``max_detections``, sorted by descending score; rows past ``num_detections`` are zeros (label 0).
-    The first ``num_detections`` rows are ``BoxCoder.decode``'s detections (boxes clipped to [0, 1]).
+    ``forward(images)`` returns :func:`select_detections`' four tensors; the first ``num_detections`` rows
+    are ``BoxCoder.decode``'s detections (boxes relative to the image, clipped to [0, 1]).
 
     Raises:
         ValueError: ``topk_per_class`` or ``max_detections`` < 1, ``nms_iou`` not in (0, 1],
@@ -203,8 +201,7 @@ class EndToEndSSD(nn.Module):
         self.decoder_settings = settings  # what this module reproduces of BoxCoder.decode
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        locs, logits = self.net(images)
-        return self.decode(locs, logits)
+        return self.decode(*self.net(images))
 
     def decode(self, locs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Network outputs ``locs`` (N, 4, B), ``logits`` (N, C, B) -> the four outputs of ``forward``."""
@@ -228,13 +225,8 @@ def export_end_to_end(
     if opset < 11:
         raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
     output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
-    entries = {
-        "kind": "detector",
-        **dict(metadata or {}),
-        "decoder": dict(model.decoder_settings),
-        "image_size": image_size,
-    }
-    return _with_metadata(output, entries)
+    settings = {"decoder": dict(model.decoder_settings), "image_size": image_size}
+    return _with_metadata(output, {"kind": "detector", **dict(metadata or {}), **settings})
 
 
 def _with_metadata(output: Path, entries: Mapping[str, Any]) -> Path:
@@ -268,21 +260,14 @@ def _trace(
     output.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval().float().cpu()
     example = torch.zeros(2, 3, image_size, image_size)
+    names = {"input_names": ["images"], "output_names": list(outputs)}
     dynamic = {name: {0: "batch"} for name in ("images", *outputs)}
     with torch.no_grad(), warnings.catch_warnings():
         # the legacy exporter's deprecation notice and tracer warnings about data-dependent shapes
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            model,
-            (example,),
-            str(output),
-            input_names=["images"],
-            output_names=list(outputs),
-            dynamic_axes=dynamic,
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
+            model, (example,), str(output), **names, dynamic_axes=dynamic, opset_version=opset, dynamo=False
+        )  # do_constant_folding is on by default
     return output
 
 
@@ -346,8 +331,7 @@ def detection_difference(
     Each detection of ``a`` is matched to an unused one of ``b`` with the same label and the closest
     box and score (the closest pairs first, so near-equal scores in a different order still pair up).
 
-    Args:
-        boxes_a, boxes_b: (k, 4) boxes; scores_a, scores_b: (k,); labels_a, labels_b: (k,).
+    Args: boxes (k, 4), scores (k,), labels (k,) of each.
 
     Returns:
         the largest |difference| of box coordinates or scores over the matched pairs; ``inf`` when the
@@ -388,12 +372,7 @@ def compare_with_decoder(
     reference = model.box_coder.decode(locs, logits, **model.decoder_settings)
     return max(
         detection_difference(
-            boxes[i, : counts[i]],
-            scores[i, : counts[i]],
-            labels[i, : counts[i]],
-            ref["boxes"].clamp(0, 1).numpy(),
-            ref["scores"].numpy(),
-            ref["labels"].numpy(),
-        )  # fmt: skip
-        for i, ref in enumerate(reference)
+            boxes[i, :n], scores[i, :n], labels[i, :n], ref["boxes"].clamp(0, 1), ref["scores"], ref["labels"]
+        )
+        for i, (n, ref) in enumerate(zip(counts, reference, strict=True))
     )

@@ -1,7 +1,5 @@
 """JPEGs decoded on a CUDA device (nvJPEG through ``torchvision.io.decode_jpeg``) into the network's input
-and a picture-sized copy, for ``predict.py`` when the detector runs on CUDA.
-
-Decoding, EXIF orientation, resizing and normalisation all run on the GPU; only the picture (at most
+and a picture-sized copy, for ``predict.py`` when the detector runs on CUDA. Only the picture (at most
 ``picture_size`` on its longer side) comes back to host memory, and only when pictures are drawn.
 """
 
@@ -75,10 +73,9 @@ def network_input(image: Tensor, size: int = 300) -> Tensor:
     """(3, H, W) uint8 -> (3, size, size) float32 ImageNet-normalised, resized without letterbox
     (bilinear with antialiasing: PIL's ``BILINEAR`` resize, as :func:`~ssd_lightning.inference.predict.
     preprocess` does on the host, to within rounding)."""
-    resized = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)
-    mean = torch.tensor(IMAGENET_MEAN, device=image.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=image.device).view(1, 3, 1, 1)
-    return ((resized - mean) / std)[0]
+    resized = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)[0]
+    mean, std = (torch.tensor(v, device=image.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return (resized - mean) / std
 
 
 def picture_of(image: Tensor, longest: int) -> Image.Image:

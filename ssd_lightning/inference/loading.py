@@ -21,8 +21,7 @@ __all__ = ["checkpoint_kind", "load_model_from_settings"]
 
 
 def checkpoint_kind(path: str | os.PathLike, *, trust_checkpoint: bool = False) -> str:
-    """``detector`` or ``classifier``, from the file's model record (no record: a detector of an earlier
-    version, rebuilt from its run config)."""
+    """``detector`` or ``classifier``, from the file's model record (no record: an earlier detector)."""
     checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what="ckpt_path")
     record = read_model_record(checkpoint, source=f"ckpt_path={path}")
     return "detector" if record is None else record["kind"]
@@ -30,11 +29,10 @@ def checkpoint_kind(path: str | os.PathLike, *, trust_checkpoint: bool = False) 
 
 def load_model_from_settings(settings: Mapping[str, Any]) -> Detector | Classifier:
     """The model of ``settings`` (``configs/predict.yaml``, the export command's keys): a classifier when the
-    checkpoint or ONNX file says so, else
-    :func:`~ssd_lightning.inference.detector.load_detector_from_settings`."""
-    device = settings.get("device", "cpu")
+    checkpoint or ONNX file says so, else :func:`~.detector.load_detector_from_settings`."""
     if sum(bool(settings.get(key)) for key in ("ckpt_path", "nvidia_checkpoint", "onnx")) != 1:
         return load_detector_from_settings(settings)  # its error says which sources there are
+    device = settings.get("device", "cpu")
     if settings.get("onnx"):
         path = Path(settings["onnx"])
         session, meta = open_onnx(path, device)
@@ -42,10 +40,7 @@ def load_model_from_settings(settings: Mapping[str, Any]) -> Detector | Classifi
             return classifier_from_onnx(session, meta, path)
         return detector_from_onnx(session, meta, path, settings.get("decoder"))
     ckpt, trust = settings.get("ckpt_path"), bool(settings.get("trust_checkpoint", False))
-    if (
-        ckpt
-        and not settings.get("run_config")
-        and checkpoint_kind(ckpt, trust_checkpoint=trust) == "classifier"
-    ):
+    by_record = ckpt and not settings.get("run_config")  # run_config= rebuilds a detector from its run
+    if by_record and checkpoint_kind(ckpt, trust_checkpoint=trust) == "classifier":
         return load_classifier(ckpt, device=device, trust_checkpoint=trust)
     return load_detector_from_settings(settings)

@@ -8,9 +8,7 @@ from typing import Any
 
 __all__ = ["END_TO_END_OUTPUTS", "METADATA_KEYS", "NETWORK_OUTPUTS", "metadata_entry", "read_metadata"]
 
-#: Output names of the network-only graph, in order.
-NETWORK_OUTPUTS: tuple[str, ...] = ("locs", "logits")
-#: Output names of the end-to-end graph, in order.
+NETWORK_OUTPUTS: tuple[str, ...] = ("locs", "logits")  # of the network-only graph, in order
 END_TO_END_OUTPUTS: tuple[str, ...] = ("boxes", "scores", "labels", "num_detections")
 #: Metadata entries written with an end-to-end export (``export.export_end_to_end``).
 METADATA_KEYS: tuple[str, ...] = ("class_names", "category_ids", "decoder", "image_size")
@@ -26,7 +24,5 @@ def read_metadata(custom_metadata: Mapping[str, str]) -> dict[str, Any]:
     """Decode the entries of :func:`metadata_entry` from an ``onnxruntime`` session's
     ``get_modelmeta().custom_metadata_map`` (or the file's ``metadata_props`` as a dict)."""
     return {
-        key[len(_PREFIX) :]: json.loads(value)
-        for key, value in custom_metadata.items()
-        if key.startswith(_PREFIX)
+        k.removeprefix(_PREFIX): json.loads(v) for k, v in custom_metadata.items() if k.startswith(_PREFIX)
     }

@@ -1,15 +1,10 @@
 """Detect objects in image files: read and preprocess, run a :class:`Detector`, write pictures + JSON, and
-score the detections against a COCO annotation file.
+score the detections against a COCO annotation file (or classify them, with a :class:`Classifier`).
 
-Inputs come from :func:`ssd_lightning.inference.sources.collect_inputs` (re-exported here). Images are read
-and preprocessed in ``workers`` threads a few batches ahead of the detector, in input order; the same threads
-draw and encode the pictures behind it. Preprocessing (:func:`preprocess`) is the validation transform of the
-datamodules done with PIL and torch instead of DALI: RGB (EXIF orientation applied), resize to 300×300
-without letterbox (Pillow bilinear), then ``(pixel - 255 * mean) / (255 * std)`` with the ImageNet
-mean/std, NCHW float32. Large JPEGs are decoded at a reduced scale first (:func:`open_image`,
-``fast_decode``). With the detector on CUDA, JPEGs are decoded, resized and normalised on the GPU instead
-(:mod:`ssd_lightning.inference.gpu_decode`, ``gpu_decode``). Reasons and measurements: docs/internals.md,
-"inference/predict.py".
+Images are read in ``workers`` threads a few batches ahead of the model, in input order; the same threads
+draw and encode the pictures behind it. :func:`preprocess` is the datamodules' validation transform done
+with PIL and torch instead of DALI; with the detector on CUDA, JPEGs are decoded and preprocessed on the GPU
+(:mod:`~ssd_lightning.inference.gpu_decode`). Why and how fast: docs/internals.md, "inference/predict.py".
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.errors import ConfigError, DataError, user_errors_as_messages
 from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
-    ClassAP,
     coco_array_to_results,
     evaluate_coco_detailed,
     format_summary,
@@ -77,7 +71,8 @@ log = logging.getLogger(__name__)
 
 
 def preprocess(image: Image.Image, size: int = 300) -> Tensor:
-    """PIL image -> (3, size, size) float32, RGB, resized without letterbox, ImageNet-normalised."""
+    """PIL image -> (3, size, size) float32 RGB, resized without letterbox (Pillow bilinear), then
+    ``(pixel - mean) / std`` with the ImageNet mean/std on the 0..255 scale."""
     rgb = image.convert("RGB").resize((size, size), Image.BILINEAR)
     array = torch.from_numpy(np.asarray(rgb, dtype=np.float32).copy()).permute(2, 0, 1)  # (3, S, S) 0..255
     mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
@@ -335,18 +330,14 @@ def predict_images(
 
     ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
     network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
-    exactly). ``gpu_decode`` with the detector's network on CUDA: JPEGs are decoded (nvJPEG), resized and
-    normalised on the GPU (:mod:`~ssd_lightning.inference.gpu_decode`); other files as on a CPU. Pictures
-    ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix replaced; ``_1``, ``_2``...
-    for further inputs of the same name) show detections with score >= ``draw_score_thresh`` on the image
-    as decoded, its longer side at most ``picture_size``; they are drawn and encoded in the background.
-    ``workers`` threads read images ahead (a few batches at most) and write the pictures; ``progress`` shows
-    a progress bar. The log's last line gives the images per second of the loop (reading, detecting,
-    drawing; not loading the detector).
+    exactly). ``gpu_decode`` with the network on CUDA: JPEGs are decoded (nvJPEG) and preprocessed on the
+    GPU; other files as on a CPU. Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix
+    replaced; ``_1``, ``_2``... for further inputs of the same name) show detections with score >=
+    ``draw_score_thresh`` on the image as decoded, its longer side at most ``picture_size``. The log's last
+    line gives the images per second of the loop (reading, detecting, drawing; not loading the detector).
 
     Returns:
-        (the COCO results, the failures as ``(path, reason)``). Unreadable files are skipped with an
-        error message naming them; the others are processed.
+        (the COCO results, the unreadable files, skipped and logged, as ``(path, reason)``).
     """
     items = [_as_input(item) for item in inputs]
     ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
@@ -375,17 +366,8 @@ def predict_images(
         return records
 
     read, chunk = _detector_reader(detector, fast_decode, gpu_decode, picture_size if draw else 0, batch_size)
-    failures = _run_batches(
-        items,
-        ids,
-        read,
-        run,
-        output_dir,
-        batch_size=batch_size,
-        workers=workers,
-        progress=progress,
-        chunk=chunk,
-    )
+    options = {"batch_size": batch_size, "workers": workers, "progress": progress, "chunk": chunk}
+    failures = _run_batches(items, ids, read, run, output_dir, **options)
     atomic_write_json(output_dir / "predictions.json", results)
     return results, failures
 
@@ -393,14 +375,12 @@ def predict_images(
 def _detector_reader(
     detector: Detector, fast_decode: bool, gpu_decode: bool, picture_size: int, batch_size: int
 ) -> tuple[Callable[..., list[_Read]], int]:
-    """How :func:`predict_images` reads: ``(read, chunk)`` for :meth:`_Pool.read_ahead` (on CUDA with
-    ``gpu_decode``, a batch's JPEGs together)."""
-    min_side = 2 * detector.image_size if fast_decode else 0
-    host = partial(_read, transform=partial(preprocess, size=detector.image_size), min_side=min_side)
+    """``(read, chunk)`` for :meth:`_Pool.read_ahead`; with ``gpu_decode`` on CUDA: one batch's JPEGs."""
+    size = detector.image_size
+    host = partial(_read, transform=partial(preprocess, size=size), min_side=2 * size if fast_decode else 0)
     device = _cuda_device_of(detector) if gpu_decode else None
     if device is None:
         return _one_at_a_time(host), 1
-    size = detector.image_size
     return partial(_read_on_gpu, device=device, size=size, picture_size=picture_size, host=host), batch_size
 
 
@@ -417,11 +397,10 @@ def _run_batches(
     chunk: int = 1,
 ) -> list[tuple[Path, str]]:
     """Read ``items`` ahead in ``workers`` threads, ``chunk`` items a task (at most
-    ``max(2 * batch_size, 4 * workers)`` items ahead), and
-    call ``run`` on batches of :class:`_Read` with the pool for background work; the records it returns go to
-    ``<output_dir>/predictions.jsonl`` as they come (flushed), one per image. Unreadable files are logged,
-    recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and skipped. Returns them as ``(path,
-    reason)``; logs the rate."""
+    ``max(2 * batch_size, 4 * workers)`` items ahead), and call ``run`` on batches of :class:`_Read`; the
+    records it returns go to ``<output_dir>/predictions.jsonl`` as they come (flushed), one per image.
+    Unreadable files are logged, recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and
+    skipped. Returns them as ``(path, reason)``; logs the rate."""
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size}: must be >= 1")
     failures: list[tuple[Path, str]] = []
@@ -432,26 +411,25 @@ def _run_batches(
     finished = False
     with open(output_dir / "predictions.jsonl", "w", encoding="utf-8") as lines:
 
-        def write(records: Iterable[Mapping[str, Any]]) -> None:
+        def write(records: Iterable[Mapping[str, Any]], n: int) -> None:
             lines.writelines(json.dumps(record) + "\n" for record in records)
             lines.flush()
+            bar.update(n)
 
         try:
             for done in pool.read_ahead(items, read, chunk):
                 if done.reason:
                     failures.append((done.item.path, done.reason))
                     log.error("skipping %s: cannot read it as an image (%s)", done.item.path, done.reason)
-                    write([{"image_id": ids[done.index], "file_name": done.item.name, "error": done.reason}])
-                    bar.update(1)
+                    error = {"image_id": ids[done.index], "file_name": done.item.name, "error": done.reason}
+                    write([error], 1)
                     continue
                 batch.append(done)
                 if len(batch) == batch_size:
-                    write(run(batch, pool))
-                    bar.update(len(batch))
+                    write(run(batch, pool), len(batch))
                     batch = []
             if batch:
-                write(run(batch, pool))
-                bar.update(len(batch))
+                write(run(batch, pool), len(batch))
             finished = True
         finally:
             pool.close(wait=finished)
@@ -578,18 +556,15 @@ def _report_accuracy(hits: np.ndarray, names: Sequence[str], output_dir: Path) -
             for name, (n, h1, _) in zip(names, hits, strict=True)
         ],
     }
-    atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
+    path = atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
     rows = [
         (c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}")
         for c in report["per_class"]
     ]
+    table = markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True)
+    top1, top5 = report["top1"] or 0.0, report["top5"] or 0.0
     log.info(
-        "Classification of %d image(s): top-1 %.4f, top-5 %.4f\n%s\n-> %s",
-        total,
-        report["top1"] or 0.0,
-        report["top5"] or 0.0,
-        markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True),
-        output_dir / "classification_eval.json",
+        "Classification of %d image(s): top-1 %.4f, top-5 %.4f\n%s\n-> %s", total, top1, top5, table, path
     )
 
 
@@ -628,16 +603,6 @@ def categories_for_annotations(
     )
 
 
-def _class_table(classes: Sequence[ClassAP]) -> str:
-    """The per-class AP as a markdown table, category order; ``-`` where AP is undefined."""
-
-    def value(x: float) -> str:
-        return "-" if math.isnan(x) else f"{x:.3f}"
-
-    rows = [(c.name, c.category_id, c.num_gt, value(c.ap), value(c.ap50)) for c in classes]
-    return markdown_table(["category", "id", "GT", "AP", "AP50"], rows, align="lrrrr", pad=True)
-
-
 def evaluate_predictions(
     annotation_file: str | os.PathLike,
     results: Sequence[Mapping[str, Any]] | str | os.PathLike,
@@ -661,8 +626,7 @@ def evaluate_predictions(
     with warnings.catch_warnings():  # a subset is stated in the log line below
         warnings.filterwarnings("ignore", message="evaluating on .* images", category=UserWarning)
         evaluation = evaluate_coco_detailed(annotation_file, results, verbose=False, image_ids=image_ids)
-    stats, classes = evaluation.stats, evaluation.classes
-    evaluated = len(set(image_ids))
+    stats, classes, evaluated = evaluation.stats, evaluation.classes, len(set(image_ids))
     report = {
         "annotations": str(annotation_file),
         "images": evaluated,
@@ -670,22 +634,25 @@ def evaluate_predictions(
         "stats": {name: stats[name] for name in COCO_STAT_NAMES},
         "per_class": per_class_records(classes),
     }
-    atomic_write_json(Path(output_dir) / "coco_eval.json", report, indent=1, allow_nan=False)
+    written = atomic_write_json(Path(output_dir) / "coco_eval.json", report, indent=1, allow_nan=False)
     scope = f"{evaluated} image(s)"
     if annotated_images is not None and annotated_images != evaluated:
         scope = f"{evaluated} of its {annotated_images} images (not the full-dataset metrics)"
     log.info("COCO bbox evaluation on %s of %s:\n%s", scope, annotation_file, format_summary(stats))
-    log.info("Per-class AP (area all, maxDets 100):\n%s", _class_table(classes))
-    log.info("-> %s", Path(output_dir) / "coco_eval.json")
+    rows = [
+        (c.name, c.category_id, c.num_gt, *("-" if math.isnan(x) else f"{x:.3f}" for x in (c.ap, c.ap50)))
+        for c in classes
+    ]  # category order; "-" where AP is undefined
+    table = markdown_table(["category", "id", "GT", "AP", "AP50"], rows, align="lrrrr", pad=True)
+    log.info("Per-class AP (area all, maxDets 100):\n%s", table)
+    log.info("-> %s", written)
     return report
 
 
 # ------------------------------------------------------------------------------------------ predict.py
 def _predict(settings: Mapping[str, Any]) -> int:
-    if settings["picture_size"] < 1:
-        raise ConfigError(
-            f"picture_size={settings['picture_size']}: the pictures' longer side in pixels (>= 1)"
-        )
+    if (size := settings["picture_size"]) < 1:
+        raise ConfigError(f"picture_size={size}: the pictures' longer side in pixels (>= 1)")
     inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
     model = load_model_from_settings(settings)
     dtype = ""  # a classifier runs in fp32, an ONNX export as exported
@@ -721,28 +688,23 @@ def _detect(
     model: Detector, inputs: Sequence[InputImage], settings: Mapping[str, Any], common: Mapping[str, Any]
 ) -> tuple[list[tuple[Path, str]], Callable[[], Any] | None]:
     """predict.py's detection: the failures, and the scoring against ``annotations`` (None without)."""
-    where = f"annotations={settings['annotations']}"
-    dataset = load_annotation_file(settings["annotations"]) if settings["annotations"] else None
-    image_ids = match_annotation_ids(inputs, dataset, where=where) if dataset is not None else None
-    categories = categories_for_annotations(model.categories, dataset, where=where) if dataset else None
+    annotations, output = settings["annotations"], settings["output"]
+    dataset = load_annotation_file(annotations) if annotations else None
+    image_ids = categories = None
+    if dataset is not None:
+        image_ids = match_annotation_ids(inputs, dataset, where=f"annotations={annotations}")
+        categories = categories_for_annotations(model.categories, dataset, where=f"annotations={annotations}")
+    options = {key: settings[key] for key in ("draw_score_thresh", "fast_decode", "gpu_decode")}
     results, failures = predict_images(
-        model,
-        inputs,
-        settings["output"],
-        draw_score_thresh=settings["draw_score_thresh"],
-        image_ids=image_ids,
-        categories=categories,
-        fast_decode=settings["fast_decode"],
-        gpu_decode=settings["gpu_decode"],
-        **common,
+        model, inputs, output, image_ids=image_ids, categories=categories, **options, **common
     )
     done = len(inputs) - len(failures)
-    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), settings["output"])
+    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), output)
     if dataset is None:
         return failures, None
-    output, annotated = settings["output"], len(dataset["images"])
+    annotated = len(dataset["images"])
     return failures, partial(
-        evaluate_predictions, settings["annotations"], results, image_ids, output, annotated_images=annotated
+        evaluate_predictions, annotations, results, image_ids, output, annotated_images=annotated
     )
 
 

@@ -2,13 +2,10 @@
 (:func:`quantize_onnx`), and measure how far the INT8 file is from PyTorch (:func:`compare_int8`).
 
 onnxruntime's ``quantize_static`` in QDQ format: ``QuantizeLinear``/``DequantizeLinear`` pairs around the
-network's compute ops (onnxruntime fuses them into integer kernels when it loads the file), weights int8 per
-output channel, activations uint8 per tensor from the min/max seen on the calibration images. Only the
-network is quantized: the nodes upstream of a ``Conv``/``MatMul``/``Gemm`` (:func:`network_nodes`); the
-decoding and NMS of an end-to-end graph, and the reshapes of the heads' outputs, stay fp32. Calibration
+network's compute ops, which onnxruntime fuses into integer kernels when it loads the file. Calibration
 images are read and preprocessed as ``predict.py`` reads them (:func:`image_transform`), so the ranges are
-those the file sees in use. The metadata (class names, decoder settings, kind) is copied over, so
-``predict.py onnx=<int8 file>`` runs it as it runs the fp32 export.
+those the file sees in use. The metadata is copied over, so ``predict.py onnx=<int8 file>`` runs it as it
+runs the fp32 export.
 """
 
 from __future__ import annotations
@@ -57,14 +54,8 @@ COMPUTE_OP_TYPES: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
 #: Ops of the network part that get QuantizeLinear/DequantizeLinear (element-wise ones between two
 #: convolutions, so onnxruntime can keep the activations in int8 from one to the next).
 QUANTIZED_OP_TYPES: tuple[str, ...] = (
-    *COMPUTE_OP_TYPES,
-    "Add",
-    "Relu",
-    "Clip",
-    "MaxPool",
-    "AveragePool",
-    "GlobalAveragePool",
-)
+    *COMPUTE_OP_TYPES, "Add", "Relu", "Clip", "MaxPool", "AveragePool", "GlobalAveragePool"
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ calibration
@@ -153,15 +144,6 @@ def network_nodes(model: Any) -> set[str]:
     return found
 
 
-def _name_nodes(model: Any) -> None:
-    """Give every node a unique name (``nodes_to_exclude`` selects by name)."""
-    seen: set[str] = set()
-    for index, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_q{index}"
-        seen.add(node.name)
-
-
 def quantize_onnx(
     fp32_file: str | os.PathLike,
     output: str | os.PathLike,
@@ -175,8 +157,8 @@ def quantize_onnx(
 
     Quantized: the :data:`QUANTIZED_OP_TYPES` nodes of :func:`network_nodes` (weights int8 per output
     channel with ``per_channel``, 7-bit with ``reduce_range`` for CPUs without VNNI where u8 x s8 products
-    can saturate; activations uint8, min/max calibration). Everything else stays fp32. The metadata of
-    ``fp32_file`` is copied. ``output`` appears whole or not at all (written beside it, then renamed).
+    can saturate; activations uint8 per tensor, min/max calibration). The decoding and NMS of an end-to-end
+    graph stay fp32. ``output`` appears whole or not at all (written beside it, then renamed).
 
     Raises:
         ValueError: ``calibration`` is empty; the graph has no node to quantize.
@@ -197,7 +179,11 @@ def quantize_onnx(
         prepared = Path(tmp) / "fp32.onnx"
         quant_pre_process(str(fp32_file), str(prepared), skip_symbolic_shape=True)
         model = onnx.load(str(prepared))
-        _name_nodes(model)
+        seen: set[str] = set()  # unique node names: nodes_to_exclude selects by name
+        for index, node in enumerate(model.graph.node):
+            if not node.name or node.name in seen:
+                node.name = f"{node.op_type}_q{index}"
+            seen.add(node.name)
         inside = network_nodes(model)
         if not inside:
             raise ValueError(f"{fp32_file} has no {'/'.join(COMPUTE_OP_TYPES)} node to quantize")
@@ -247,14 +233,11 @@ class Int8Comparison:
     mean_detections: tuple[float, float] = (0.0, 0.0)
 
     def __str__(self) -> str:
-        text = (
-            f"{self.top_match}/{self.images} images with PyTorch's top result, "
-            f"max |top score diff| = {self.max_score_diff:.3f}"
-        )
+        text = f"{self.top_match}/{self.images} images with PyTorch's top result, "
+        text += f"max |top score diff| = {self.max_score_diff:.3f}"
         if self.mean_detections != (0.0, 0.0):
-            text += (
-                f", detections/image {self.mean_detections[0]:.1f} (PyTorch) vs {self.mean_detections[1]:.1f}"
-            )
+            ours, theirs = self.mean_detections
+            text += f", detections/image {ours:.1f} (PyTorch) vs {theirs:.1f}"
         return text
 
 
@@ -264,13 +247,8 @@ def _top_agreement(reference: dict[str, Tensor], got: dict[str, Tensor]) -> tupl
         score = float(reference["scores"][0]) if ref_n else float(got["scores"][0]) if got_n else 0.0
         return ref_n == got_n, score
     i, j = int(reference["scores"].argmax()), int(got["scores"].argmax())
-    same = (
-        int(reference["labels"][i]) == int(got["labels"][j])
-        and float(
-            box_iou(reference["boxes"][i : i + 1].clamp(0, 1), got["boxes"][j : j + 1].clamp(0, 1))[0, 0]
-        )
-        >= 0.5
-    )
+    iou = box_iou(reference["boxes"][i : i + 1].clamp(0, 1), got["boxes"][j : j + 1].clamp(0, 1))[0, 0]
+    same = int(reference["labels"][i]) == int(got["labels"][j]) and float(iou) >= 0.5
     return same, abs(float(reference["scores"][i]) - float(got["scores"][j]))
 
 
@@ -287,8 +265,7 @@ def compare_int8(
     session = ort.InferenceSession(str(int8_file), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
     net = net.eval().float().cpu()
-    top, worst = 0, 0.0
-    counts = [0, 0]
+    top, worst, counts = 0, 0.0, [0, 0]
     for image in images:
         batch = image.unsqueeze(0).float()
         got = session.run(None, {"images": batch.numpy()})
@@ -307,7 +284,6 @@ def compare_int8(
             (found,) = coder.decode(torch.from_numpy(got[0]), torch.from_numpy(got[1]), **settings)
         same, diff = _top_agreement(reference, found)
         top, worst = top + int(same), max(worst, diff)
-        counts[0] += len(reference["scores"])
-        counts[1] += len(found["scores"])
+        counts = [counts[0] + len(reference["scores"]), counts[1] + len(found["scores"])]
     n = max(len(images), 1)
     return Int8Comparison(len(images), top, worst, (counts[0] / n, counts[1] / n))

@@ -10,6 +10,7 @@ what ``predictions.json`` records as ``file_name`` (the layout of a COCO ``file_
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -17,6 +18,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -47,11 +49,8 @@ class InputImage:
 def _named(path: Path, root: Path | None) -> InputImage:
     """``path`` named relative to ``root`` when it lies below it, else by its file name."""
     if root is not None:
-        try:
+        with contextlib.suppress(ValueError):
             relative = path.resolve().relative_to(root.resolve())
-        except ValueError:
-            pass
-        else:
             if relative.parts:
                 return InputImage(path, relative.as_posix())
     return InputImage(path, path.name)
@@ -83,13 +82,7 @@ def _folder_images(folder: Path, recursive: bool, exclude: Sequence[Path]) -> li
 
 def _glob_root(pattern: str) -> Path:
     """The folder part of ``pattern`` before its first wildcard (``photos/**/*.jpg`` -> ``photos``)."""
-    parts = Path(pattern).parts
-    fixed = []
-    for part in parts[:-1]:
-        if _GLOB_MAGIC.search(part):
-            break
-        fixed.append(part)
-    return Path(*fixed) if fixed else Path(".")
+    return Path(*takewhile(lambda part: not _GLOB_MAGIC.search(part), Path(pattern).parts[:-1]))
 
 
 def read_list_file(list_file: str | os.PathLike) -> list[InputImage]:
@@ -131,15 +124,6 @@ def read_list_file(list_file: str | os.PathLike) -> list[InputImage]:
     return _first_of_each(found)
 
 
-def _list_file_of(item: str | os.PathLike) -> Path | None:
-    """``@list`` or an existing ``*.txt`` file: the list file; anything else: None."""
-    text = os.fspath(item)
-    if text.startswith("@"):
-        return Path(text[1:])
-    path = Path(text)
-    return path if path.suffix.lower() == ".txt" and path.is_file() else None
-
-
 def collect_inputs(
     spec: str | os.PathLike | Sequence[str | os.PathLike],
     *,
@@ -163,9 +147,10 @@ def collect_inputs(
     found: list[InputImage] = []
     for item in specs:
         path = Path(item)
-        list_file = _list_file_of(item)
-        if list_file is not None:
-            found += read_list_file(list_file)
+        if os.fspath(item).startswith("@"):
+            found += read_list_file(os.fspath(item)[1:])
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            found += read_list_file(path)
         elif path.is_file():
             found.append(InputImage(path, path.name))
         elif path.is_dir():
@@ -204,23 +189,21 @@ def match_annotation_ids(
     if not isinstance(entries, list):
         raise DataError(f"{where}: no 'images' list; is it a COCO instances file?")
     by_path: dict[str, int] = {}
-    by_base: Counter[str] = Counter()
-    base_id: dict[str, int] = {}
+    by_base: dict[str, list[int]] = {}  # file name -> the ids of the entries with it
     for entry in entries:
         file_name = PurePosixPath(str(entry["file_name"]).replace("\\", "/"))
         by_path[file_name.as_posix()] = int(entry["id"])
-        by_base[file_name.name] += 1
-        base_id[file_name.name] = int(entry["id"])
+        by_base.setdefault(file_name.name, []).append(int(entry["id"]))
     ids: list[int] = []
     unmatched: list[str] = []
     for image in images:
-        base = PurePosixPath(image.name).name
+        same_base = by_base.get(PurePosixPath(image.name).name, [])
         if image.name in by_path:
             ids.append(by_path[image.name])
-        elif by_base[base] == 1:
-            ids.append(base_id[base])
+        elif len(same_base) == 1:
+            ids.append(same_base[0])
         else:
-            unmatched.append(image.name + (" (file name not unique there)" if by_base[base] > 1 else ""))
+            unmatched.append(image.name + (" (file name not unique there)" if same_base else ""))
     if unmatched:
         raise DataError(
             f"{where}: {len(unmatched)} of the {len(images)} input image(s) are not in its 'images' "

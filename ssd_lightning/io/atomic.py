@@ -1,10 +1,9 @@
 """Files that appear whole or not at all: written to a temporary file in the same folder, then renamed.
 
-A reader (another rank, a later run, a user's tool) sees the previous version or the new one, never a
-half-written file, and a crash leaves at most a ``.<name>.<random>.tmp`` beside it. Temporary names are
-unique per call, so ranks or jobs on other hosts writing the same file on a shared file system do not
-collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.io.checkpoint_io`, which also
-fsyncs.)
+A reader sees the previous version or the new one, never a half-written file; a crash leaves at most a
+``.<name>.<random>.tmp`` beside it. Temporary names are unique per call, so ranks or jobs on other hosts
+writing the same file on a shared file system do not collide; the last rename wins. (Checkpoints go through
+:mod:`ssd_lightning.io.checkpoint_io`, which also fsyncs.)
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
-        text = {} if binary else {"encoding": "utf-8", "newline": ""}
-        with os.fdopen(fd, "wb" if binary else "w", **text) as f:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:

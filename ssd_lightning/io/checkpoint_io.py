@@ -75,7 +75,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-                _fsync_directory(path.parent)  # make the rename itself durable
+                directory = os.open(path.parent, os.O_RDONLY)  # fsynced: the rename itself is durable
+                try:
+                    os.fsync(directory)
+                finally:
+                    os.close(directory)
             finally:
                 tmp.unlink(missing_ok=True)
         except (OSError, RuntimeError) as e:
@@ -101,19 +105,9 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+        value = list(value.values())
+    return sum(map(_tensor_bytes, value)) if isinstance(value, (list, tuple)) else 0
 
 
 def _mb(size: int) -> str:
     return f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

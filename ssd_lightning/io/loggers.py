@@ -1,9 +1,7 @@
 """Loggers that continue their run when the run directory is resumed in place (``resume=<run dir>``).
 
-* :class:`ContinuingCSVLogger` (``logger=csv``): appends to the run's ``metrics.csv``.
-* :class:`ResumableWandbLogger` (``logger=wandb``) and :class:`ResumableMLFlowLogger` (``logger=mlflow``):
-  Lightning's, keeping the tracker's run id in the run directory so that a resume logs into the same W&B or
-  MLflow run. Their packages are the ``loggers`` extra; a missing one is a :class:`MissingExtraError`.
+``logger=csv`` appends to ``metrics.csv``; ``logger=wandb`` and ``logger=mlflow`` keep the tracker's run id in
+the run directory. Their packages are the ``loggers`` extra; a missing one is a :class:`MissingExtraError`.
 """
 
 from __future__ import annotations
@@ -40,19 +38,17 @@ class _ContinuingWriter(ExperimentWriter):
     def save(self) -> None:
         if self._continued and self.metrics:
             self._continued = False
-            self._drop_rows_from(min(int(row["step"]) for row in self.metrics))
+            first = min(int(row["step"]) for row in self.metrics)
+            with open(self.metrics_file_path, newline="") as f:
+                rows = [row for row in csv.DictReader(f) if not row["step"] or int(row["step"]) < first]
+
+            def write(f) -> None:
+                writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(rows)
+
+            atomic_write(self.metrics_file_path, write)
         super().save()
-
-    def _drop_rows_from(self, step: int) -> None:
-        with open(self.metrics_file_path, newline="") as f:
-            rows = [row for row in csv.DictReader(f) if not row["step"] or int(row["step"]) < step]
-
-        def write(f) -> None:
-            writer = csv.DictWriter(f, fieldnames=self.metrics_keys)
-            writer.writeheader()
-            writer.writerows(rows)
-
-        atomic_write(self.metrics_file_path, write)
 
 
 class ContinuingCSVLogger(CSVLogger):
@@ -95,14 +91,11 @@ def _keep_run_id(run_dir: str | os.PathLike, name: str, run_id: str) -> None:
 
 
 def _checkpoint_paths(callback: ModelCheckpoint) -> dict[str, str]:
-    """The paths a ``ModelCheckpoint`` callback has just saved to: ``checkpoint/last`` (its ``last.ckpt``)
-    and ``checkpoint/best`` (the file of a callback with a ``monitor``, e.g. ``best.ckpt``), absolute."""
-    paths = {}
-    if callback.last_model_path:
-        paths["checkpoint/last"] = os.path.abspath(callback.last_model_path)
-    if callback.monitor is not None and callback.best_model_path:
-        paths["checkpoint/best"] = os.path.abspath(callback.best_model_path)
-    return paths
+    """The absolute paths a ``ModelCheckpoint`` callback has just saved to: ``checkpoint/last`` (its
+    ``last.ckpt``) and ``checkpoint/best`` (the file of a callback with a ``monitor``, e.g. ``best.ckpt``)."""
+    best = callback.best_model_path if callback.monitor is not None else ""
+    paths = {"checkpoint/last": callback.last_model_path, "checkpoint/best": best}
+    return {key: os.path.abspath(path) for key, path in paths.items() if path}
 
 
 class ResumableWandbLogger(WandbLogger):
@@ -110,10 +103,7 @@ class ResumableWandbLogger(WandbLogger):
     directory), one W&B run per run directory: its id is kept in ``<save_dir>/wandb_run_id`` and a run
     started again in that directory (``resume=<run dir>``) continues the same W&B run (``resume="allow"``).
     The checkpoint paths go to the run's summary (``checkpoint/last``, ``checkpoint/best``) after every save.
-
-    Offline: ``offline=True`` or ``WANDB_MODE=offline`` (upload later with ``wandb sync``). Needs the
-    ``loggers`` extra; without it, a :class:`MissingExtraError` naming the install command.
-    """
+    Offline: ``offline=True`` or ``WANDB_MODE=offline`` (upload later with ``wandb sync``)."""
 
     def __init__(self, save_dir: str | os.PathLike, **kwargs: Any) -> None:
         _require("wandb", "logger=wandb")
@@ -171,9 +161,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
     The store: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else an SQLite database (MLflow's default
     store) in the run directory, ``sqlite:///<run_dir>/mlflow.db``, artifacts in ``<run_dir>/mlartifacts``.
     MLflow parameters cannot change: a resumed run logs the parameters it did not have, and a changed value
-    (an override given with ``resume=``) as the tag ``resumed/<key>``.
-
-    Pictures: :meth:`log_image` stores image files as artifacts under ``<key>/step_<step>/``.
+    (an override given with ``resume=``) as the tag ``resumed/<key>``. Pictures: :meth:`log_image`.
     """
 
     def __init__(
@@ -191,8 +179,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
             artifact_location = artifact_location or Path(self._run_dir, "mlartifacts").resolve().as_uri()
         self.tracking_uri = tracking_uri
         run_id = kwargs.pop("run_id", None) or _stored_run_id(run_dir, MLFLOW_RUN_ID_FILE)
-        self._resumed = run_id is not None
-        self._run_id_kept = False
+        self._resumed, self._run_id_kept = run_id is not None, False
         super().__init__(
             tracking_uri=tracking_uri, artifact_location=artifact_location, run_id=run_id, **kwargs
         )
@@ -219,7 +206,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
             super().log_hyperparams(params)
             return
         known = self.experiment.get_run(self.run_id).data.params
-        params = _flat(vars(params) if not isinstance(params, Mapping) else params)
+        params = _flat(params if isinstance(params, Mapping) else vars(params))
         super().log_hyperparams({k: v for k, v in params.items() if k not in known})
         for key, value in params.items():
             if key in known and known[key] != str(value)[:250]:

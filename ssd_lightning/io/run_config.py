@@ -21,12 +21,11 @@ def update_moved_targets(cfg: DictConfig | ListConfig) -> list[str]:
     def walk(node: DictConfig | ListConfig, prefix: str) -> None:
         items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
         for key, value in list(items):
-            path = f"{prefix}{key}"
             if isinstance(value, DictConfig | ListConfig):
-                walk(value, path + ".")
+                walk(value, f"{prefix}{key}.")
             elif key == "_target_" and value in MOVED_TARGETS:
                 node[key] = MOVED_TARGETS[value]
-                changed.append(path)
+                changed.append(f"{prefix}{key}")
 
     walk(cfg, "")
     return changed

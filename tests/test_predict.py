@@ -147,6 +147,25 @@ def rotated_photo(tmp_path_factory) -> Path:
     return path
 
 
+def test_predictions_json_is_streamed_from_the_jsonl_records(rotated_photo, tmp_path):
+    """predict.py keeps no results in memory (keep_results=False): predictions.json, made from
+    predictions.jsonl, is the text json.dump writes for the results list, failures leaving no entries."""
+    bad = tmp_path / "bad.jpg"
+    bad.write_text("not an image")
+    inputs = [rotated_photo, bad, rotated_photo.parent / "photo.jpg"]
+    kept, failures = predict_images(BrightBox(), inputs, tmp_path / "kept", draw=False, image_ids=[7, 8, 9])
+    assert len(kept) == 2 and [p.name for p, _ in failures] == ["bad.jpg"]
+    assert (tmp_path / "kept" / "predictions.json").read_text() == json.dumps(kept)
+    assert [(e["image_id"], list(e)) for e in kept] == [
+        (i, ["image_id", "category_id", "bbox", "score", "file_name", "category_name"]) for i in (7, 9)
+    ]
+    streamed, _ = predict_images(
+        BrightBox(), inputs, tmp_path / "streamed", draw=False, image_ids=[7, 8, 9], keep_results=False
+    )
+    assert streamed == []
+    assert (tmp_path / "streamed" / "predictions.json").read_text() == json.dumps(kept)
+
+
 def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_photo(rotated_photo, tmp_path):
     full, size = open_image(rotated_photo)
     assert full.size == (1200, 1600) and size == (1600, 1200)  # EXIF orientation applied

@@ -49,7 +49,7 @@ from ssd_lightning.inference.sources import (
     load_annotation_file,
     match_annotation_ids,
 )
-from ssd_lightning.io.atomic import atomic_write_json
+from ssd_lightning.io.atomic import atomic_write, atomic_write_json
 from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.tables import markdown_table
 
@@ -314,6 +314,7 @@ def predict_images(
     fast_decode: bool = True,
     picture_size: int = 1280,
     gpu_decode: bool = True,
+    keep_results: bool = True,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Detect objects in ``inputs``; write annotated pictures, ``predictions.jsonl`` and
     ``predictions.json`` to ``output_dir``.
@@ -323,10 +324,11 @@ def predict_images(
     input ``i``, default ``i``; failures keep their place), ``category_id`` (from ``categories``, default
     the detector's), ``bbox`` ``[x, y, w, h]`` in original pixels clipped to the image, ``score``, plus
     ``file_name`` (the input's ``name``: its path relative to the input folder; a plain path is named by its
-    file name) and ``category_name``. It is written (atomically) at the end; ``predictions.jsonl`` gets one
-    line per input as it is done (flushed, so an interrupted run keeps what it did): ``image_id``,
-    ``file_name``, ``height``, ``width`` and ``detections`` (the entries above without the first two), or
-    ``error`` for an unreadable file.
+    file name) and ``category_name``. ``predictions.jsonl`` gets one line per input as it is done (flushed,
+    so an interrupted run keeps what it did): ``image_id``, ``file_name``, ``height``, ``width`` and
+    ``detections`` (the entries above without the first two), or ``error`` for an unreadable file.
+    ``predictions.json`` is made from it at the end (streamed, written atomically), so memory does not grow
+    with the number of images unless ``keep_results`` also returns the entries.
 
     ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
     network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
@@ -337,7 +339,8 @@ def predict_images(
     line gives the images per second of the loop (reading, detecting, drawing; not loading the detector).
 
     Returns:
-        (the COCO results, the unreadable files, skipped and logged, as ``(path, reason)``).
+        (the COCO results, or ``[]`` without ``keep_results``; the unreadable files, skipped and logged,
+        as ``(path, reason)``).
     """
     items = [_as_input(item) for item in inputs]
     ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
@@ -354,7 +357,8 @@ def predict_images(
         records = []
         for read, det in zip(batch, detections, strict=True):
             entries, record, boxes = _results_of(read, det, ids[read.index], categories)
-            results.extend(entries)
+            if keep_results:
+                results.extend(entries)
             records.append(record)
             if draw:
                 path = output_dir / _picture_name(read.item.name, used)
@@ -368,8 +372,36 @@ def predict_images(
     read, chunk = _detector_reader(detector, fast_decode, gpu_decode, picture_size if draw else 0, batch_size)
     options = {"batch_size": batch_size, "workers": workers, "progress": progress, "chunk": chunk}
     failures = _run_batches(items, ids, read, run, output_dir, **options)
-    atomic_write_json(output_dir / "predictions.json", results)
+    count = _results_json_from_lines(output_dir / "predictions.jsonl", output_dir / "predictions.json")
+    log.info(
+        "%d image(s), %d detection(s) -> %s",
+        len(items) - len(failures),
+        count,
+        output_dir / "predictions.json",
+    )
     return results, failures
+
+
+def _results_json_from_lines(lines: Path, target: Path) -> int:
+    """``target``, the COCO results list of the ``predictions.jsonl`` records in ``lines`` (each entry as
+    :func:`_results_of` made it: ``image_id``, its detection's keys, ``file_name`` before
+    ``category_name``), written one entry at a time. Returns the number of entries."""
+    count = 0
+
+    def write(out: Any) -> None:
+        nonlocal count
+        out.write("[")
+        with open(lines, encoding="utf-8") as records:
+            for record in map(json.loads, records):
+                for found in record.get("detections", ()):
+                    entry = {"image_id": record["image_id"], **found, "file_name": record["file_name"]}
+                    entry["category_name"] = entry.pop("category_name")
+                    out.write((", " if count else "") + json.dumps(entry))
+                    count += 1
+        out.write("]")
+
+    atomic_write(target, write)
+    return count
 
 
 def _detector_reader(
@@ -695,14 +727,19 @@ def _detect(
         image_ids = match_annotation_ids(inputs, dataset, where=f"annotations={annotations}")
         categories = categories_for_annotations(model.categories, dataset, where=f"annotations={annotations}")
     options = {key: settings[key] for key in ("draw_score_thresh", "fast_decode", "gpu_decode")}
-    results, failures = predict_images(
-        model, inputs, output, image_ids=image_ids, categories=categories, **options, **common
+    _, failures = predict_images(
+        model,
+        inputs,
+        output,
+        image_ids=image_ids,
+        categories=categories,
+        keep_results=False,
+        **options,
+        **common,
     )
-    done = len(inputs) - len(failures)
-    log.info("%d image(s), %d detection(s) -> %s/predictions.json", done, len(results), output)
     if dataset is None:
         return failures, None
-    annotated = len(dataset["images"])
+    results, annotated = Path(output) / "predictions.json", len(dataset["images"])
     return failures, partial(
         evaluate_predictions, annotations, results, image_ids, output, annotated_images=annotated
     )

@@ -5,7 +5,6 @@ and a picture-sized copy, for ``predict.py`` when the detector runs on CUDA. Onl
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,8 @@ def jpeg_orientation(path: Path) -> int | None:
     with Image.open(path) as img:
         if img.format != "JPEG" or img.mode not in ("RGB", "L"):
             return None
-        return int(img.getexif().get(ExifTags.Base.Orientation, 1))
+        orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+        return orientation if orientation in range(1, 9) else 1  # a malformed tag: as exif_transpose, ignored
 
 
 def orient(image: Tensor, orientation: int) -> Tensor:
@@ -52,21 +52,33 @@ def decode_jpegs_on(
     with data after the image: nvJPEG fills a cut-off image with grey): the host reads those and says
     what is wrong. One batched call (on an A100/H100/H200: the hardware JPEG decoder), or, when that
     fails, one call per file to find which."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     data = [torch.from_numpy(np.fromfile(path, dtype=np.uint8)) for path in paths]
-    whole = [bytes(one[-2:].tolist()) == b"\xff\xd9" for one in data]
+    whole = [k for k, one in enumerate(data) if bytes(one[-2:].tolist()) == b"\xff\xd9"]
     images: list[Tensor | None] = [None] * len(data)
-    if all(whole):
-        with contextlib.suppress(RuntimeError):  # one bad file fails the batch
-            images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    for k, one in enumerate(data):
-        if images[k] is None and whole[k]:
-            with contextlib.suppress(RuntimeError):
-                images[k] = decode_jpeg(one, mode=ImageReadMode.RGB, device=device)
+    try:
+        for k, image in zip(whole, _decode([data[k] for k in whole], device) if whole else [], strict=True):
+            images[k] = image
+    except RuntimeError:  # one bad file fails the batch: one call per file
+        for k in whole:
+            images[k] = _decode(data[k], device)
     return [
         None if image is None else orient(image, k) for image, k in zip(images, orientations, strict=True)
     ]
+
+
+def _decode(data: Tensor | list[Tensor], device: torch.device) -> Tensor | list[Tensor] | None:
+    """``torchvision.io.decode_jpeg`` to RGB on ``device``; None for one file nvJPEG refuses. A list that
+    fails raises (the caller tries its files one by one); running out of GPU memory always raises."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        if isinstance(data, list):
+            raise
+        return None
 
 
 def network_input(image: Tensor, size: int = 300) -> Tensor:

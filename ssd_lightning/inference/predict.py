@@ -194,7 +194,7 @@ class _Pool:
         ahead: deque[Future] = deque()
         for start in starts:
             ahead.append(self.executor.submit(read, start, items[start : start + chunk]))
-            if len(ahead) * chunk >= self.window:
+            if len(ahead) >= max(1, self.window // chunk):
                 yield from ahead.popleft().result()
         while ahead:
             yield from ahead.popleft().result()
@@ -332,11 +332,12 @@ def predict_images(
 
     ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
     network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
-    exactly). ``gpu_decode`` with the network on CUDA: JPEGs are decoded (nvJPEG) and preprocessed on the
-    GPU; other files as on a CPU. Pictures ``<output_dir>/<name>.jpg`` (subfolders kept, the suffix
-    replaced; ``_1``, ``_2``... for further inputs of the same name) show detections with score >=
-    ``draw_score_thresh`` on the image as decoded, its longer side at most ``picture_size``. The log's last
-    line gives the images per second of the loop (reading, detecting, drawing; not loading the detector).
+    exactly, with ``gpu_decode=False`` on CUDA). ``gpu_decode`` with the network on CUDA: JPEGs are decoded
+    (nvJPEG) and preprocessed on the GPU; other files as on a CPU. Pictures ``<output_dir>/<name>.jpg``
+    (subfolders kept, the suffix replaced; ``_1``, ``_2``... for further inputs of the same name) show
+    detections with score >= ``draw_score_thresh`` on the image as decoded, its longer side at most
+    ``picture_size``. The log's last line gives the images per second of the loop (reading, detecting,
+    drawing; not loading the detector).
 
     Returns:
         (the COCO results, or ``[]`` without ``keep_results``; the unreadable files, skipped and logged,

@@ -109,18 +109,13 @@ def skip_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
     (a device-to-host sync per step); undone by :func:`restore_signal_handling`."""
     epoch_loop = trainer.fit_loop.epoch_loop
     _attr(epoch_loop, _SIGTERM_BROADCAST, "Trainer.fit_loop.epoch_loop")
-    setattr(epoch_loop, _SIGTERM_BROADCAST, _no_broadcast)
-
-
-def _no_broadcast() -> None:
-    """Stands in for ``_TrainingEpochLoop._broadcast_sigterm_tensor``."""
+    setattr(epoch_loop, _SIGTERM_BROADCAST, lambda: None)
 
 
 def restore_signal_handling(trainer: pl.Trainer) -> None:
     """Lightning's own handlers and per-step broadcast again (drops what the two functions above set)."""
-    connector = _signal_connector(trainer)
-    vars(connector).pop(_SIGTERM_NOTIFIER, None)
-    vars(connector).pop(_SLURM_SIGUSR_HANDLER, None)
+    for name in (_SIGTERM_NOTIFIER, _SLURM_SIGUSR_HANDLER):
+        vars(_signal_connector(trainer)).pop(name, None)
     vars(trainer.fit_loop.epoch_loop).pop(_SIGTERM_BROADCAST, None)
 
 
@@ -212,9 +207,8 @@ def _storage_use_count_fn() -> Callable[[int], int]:
 
 def storage_use_count(tensor: torch.Tensor) -> int:
     """Tensors sharing ``tensor``'s storage, ``tensor`` included (views count)."""
-    use_count = _storage_use_count_fn()
     # the temporary storage object made by untyped_storage() holds one reference of its own
-    return use_count(tensor.untyped_storage()._cdata) - 1
+    return _storage_use_count_fn()(tensor.untyped_storage()._cdata) - 1
 
 
 def is_compiled_in_place(module: nn.Module) -> bool:

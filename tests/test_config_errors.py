@@ -118,6 +118,12 @@ _FAST_SSD = ["model.net.backbone=resnet18"]
             ["background_prior must be in (0, 1) or None, got 'abc'", "full_key: model.net"],
         ),
         (
+            [*_FAST_SSD, "model.net.num_classes=2.5"],
+            "model",
+            1,
+            ["num_classes must be an integer (background included), got 2.5", "full_key: model.net"],
+        ),
+        (
             [*_FAST_SSD, "model.net.zero_init_residual=maybe"],
             "model",
             1,

@@ -161,7 +161,6 @@ class CocoMAPCallback(Callback):
         evaluated, self._evaluated = self._evaluated, None
         return evaluated
 
-    # ------------------------------------------------------------------ state
     @property
     def state_key(self) -> str:
         return self._generate_state_key(prefix=self.prefix)
@@ -173,7 +172,6 @@ class CocoMAPCallback(Callback):
         self.best_map = state_dict.get("best_map")
         self.best_epoch = state_dict.get("best_epoch")
 
-    # --------------------------------------------------------------- helpers
     def _resolve(self, trainer: pl.Trainer) -> tuple[Path, Any]:
         ann = from_datamodule(trainer, self.annotation_file, "val_annotation_file")
         cmap = from_datamodule(trainer, self.category_map, "category_map")
@@ -185,18 +183,11 @@ class CocoMAPCallback(Callback):
             )
         return Path(ann), cmap
 
-    def _output_dir(self, trainer: pl.Trainer) -> Path:
-        if self.output_dir is not None:
-            return self.output_dir
-        # trainer.log_dir broadcasts from rank 0: call it on every rank
-        return Path(trainer.log_dir or trainer.default_root_dir)
-
     def _reset(self) -> None:
         self._per_image = {}
         self._local_duplicates = 0
         self._error = None
 
-    # ----------------------------------------------------------------- hooks
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._evaluated = None
@@ -219,9 +210,8 @@ class CocoMAPCallback(Callback):
         _, cmap = self._resolve(trainer)
         if self._error is not None:
             return
-        detections: Sequence[Mapping[str, Any]] = outputs[key]
         try:
-            for det in detections:
+            for det in outputs[key]:
                 image_id = int(det["image_id"])
                 if image_id in self._per_image:
                     self._local_duplicates += 1
@@ -234,9 +224,10 @@ class CocoMAPCallback(Callback):
         if self._absent:
             return
         ann_file, _ = self._resolve(trainer)
-        sanity = trainer.sanity_checking
-        out_dir = self._output_dir(trainer) if self.save_detections and not sanity else None
-        epoch = trainer.current_epoch
+        sanity, epoch, out_dir = trainer.sanity_checking, trainer.current_epoch, None
+        if self.save_detections and not sanity:
+            # trainer.log_dir broadcasts from rank 0: called on every rank
+            out_dir = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
 
         local_error = self._error
         message = None

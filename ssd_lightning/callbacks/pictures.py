@@ -77,7 +77,6 @@ class PredictionPictures(EvaluationArtifacts):
         self._collected: list[dict[str, Any]] = []
         self._annotations: tuple[Path, dict[int, dict], dict[int, list[dict]]] | None = None
 
-    # ------------------------------------------------------------------ helpers
     def _load_annotations(self, path: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
         if self._annotations is None or self._annotations[0] != path:
             with open(path, encoding="utf-8") as f:
@@ -89,7 +88,6 @@ class PredictionPictures(EvaluationArtifacts):
             self._annotations = (path, images, anns)
         return self._annotations[1], self._annotations[2]
 
-    # ------------------------------------------------------------------ hooks
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._collected = []
         self._active = (
@@ -109,14 +107,9 @@ class PredictionPictures(EvaluationArtifacts):
             self._active = False
             return
         for det in outputs["detections"][: self.max_images - len(self._collected)]:
-            self._collected.append(
-                {
-                    "image_id": int(det["image_id"]),
-                    "boxes": det["boxes"].detach().float().cpu(),
-                    "scores": det["scores"].detach().float().cpu(),
-                    "labels": det["labels"].detach().cpu(),
-                }
-            )
+            kept = {k: det[k].detach().cpu() for k in ("boxes", "scores", "labels")}
+            kept["boxes"], kept["scores"] = kept["boxes"].float(), kept["scores"].float()
+            self._collected.append({"image_id": int(det["image_id"]), **kept})
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -131,7 +124,6 @@ class PredictionPictures(EvaluationArtifacts):
                 self._warn_once(f"pictures:{type(e).__name__}", f"could not draw pictures: {e}")
         self._collected = []
 
-    # ------------------------------------------------------------------ writers
     def _write_pictures(self, trainer: pl.Trainer) -> None:
         image_dir = from_datamodule(trainer, self.image_dir, "val_images")
         ann_file = from_datamodule(trainer, self.annotation_file, "val_annotation_file")

@@ -27,15 +27,6 @@ log = logging.getLogger(__name__)
 TASK_MODES = {"benchmark_training": "training", "benchmark_inference": "inference"}
 
 
-def _find_callback(trainer: pl.Trainer) -> ThroughputBenchmark | None:
-    found = [cb for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)]
-    if len(found) > 1:
-        raise ValueError(
-            f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)"
-        )
-    return found[0] if found else None
-
-
 def run_benchmark_task(
     task: str,
     *,
@@ -64,7 +55,12 @@ def run_benchmark_task(
     if task not in TASK_MODES:
         raise ValueError(f"task={task!r} is not a benchmark task; expected one of {tuple(TASK_MODES)}")
     mode = TASK_MODES[task]
-    callback = _find_callback(trainer)
+    found = [cb for cb in trainer.callbacks if isinstance(cb, ThroughputBenchmark)]
+    if len(found) > 1:
+        raise ValueError(
+            f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)"
+        )
+    callback = found[0] if found else None
     if callback is None:
         log.info("no ThroughputBenchmark callback in the trainer: adding one with the default settings")
         callback = ThroughputBenchmark(mode)
@@ -118,9 +114,6 @@ def config_summary_from_cfg(cfg: Any) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------------------------------------
-# Sweep summary
-# --------------------------------------------------------------------------------------------------------
 def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
     """Every ``benchmark.json`` below ``root`` (a run or multirun directory), sorted by mode and batch."""
     root = Path(root)
@@ -128,10 +121,7 @@ def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"{root} does not exist; pass a run or multirun directory")
     results = []
     for path in sorted(root.rglob(RESULTS_FILENAME)):
-        with open(path, encoding="utf-8") as f:
-            result = json.load(f)
-        result["path"] = str(path)
-        results.append(result)
+        results.append({**json.loads(path.read_text(encoding="utf-8")), "path": str(path)})
     results.sort(key=lambda r: (r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"]))
     return results
 

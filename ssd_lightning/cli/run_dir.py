@@ -26,6 +26,7 @@ import logging
 from datetime import datetime
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -183,14 +184,8 @@ def requeued_run(cfg: DictConfig) -> Path | None:
     if launcher_rank() == 0:
         log.warning(
             "Requeued job %s: continuing %s from checkpoints/last.ckpt (stopped by %s at epoch %s, step %s), "
-            "as resume=%s",
-            job_id,
-            run,
-            record.get("signal"),
-            record.get("epoch"),
-            record.get("step"),
-            run,
-        )
+            "as resume=%s", job_id, run, record.get("signal"), record.get("epoch"), record.get("step"), run,
+        )  # fmt: skip
     return run
 
 
@@ -217,16 +212,15 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     if run_dir and merged.get("task") == "fit":
         raise ConfigError(f"run_dir={run} evaluates a run: add task=validate (resume={run} continues it)")
     explicit_ckpt = any(o.lstrip("+").startswith("ckpt_path=") for o in overrides)
-    with open_dict(merged):
-        merged.resume = str(run) if resume else None
-        merged.run_dir = str(run) if run_dir else None
-        merged.paths.output_dir = cfg.paths.output_dir  # this invocation's (for resume= the run's own)
-        if not explicit_ckpt:
-            names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
-            merged.ckpt_path = str(_checkpoint(run, names, key))
-        csv = OmegaConf.select(merged, "logger.csv")
-        if resume and csv is not None and csv.get("_target_") == "pytorch_lightning.loggers.CSVLogger":
-            csv._target_ = "ssd_lightning.io.loggers.ContinuingCSVLogger"  # keeps metrics.csv
+    merged.resume = str(run) if resume else None
+    merged.run_dir = str(run) if run_dir else None
+    merged.paths.output_dir = cfg.paths.output_dir  # this invocation's (for resume= the run's own)
+    if not explicit_ckpt:
+        names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
+        merged.ckpt_path = str(_checkpoint(run, names, key))
+    csv = OmegaConf.select(merged, "logger.csv")
+    if resume and csv is not None and csv.get("_target_") == "pytorch_lightning.loggers.CSVLogger":
+        csv._target_ = "ssd_lightning.io.loggers.ContinuingCSVLogger"  # keeps metrics.csv
     log.info("%s=%s: the run's own config and checkpoint %s", key, run, merged.ckpt_path)
     return merged
 
@@ -234,9 +228,8 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def save_run_config(cfg: DictConfig, folder: Path) -> None:
     """Keep the config a resumed run runs with as ``<folder>/run_config.yaml`` (``folder``: this
     invocation's ``.hydra/resume_<time>/``), where the next ``resume=`` of the run finds it. Rank 0 only."""
-    if launcher_rank() != 0:
-        return
-    atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))
+    if launcher_rank() == 0:
+        atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))
 
 
 def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
@@ -245,8 +238,6 @@ def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
     or ``.hydra/resume_<time>/run_config.yaml``): Hydra saves it before the job runs, and whoever reads it
     (a person, ``resume=``, ``run_dir=``) must see what the model was built with. Rank 0 only; nothing
     without a saved config (in-process ``train()``, DDP children)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not values or launcher_rank() != 0 or not HydraConfig.initialized():
         return
     subdir = HydraConfig.get().output_subdir
@@ -254,9 +245,7 @@ def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
     if not subdir or not output_dir:  # a config composed without a run (tests' compose API)
         return
     folder = Path(output_dir) / subdir
-    for file in (folder / "config.yaml", folder / RUN_CONFIG):
-        if not file.is_file():
-            continue
+    for file in filter(Path.is_file, (folder / "config.yaml", folder / RUN_CONFIG)):
         saved = OmegaConf.load(file)
         for key, value in values.items():
             OmegaConf.update(saved, key, value, force_add=True)

@@ -86,21 +86,12 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-TABLE_METRICS = (
-    "val/mAP",
-    "val/mAP_50",
-    "val/mAP_best",
-    "val/acc1",
-    "val/acc5",
-    "val/acc1_best",
-    "train/loss_epoch",
-)
+TABLE_METRICS = ("val/mAP", "val/mAP_50", "val/mAP_best", "val/acc1", "val/acc5", "val/acc1_best",
+                 "train/loss_epoch")  # fmt: skip
 
 
 def write_summary(
-    sweep_dir: str | Path,
-    jobs: Sequence[dict] | None = None,
-    table_metrics: Iterable[str] = TABLE_METRICS,
+    sweep_dir: str | Path, jobs: Sequence[dict] | None = None, table_metrics: Iterable[str] = TABLE_METRICS
 ) -> tuple[Path, Path]:
     """Write ``summary.csv`` (every metric, full precision) and ``summary.md`` (readable) in ``sweep_dir``.
 
@@ -111,30 +102,21 @@ def write_summary(
     :func:`collect_jobs` of ``sweep_dir``. Returns the two paths.
     """
     sweep_dir = Path(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     jobs = collect_jobs(sweep_dir) if jobs is None else list(jobs)
     varying, common = _varying_overrides(jobs)
-    optimized = [j["optimized_metric"] for j in jobs if j.get("optimized_metric")]
-    first = optimized[0] if optimized else None
-    names = sorted({k for j in jobs for k in (j.get("metrics") or {})})
-    if first in names:
-        names = [first] + [n for n in names if n != first]
+    first = next((j["optimized_metric"] for j in jobs if j.get("optimized_metric")), None)
+    names = sorted({k for j in jobs for k in (j.get("metrics") or {})}, key=lambda n: (n != first, n))
 
     header = ["job", "overrides", "status", *names, "output_dir"]
-    rows = []
-    for job, overrides in zip(jobs, varying, strict=True):
-        metrics = job.get("metrics") or {}
-        rows.append(
-            [job.get("num"), " ".join(overrides), job.get("status"), *[metrics.get(n) for n in names]]
-            + [job.get("output_dir")]
-        )
+    rows = [
+        [job.get("num"), " ".join(overrides), job.get("status"), *map((job.get("metrics") or {}).get, names)]
+        + [job.get("output_dir")]
+        for job, overrides in zip(jobs, varying, strict=True)
+    ]
 
     buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(header)
-    writer.writerows([["" if v is None else v for v in row] for row in rows])
-    csv_path = sweep_dir / "summary.csv"
-    atomic_write_text(csv_path, buffer.getvalue())
+    csv.writer(buffer).writerows([header, *(["" if v is None else v for v in row] for row in rows)])
+    csv_path = atomic_write_text(sweep_dir / "summary.csv", buffer.getvalue())
 
     lines = [f"# Sweep summary: {sweep_dir}", ""]
     if common:
@@ -147,12 +129,9 @@ def write_summary(
         for row in rows
     ]
     lines.append(markdown_table(md_header, md_rows, align="rll" + "r" * len(shown)))
-    failed = [j for j in jobs if j.get("status") != JobStatus.COMPLETED.name]
-    for job in failed:
+    for job in (j for j in jobs if j.get("status") != JobStatus.COMPLETED.name):
         lines += ["", f"Job {job.get('num')} {job.get('status')}: {job.get('error') or ''}".rstrip()]
-    md_path = sweep_dir / "summary.md"
-    atomic_write_text(md_path, "\n".join(lines) + "\n")
-    return csv_path, md_path
+    return csv_path, atomic_write_text(sweep_dir / "summary.md", "\n".join(lines) + "\n")
 
 
 class SweepSummary(Callback):
@@ -175,12 +154,8 @@ class SweepSummary(Callback):
         self.metrics_file = metrics_file
         self.table_metrics = tuple(table_metrics)
 
-    @staticmethod
-    def _is_multirun(config: DictConfig) -> bool:
-        return config.hydra.get("mode") == RunMode.MULTIRUN
-
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if not self._is_multirun(config) or launcher_rank() != 0:
+        if config.hydra.get("mode") != RunMode.MULTIRUN or launcher_rank() != 0:
             return
         hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else config.hydra
         output_dir = Path(hydra_cfg.runtime.output_dir)
@@ -205,13 +180,11 @@ class SweepSummary(Callback):
         }
         subdir = hydra_cfg.get("output_subdir")
         record_dir = output_dir / subdir if subdir else output_dir
-        record_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record_dir / RECORD_NAME, json.dumps(record, indent=2) + "\n")
         write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if launcher_rank() != 0:
             return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            write_summary(sweep_dir, table_metrics=self.table_metrics)
+        if Path(config.hydra.sweep.dir).is_dir():
+            write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)

@@ -19,7 +19,7 @@ import hydra
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from ssd_lightning import compat
@@ -79,13 +79,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     _silence_known_harmless_warnings()
     requeued = requeued_run(cfg)  # a scheduler restarted this job after a signal: continue in place
     if requeued is not None:
-        with open_dict(cfg):
-            cfg.resume = str(requeued)
+        OmegaConf.update(cfg, "resume", str(requeued), force_add=True)
     run_dir = cfg.paths.output_dir  # Hydra's run directory: the resumed run's own with resume=
     check_writable_dir(run_dir, "paths.output_dir")
     own_run_dir(run_dir)  # a second process in a folder that a live one trains in stops here
     try:
-        cfg = resolve_run_reference(cfg, _command_line_overrides())
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        cfg = resolve_run_reference(cfg, overrides)
         return _run_task(cfg, resumed=bool(cfg.get("resume")) and requeued is None)
     finally:
         release_run_dirs()
@@ -93,8 +93,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def _run_task(cfg: DictConfig, resumed: bool) -> dict[str, float]:
     """:func:`train` in a run directory this process owns."""
-    if resumed:  # a requeue runs the config Hydra saved in .hydra/ again
-        _save_resumed_config(cfg)
+    # a resumed run keeps the config it runs with in this invocation's .hydra/resume_<time>/ (a requeue runs
+    # the config Hydra saved in .hydra/ again; Lightning's DDP children have no output_subdir)
+    if resumed and HydraConfig.initialized() and HydraConfig.get().output_subdir:
+        save_run_config(cfg, Path(cfg.paths.output_dir) / HydraConfig.get().output_subdir)
     for message in validate_config(cfg):
         log.warning(message)
     float32_precision = _float32_on_cpus_without_bf16(cfg)
@@ -195,9 +197,8 @@ def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
     values = {"trainer.precision": "32-true"}
     if OmegaConf.select(cfg, "data.output_dtype") is not None:
         values["data.output_dtype"] = "float32"
-    with open_dict(cfg):
-        for key, value in values.items():
-            OmegaConf.update(cfg, key, value, force_add=True)
+    for key, value in values.items():  # force_add: also past the struct flag
+        OmegaConf.update(cfg, key, value, force_add=True)
     log.warning(
         "precision %s: this CPU has no native bf16 kernels (%s; bf16 runs 10-15x slower than float32 on "
         "such CPUs), so this run is float32 (precision=fp32). cpu_bf16=always keeps bf16",
@@ -210,13 +211,9 @@ def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
 def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[str, int]:
     """``model.net.num_classes=null``: the data's class count (annotation categories + background, or the
     image folders), read before the network is built. Returns ``{key: value}`` of what it set."""
-    if (
-        "num_classes" not in (OmegaConf.select(cfg, "model.net") or {})
-        or cfg.model.net.num_classes is not None
-    ):
+    if OmegaConf.select(cfg, "model.net.num_classes", default=0) is not None:
         return {}
-    with open_dict(cfg):
-        cfg.model.net.num_classes = int(datamodule.num_classes)
+    cfg.model.net.num_classes = int(datamodule.num_classes)  # the key exists: no struct flag in the way
     log.info("model.net.num_classes=null: %d, from the data", cfg.model.net.num_classes)
     return {"model.net.num_classes": cfg.model.net.num_classes}
 
@@ -263,14 +260,11 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
         if OmegaConf.select(cfg, f"model.decoder.{key}", default=0) is None:
             values[f"model.decoder.{key}"] = value
     changed = {k: v for k, v in values.items() if OmegaConf.select(cfg, k) != v}
-    with open_dict(cfg):
-        for key, value in values.items():
-            OmegaConf.update(cfg, key, value, force_add=True)
+    for key, value in values.items():  # force_add: also past the struct flag
+        OmegaConf.update(cfg, key, value, force_add=True)
     if changed:
         log.info(
-            "ckpt_path=%s: the model it records: %s",
-            path,
-            ", ".join(f"{k}={v}" for k, v in changed.items()),
+            "ckpt_path=%s: the model it records: %s", path, ", ".join(f"{k}={v}" for k, v in changed.items())
         )
     return changed
 
@@ -278,33 +272,12 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
 def _other_complete_checkpoints(path: Path) -> str:
     """For the message about an unreadable ``path``: the other checkpoints in its folder whose zip directory
     is complete (a file cut short has none), newest first, and the override that uses one; else ``""``."""
-    complete = []
-    for other in sorted(path.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True):
-        if other.resolve() == path.resolve():
-            continue
-        try:
-            with zipfile.ZipFile(other):
-                complete.append(other)
-        except (OSError, zipfile.BadZipFile):
-            continue
+    others = sorted(path.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    complete = [p for p in others if p.resolve() != path.resolve() and zipfile.is_zipfile(p)]
     if not complete:
         return ""
     names = ", ".join(p.name for p in complete)
     return f" Complete checkpoints beside it: {names}; continue from one with ckpt_path={complete[0]}"
-
-
-def _command_line_overrides() -> list[str]:
-    """This invocation's overrides (``train.py`` arguments), as Hydra recorded them."""
-    if not HydraConfig.initialized():
-        return []
-    return list(HydraConfig.get().overrides.task)
-
-
-def _save_resumed_config(cfg: DictConfig) -> None:
-    """A resumed run keeps the config it runs with in this invocation's ``.hydra/resume_<time>/``; Lightning's
-    DDP children (no output_subdir) skip it."""
-    if HydraConfig.initialized() and HydraConfig.get().output_subdir:
-        save_run_config(cfg, Path(cfg.paths.output_dir) / HydraConfig.get().output_subdir)
 
 
 def _stop_other_ranks(trainer: pl.Trainer) -> None:
@@ -351,9 +324,8 @@ def _print_summary(cfg: DictConfig, trainer: pl.Trainer, metrics: dict[str, floa
     key = cfg.get("optimized_metric")
     if key and key in metrics:
         lines.append(f"  {key} = {metrics[key]:.4f}")
-    ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") if trainer.checkpoint_callback else ""
+    ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if ckpt:
         lines.append(f"  last checkpoint: {ckpt}")
-    for logger in trainer.loggers:
-        lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
+    lines += [f"  {type(logger).__name__}: {logger.log_dir}" for logger in trainer.loggers]
     log.info("\n".join(lines))

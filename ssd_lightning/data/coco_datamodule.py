@@ -96,7 +96,6 @@ class CocoDALIDataModule(DALIDataModule):
         exif_check: str = "error",
         size_check: str = "error",
     ) -> None:
-        """Stores the arguments (the class docstring says what each does), checks those needing no file."""
         super().__init__()
         self._set_loader_args(locals())
         check_mode_args(exif_check=exif_check, size_check=size_check)  # fails before anything is read
@@ -121,7 +120,6 @@ class CocoDALIDataModule(DALIDataModule):
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
 
-    # ----------------------------------------------------------------- metadata other code reads
     @property
     def val_annotation_file(self) -> Path:
         """The validation ground truth for the COCO evaluation: ``val_annotations``, or its normalised copy
@@ -154,7 +152,6 @@ class CocoDALIDataModule(DALIDataModule):
         """K + 1 (includes background)."""
         return self.category_map.num_classes
 
-    # ----------------------------------------------------------------- building blocks
     def _paths(self, split: Literal["train", "val"]) -> tuple[Path, Path]:
         """(image folder, annotation file) of ``split``."""
         if split == "train":
@@ -215,8 +212,7 @@ class CocoDALIDataModule(DALIDataModule):
                 **common,
                 skip_empty=self.val_skip_empty,
             )
-        if with_image_ids is None:
-            with_image_ids = self.train_image_ids
+        with_image_ids = self.train_image_ids if with_image_ids is None else with_image_ids
         if self._anchors is None:
             from ssd_lightning.models import dboxes300_coco
 

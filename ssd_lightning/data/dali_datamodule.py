@@ -13,7 +13,7 @@ from ssd_lightning.data.dali_iterator import Batch, DALILoader
 from ssd_lightning.data.dali_pipelines import dali_output_dtype
 from ssd_lightning.errors import DataError
 
-__all__ = ["DALIDataModule", "rank_info", "pipeline_device", "check_loader_args", "decode_error_reporter"]
+__all__ = ["DALIDataModule", "rank_info", "pipeline_device", "decode_error_reporter"]
 
 
 def rank_info(module: pl.LightningDataModule) -> tuple[int, int]:
@@ -56,23 +56,11 @@ def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, i
     return "gpu", cuda_index
 
 
-def check_loader_args(batch_size: int, eval_batch_size: int | None, num_threads: int, device: str) -> None:
-    """Raise ``ValueError`` for the arguments every DALI datamodule shares."""
-    for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size or 1)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-
-
 def decode_error_reporter(paths_fn, what: str):
     """``on_error`` for :class:`DALILoader`: name the files PIL cannot decode when DALI fails."""
 
     def report(exc: Exception) -> Exception:
-        paths = paths_fn()
-        bad = find_undecodable_images(paths)
+        bad = find_undecodable_images(paths_fn())
         if bad:
             return DataError(
                 f"DALI failed while reading {what}; these image files are corrupt or truncated: "
@@ -107,7 +95,12 @@ class DALIDataModule(pl.LightningDataModule):
     def _set_loader_args(self, args: dict[str, Any]) -> None:
         """Check (``ValueError``) and keep the arguments every DALI datamodule takes, read by name from
         ``args`` (the subclass ``__init__``'s ``locals()``)."""
-        check_loader_args(args["batch_size"], args["eval_batch_size"], args["num_threads"], args["device"])
+        for name in ("batch_size", "eval_batch_size", "num_threads"):
+            value = (args[name] or 1) if name == "eval_batch_size" else args[name]
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if args["device"] not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {args['device']!r}")
         self._dali_dtype, self._cast = dali_output_dtype(args["output_dtype"])
         self.batch_size: int = args["batch_size"]
         self.eval_batch_size: int = args["eval_batch_size"] or self.batch_size
@@ -172,10 +165,8 @@ class DALIDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DALILoader:
         rank, world = rank_info(self)
-        return self._restored(self.make_loader("train", shard_id=rank, num_shards=world))
-
-    def _restored(self, loader: DALILoader) -> DALILoader:
-        """Remember ``loader`` as the one :meth:`state_dict` reports; hand it a state restored earlier."""
+        # the loader state_dict() reports, continuing from a state restored earlier
+        loader = self.make_loader("train", shard_id=rank, num_shards=world)
         if self._train_state:
             loader.load_state_dict(self._train_state)
             self._train_state = None

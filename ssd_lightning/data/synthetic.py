@@ -48,14 +48,8 @@ class _RepeatBatches:
         self._resume_at = int(state["yielded"]) % self.steps
 
 
+# torch dtypes of the images: no DALI involved, so synthetic data works where DALI is absent
 _IMAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _image_dtype(output_dtype: str) -> torch.dtype:
-    """Torch dtype of the images; no DALI involved, so synthetic data works where DALI is absent."""
-    if output_dtype not in _IMAGE_DTYPES:
-        raise ValueError(f"output_dtype must be one of {sorted(_IMAGE_DTYPES)}, got {output_dtype!r}")
-    return _IMAGE_DTYPES[output_dtype]
 
 
 def make_detection_targets(
@@ -112,8 +106,10 @@ class _SyntheticDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.steps_per_epoch = steps_per_epoch
+        if output_dtype not in _IMAGE_DTYPES:
+            raise ValueError(f"output_dtype must be one of {sorted(_IMAGE_DTYPES)}, got {output_dtype!r}")
         self._num_classes = num_classes
-        self.dtype = _image_dtype(output_dtype)
+        self.dtype = _IMAGE_DTYPES[output_dtype]
         self.seed = seed
 
     @property

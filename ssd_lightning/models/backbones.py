@@ -17,15 +17,8 @@ from torch import Tensor, nn
 from torchvision.models import get_model_weights, resnet
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-__all__ = [
-    "RESNET_NAMES",
-    "SSD_BACKBONES",
-    "ResNetBackbone",
-    "SSDBackbone",
-    "register_backbone",
-    "resnet_backbone",
-    "zero_init_resnet_blocks",
-]
+__all__ = ["RESNET_NAMES", "SSD_BACKBONES", "ResNetBackbone", "SSDBackbone", "register_backbone",
+           "resnet_backbone", "zero_init_resnet_blocks"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,9 +79,8 @@ class ResNetBackbone(nn.Module):
         self.feature_extractor = nn.Sequential(*children)
         first_block = self.feature_extractor[-1][0]
         # BasicBlock strides in conv1, Bottleneck (torchvision >= 0.5, "ResNet v1.5") in conv2.
-        first_block.conv1.stride = (1, 1)
-        first_block.conv2.stride = (1, 1)
-        first_block.downsample[0].stride = (1, 1)
+        for conv in (first_block.conv1, first_block.conv2, first_block.downsample[0]):
+            conv.stride = (1, 1)
         self.out_channels: list[int] = [first_block.downsample[0].out_channels]
 
     def forward(self, images: Tensor) -> list[Tensor]:

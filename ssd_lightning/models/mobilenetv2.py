@@ -17,13 +17,8 @@ from torchvision.models.mobilenetv2 import InvertedResidual
 from ssd_lightning.models._loading import load_state_dict_strict
 from ssd_lightning.models.backbones import SSDBackbone, register_backbone
 
-__all__ = [
-    "DEFAULT_INVERTED_RESIDUAL_SETTING",
-    "MobileNetV2SSDBackbone",
-    "load_mobilenet_v2_state_dict",
-    "mobilenet_v2",
-    "resolve_weights",
-]
+__all__ = ["DEFAULT_INVERTED_RESIDUAL_SETTING", "MobileNetV2SSDBackbone", "load_mobilenet_v2_state_dict",
+           "mobilenet_v2", "resolve_weights"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +97,8 @@ def load_mobilenet_v2_state_dict(
     if head_w is not None and own.shape != head_w.shape and head_w.shape[1:] == own.shape[1:]:
         log.info(
             "%s has a %d-class classifier, the model %d classes: loading everything but the classifier",
-            source,
-            head_w.shape[0],
-            own.shape[0],
-        )
+            source, head_w.shape[0], own.shape[0],
+        )  # fmt: skip
         skip = _CLASSIFIER_KEYS
     load_state_dict_strict(
         model,
@@ -228,8 +221,7 @@ class MobileNetV2SSDBackbone(nn.Module):
     def forward(self, images: Tensor) -> list[Tensor]:
         """(N, 3, H, W) -> [(N, C1, ⌈H/8⌉, ⌈W/8⌉), (N, C2, ⌈H/16⌉, ⌈W/16⌉)]; 38×38 and 19×19 at 300×300."""
         x1 = self.stage1(images)
-        x2 = self.stage2(x1)
-        return [x1, x2]
+        return [x1, self.stage2(x1)]
 
     def stages(self) -> list[list[nn.Module]]:
         """The parts in forward order by output resolution, for freezing the first ones: the stem and first

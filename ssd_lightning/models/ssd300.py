@@ -15,13 +15,7 @@ from torch import Tensor, nn
 
 from ssd_lightning.models.backbones import SSD_BACKBONES
 
-__all__ = [
-    "SSD300",
-    "ssd300",
-    "EXTRA_MID_CHANNELS",
-    "NUM_DEFAULTS",
-    "FEATURE_SIZES",
-]
+__all__ = ["SSD300", "ssd300", "EXTRA_MID_CHANNELS", "NUM_DEFAULTS", "FEATURE_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +96,13 @@ class SSD300(nn.Module):
         self.out_channels = channels
         self.feature_extractor = backbone
 
-        first_extra_level = len(backbone_channels)
         self.additional_blocks = nn.ModuleList(
             _extra_block(channels[level - 1], extra_mid_channels[level - 1], channels[level], level)
-            for level in range(first_extra_level, len(channels))
+            for level in range(len(backbone_channels), len(channels))
         )
-        self.loc = nn.ModuleList(
-            nn.Conv2d(c, nd * 4, kernel_size=3, padding=1)
-            for c, nd in zip(channels, self.num_defaults, strict=True)
-        )
-        self.conf = nn.ModuleList(
-            nn.Conv2d(c, nd * num_classes, kernel_size=3, padding=1)
-            for c, nd in zip(channels, self.num_defaults, strict=True)
-        )
+        levels = list(zip(channels, self.num_defaults, strict=True))
+        self.loc = nn.ModuleList(nn.Conv2d(c, nd * 4, 3, padding=1) for c, nd in levels)
+        self.conf = nn.ModuleList(nn.Conv2d(c, nd * num_classes, 3, padding=1) for c, nd in levels)
         self._init_weights(background_prior)
 
     def _init_weights(self, background_prior: float | None) -> None:
@@ -177,6 +165,8 @@ def ssd300(
     spec = SSD_BACKBONES.get(backbone)
     if spec is None:
         raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(SSD_BACKBONES)}")
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool):  # checked before any weight is read
+        raise ValueError(f"num_classes must be an integer (background included), got {num_classes!r}")
     if width_mult != 1.0 and not spec.width:  # e.g. experiment=demo model.net.backbone=resnet18
         log.warning("width_mult=%s does not apply to the %s backbone: it is built at full width",
                     width_mult, backbone)  # fmt: skip
@@ -194,12 +184,6 @@ def ssd300(
     model = SSD300(net, extra, num_classes, background_prior=background_prior)
     model.backbone_name = backbone  # recorded for checkpoint import and benchmark reports
     # what rebuilds it (models/registry.py); the arguments that only initialise weights are left out
-    model.architecture = {
-        "builder": "ssd300",
-        "args": {
-            "backbone": backbone,
-            "num_classes": int(num_classes),
-            "width_mult": float(width_mult),
-        },
-    }
+    args = {"backbone": backbone, "num_classes": int(num_classes), "width_mult": float(width_mult)}
+    model.architecture = {"builder": "ssd300", "args": args}
     return model

@@ -171,7 +171,6 @@ class RecipeModule(pl.LightningModule):
         """The training epoch metrics whose mid-epoch states checkpoints carry (sums only)."""
         return {"train_loss_epoch": self.train_loss_epoch}
 
-    # -------------------------------------------------------------------------------------------- set-up
     def configure_model(self) -> None:
         """SyncBatchNorm when asked for and training on several GPU processes (on CPU: a warning; the
         one place it is done, leave the Trainer's flag off); under CPU bf16, the strided depthwise
@@ -179,7 +178,8 @@ class RecipeModule(pl.LightningModule):
         step there)."""
         trainer = self.trainer
         on_cpu = isinstance(trainer.accelerator, CPUAccelerator)
-        if self.hparams.sync_batchnorm and trainer.world_size > 1 and not _has_sync_bn(self.net):
+        has_sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in self.net.modules())
+        if self.hparams.sync_batchnorm and trainer.world_size > 1 and not has_sync_bn:
             if on_cpu:
                 rank_zero_warn(
                     "sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules"
@@ -240,7 +240,6 @@ class RecipeModule(pl.LightningModule):
         its data from the first batch."""
         compat.load_pending_loader_states(self.trainer)
 
-    # ------------------------------------------------------------------------------- optimizer and EMA
     def weight_decay_groups(self) -> dict[str, float | None]:
         """Weight decay of normalisation parameters, biases, depthwise weights (``build_optimizer``'s)."""
         return {}
@@ -296,10 +295,8 @@ class RecipeModule(pl.LightningModule):
         if trainer.is_global_zero:
             log.info(
                 "LR schedule %s over %d optimizer steps per epoch, warm-up %d optimizer steps",
-                schedule,
-                epoch_steps,
-                self.warmup_steps,
-            )
+                schedule, epoch_steps, self.warmup_steps,
+            )  # fmt: skip
         lr_scheduler = build_scheduler(
             opt,
             schedule=schedule,
@@ -322,7 +319,6 @@ class RecipeModule(pl.LightningModule):
                 warmup_steps=self.warmup_steps,
             )
 
-    # ------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Put the states of the epoch metrics into ``checkpoint`` when it is written in the middle of an
         epoch (Lightning calls this on every rank).
@@ -347,8 +343,6 @@ class RecipeModule(pl.LightningModule):
                     )
                 names.append((name, key, value.dtype, value.shape))
                 values.append(value.detach().reshape(-1).double())  # exact for counts below 2**53
-        if not values:
-            return
         flat = torch.cat(values)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -389,6 +383,7 @@ class RecipeModule(pl.LightningModule):
         datamodule = getattr(trainer, "datamodule", None)
         num_classes = int(architecture["args"]["num_classes"])
         detector = kind == "detector"
+        names, ids = list(getattr(datamodule, "class_names", None) or []), None
         if detector:
             categories = getattr(datamodule, "category_map", None)
             if categories is None or categories.num_classes != num_classes:
@@ -398,23 +393,15 @@ class RecipeModule(pl.LightningModule):
                 )
             else:
                 names, ids = categories.names, categories.category_ids
-        else:
-            names = list(getattr(datamodule, "class_names", None) or [])
-            if len(names) != num_classes:
-                names = [f"class_{k}" for k in range(num_classes)]
-            ids = None
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        lr = (
-            optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])
-            if optimizer
-            else None
-        )
+        elif len(names) != num_classes:
+            names = [f"class_{k}" for k in range(num_classes)]
+        group = trainer.optimizers[0].param_groups[0] if trainer.optimizers else None
         batch = getattr(datamodule, "batch_size", None)
         training = {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "precision": str(trainer.precision),
-            "lr": lr,  # after the scaling rule: the peak LR of the schedule
+            "lr": group.get("initial_lr", group["lr"]) if group else None,  # scaled: the schedule's peak
             "global_batch_size": (
                 None if batch is None else trainer.world_size * int(batch) * trainer.accumulate_grad_batches
             ),
@@ -432,7 +419,3 @@ class RecipeModule(pl.LightningModule):
             decoder=decoder,
             training=training,
         )
-
-
-def _has_sync_bn(net: nn.Module) -> bool:
-    return any(isinstance(m, nn.SyncBatchNorm) for m in net.modules())

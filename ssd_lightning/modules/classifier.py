@@ -112,11 +112,9 @@ class ClassifierLitModule(RecipeModule):
         stages = ["val", "test"] + (["val_ema", "test_ema"] if self.ema is not None else [])
         self.eval_metrics = nn.ModuleDict({stage: _eval_metrics(self.num_classes) for stage in stages})
         # validate_args=False: no label-range check, which would read the device every batch
-        self.val_confusion = (
-            MulticlassConfusionMatrix(num_classes=self.num_classes, validate_args=False)
-            if confusion_matrix
-            else None
-        )
+        self.val_confusion = None
+        if confusion_matrix:
+            self.val_confusion = MulticlassConfusionMatrix(num_classes=self.num_classes, validate_args=False)
         # Best validation top-1 and its epoch: buffers, so checkpoints carry them across a resume.
         self.register_buffer("acc1_best", torch.tensor(0.0))
         self.register_buffer("acc1_best_epoch", torch.tensor(-1, dtype=torch.long))
@@ -129,7 +127,6 @@ class ClassifierLitModule(RecipeModule):
         super().on_save_checkpoint(checkpoint)
         self.save_model_record(checkpoint, kind="classifier", weights="net.")
 
-    # --------------------------------------------------------------- training
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         labels = batch["labels"].long()
         logits = self(batch["images"]).float()
@@ -145,13 +142,10 @@ class ClassifierLitModule(RecipeModule):
         self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
         return loss
 
-    # ------------------------------------------------------------- evaluation
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:
         """Shared by validation and test: update the metrics of ``net`` (and of the EMA weights)."""
         labels = batch["labels"].long()
-        nets = [(stage, self.net)]
-        if self.ema is not None:
-            nets.append((f"{stage}_ema", self.ema.module))
+        nets = [(stage, self.net)] + ([(f"{stage}_ema", self.ema.module)] if self.ema is not None else [])
         for key, net in nets:
             logits = self(batch["images"], net).float()
             metrics = self.eval_metrics[key]
@@ -222,7 +216,6 @@ class ClassifierLitModule(RecipeModule):
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
 
-    # -------------------------------------------------------------- optimizer
     def weight_decay_groups(self) -> dict[str, float | None]:
         hp = self.hparams
         return {
@@ -233,15 +226,16 @@ class ClassifierLitModule(RecipeModule):
 
     def ema_decay_per_update(self) -> float:
         hp = self.hparams
+        batch_size = 1
+        if hp.ema_decay_scaling != "none":
+            batch_size = per_device_batch_size(
+                self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none"
+            )
         decay = scale_ema_decay(
             hp.ema_decay,
             scaling=hp.ema_decay_scaling,
             world_size=self.trainer.world_size,
-            batch_size=(
-                per_device_batch_size(self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none")
-                if hp.ema_decay_scaling != "none"
-                else 1
-            ),
+            batch_size=batch_size,
             every_n_steps=hp.ema_every_n_steps,
             epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
         )

@@ -16,14 +16,6 @@ from ssd_lightning.errors import ConfigError
 __all__ = ["freeze_backbone", "frozen_modules", "keep_frozen_norms_in_eval"]
 
 
-def _stages(net: nn.Module, key: str) -> list[list[nn.Module]]:
-    backbone = getattr(net, "feature_extractor", None)
-    stages = getattr(backbone, "stages", None)
-    if not callable(stages):
-        raise ConfigError(f"{key}: this network has no backbone stages to freeze ({type(net).__name__})")
-    return stages()
-
-
 def freeze_backbone(
     net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
 ) -> list[nn.Module]:
@@ -44,7 +36,10 @@ def frozen_modules(net: nn.Module, freeze: str | int | None, *, key: str = "mode
     after layers were replaced, e.g. by SyncBatchNorm conversion); changes nothing."""
     if freeze is None:
         return []
-    stages = _stages(net, key)
+    stages = getattr(getattr(net, "feature_extractor", None), "stages", None)
+    if not callable(stages):
+        raise ConfigError(f"{key}: this network has no backbone stages to freeze ({type(net).__name__})")
+    stages = stages()
     if freeze == "backbone":
         count = len(stages)
     elif isinstance(freeze, int) and not isinstance(freeze, bool) and 0 <= freeze <= len(stages):
@@ -52,21 +47,17 @@ def frozen_modules(net: nn.Module, freeze: str | int | None, *, key: str = "mode
     else:
         raise ConfigError(
             f"{key}={freeze!r}: use `backbone`, null, or a number of backbone stages from 0 to {len(stages)} "
-            f"(this backbone's stages, first to last: {', '.join(_stage_names(stages))})"
+            f"(this backbone's stages, first to last: {', '.join(map(_stage_name, stages))})"
         )
     return [module for stage in stages[:count] for module in stage]
 
 
-def _stage_names(stages: list[list[nn.Module]]) -> list[str]:
-    return [
-        "+".join(type(m).__name__ for m in stage[:2]) + ("+..." if len(stage) > 2 else "") for stage in stages
-    ]
+def _stage_name(stage: list[nn.Module]) -> str:
+    return "+".join(type(m).__name__ for m in stage[:2]) + ("+..." if len(stage) > 2 else "")
 
 
 def keep_frozen_norms_in_eval(frozen: list[nn.Module]) -> None:
     """Put every BatchNorm inside ``frozen`` in eval mode (call after each ``module.train()``)."""
     norm = norm_base_class()
-    for module in frozen:
-        for layer in module.modules():
-            if isinstance(layer, norm):
-                layer.eval()
+    for layer in (layer for module in frozen for layer in module.modules() if isinstance(layer, norm)):
+        layer.eval()

@@ -9,6 +9,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -163,8 +164,18 @@ def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (what a config's count, seed or epoch must be)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def increasing_epochs(value: object) -> bool:
+    """A list (any non-string iterable) of strictly increasing non-negative integers: LR milestones,
+    evaluation epochs."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        return False
+    items = list(value)
+    return all(is_int(v) and v >= 0 for v in items) and all(a < b for a, b in pairwise(items))
 
 
 def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.optimizer") -> None:
@@ -182,20 +193,14 @@ def check_scheduler_args(scheduler: Mapping, *, key: str = "model.scheduler") ->
     ``gamma`` outside (0, 1] or ``milestones`` that are not strictly increasing non-negative epochs (the
     keys of :func:`build_scheduler`; absent or ``None`` ones are not checked)."""
     warmup, gamma, milestones = (scheduler.get(k) for k in ("warmup_steps", "gamma", "milestones"))
-    if warmup is not None and not (_is_int(warmup) and warmup >= 0):
+    if warmup is not None and not (is_int(warmup) and warmup >= 0):
         raise ConfigError(f"{key}.warmup_steps={warmup!r}: must be an integer >= 0 (optimizer steps)")
     if gamma is not None and not (_is_number(gamma) and 0 < gamma <= 1):
         raise ConfigError(f"{key}.gamma={gamma!r}: must be in (0, 1] (the LR factor per decay)")
-    if milestones is not None:
+    if milestones is not None and not increasing_epochs(milestones):
         listed = isinstance(milestones, Iterable) and not isinstance(milestones, str)
-        items = list(milestones) if listed else None
-        if not (
-            items is not None
-            and all(_is_int(m) and m >= 0 for m in items)
-            and all(a < b for a, b in zip(items, items[1:], strict=False))
-        ):
-            shown = items if items is not None else milestones
-            raise ConfigError(f"{key}.milestones={shown!r}: must be strictly increasing non-negative epochs")
+        shown = list(milestones) if listed else milestones
+        raise ConfigError(f"{key}.milestones={shown!r}: must be strictly increasing non-negative epochs")
 
 
 def lr_factor(

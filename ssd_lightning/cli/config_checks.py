@@ -12,7 +12,6 @@ in one :class:`~ssd_lightning.errors.ConfigError`, each naming the key, the valu
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,15 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 from ssd_lightning.cli.launch_check import multirun_launch_problem
 from ssd_lightning.errors import ConfigError, UserError
 from ssd_lightning.io.weights import INIT_FROM_FILES, check_checkpoint_file
+from ssd_lightning.optim import increasing_epochs, is_int
 
 __all__ = ["TASKS", "check_writable_dir", "validate_config"]
 
 TASKS = ("fit", "validate", "benchmark_training", "benchmark_inference", "inspect_data")
 _GPU_ACCELERATORS = ("gpu", "cuda")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _select(cfg: DictConfig, key: str):
@@ -58,26 +54,17 @@ class _Problems:
         self.lines.append(f"{key}={value!r}: {accepted}")
 
 
-def _increasing_ints(value) -> bool:
-    items = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else None
-    return (
-        items is not None
-        and all(_is_int(v) and v >= 0 for v in items)
-        and all(a < b for a, b in zip(items, items[1:], strict=False))
-    )
-
-
 def _check_values(p: _Problems) -> None:
     # read by cli/train.py, which decides from it what to build (its benchmark branch checks only at the end)
     p.check("task", lambda v: v in TASKS, f"must be one of {', '.join(TASKS)}")
     # read by cli/train.py: pl.seed_everything takes 1.5 as 1 silently
-    p.check("seed", _is_int, "must be an integer (or null for a random seed)")
+    p.check("seed", is_int, "must be an integer (or null for a random seed)")
     # Lightning's Trainer accepts 0 (trains nothing) and strings
-    p.check("trainer.max_epochs", lambda v: _is_int(v) and (v >= 1 or v == -1), "must be an integer >= 1")
+    p.check("trainer.max_epochs", lambda v: is_int(v) and (v >= 1 or v == -1), "must be an integer >= 1")
     # data/: the synthetic datamodules leave eval_batch_size unchecked, and the messages there name no
     # data.* key; move both there when they do (tests/test_configs.py pins data.batch_size here)
     for key in ("data.batch_size", "data.eval_batch_size"):
-        p.check(key, lambda v: _is_int(v) and v > 0, "must be a positive integer (images per device)")
+        p.check(key, lambda v: is_int(v) and v > 0, "must be a positive integer (images per device)")
     # model x data: null reads it from the data (train._num_classes_from_data); synthetic data has nothing
     if _select(p.cfg, "model.net.num_classes") is None and "num_classes" in (_select(p.cfg, "data") or {}):
         p.add(
@@ -86,7 +73,7 @@ def _check_values(p: _Problems) -> None:
             "null reads it from annotations or image folders; set it for this data",
         )
     # callbacks/eval_schedule.py checks it too; tests/test_configs.py pins it here
-    p.check("eval_epochs", _increasing_ints, "must be strictly increasing non-negative 0-based epochs")
+    p.check("eval_epochs", increasing_epochs, "must be strictly increasing non-negative 0-based epochs")
     # model x trainer: the model's weight files and the Trainer's checkpoint IO (ckpt_path) both read it,
     # and cli/train.py passes it to the latter as bool(value), which makes "no" true
     p.check("model.trust_checkpoint", lambda v: isinstance(v, bool), "must be true or false")
@@ -107,7 +94,7 @@ def _check_devices(p: _Problems, cuda_device_count: int) -> None:
     wants_gpu = accelerator in _GPU_ACCELERATORS
     if wants_gpu and cuda_device_count == 0:
         p.add("trainer.accelerator", accelerator, "this machine has no CUDA device; use trainer=cpu")
-    elif accelerator in ("auto", *_GPU_ACCELERATORS) and _is_int(devices) and devices > 1:
+    elif accelerator in ("auto", *_GPU_ACCELERATORS) and is_int(devices) and devices > 1:
         if cuda_device_count == 0:
             p.add(
                 "trainer.devices",

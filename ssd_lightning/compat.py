@@ -135,11 +135,17 @@ def subprocess_script_launcher(trainer: pl.Trainer) -> Any | None:
     return launcher if isinstance(launcher, _subprocess_script_launcher_class()) else None
 
 
-def launched_processes(trainer: pl.Trainer) -> list[subprocess.Popen]:
-    """The rank processes Lightning's launcher started from this process: the very list its process observer
-    watches (clearing it stops the observer from killing this process when they exit). ``[]`` elsewhere."""
+def take_launched_processes(trainer: pl.Trainer) -> list[subprocess.Popen]:
+    """The rank processes Lightning's launcher started from this process (``[]`` elsewhere), taken out of the
+    very list its process observer watches: otherwise the observer, finding one ended by a signal, SIGKILLs
+    this process before it can report its own error or wait for them."""
     launcher = subprocess_script_launcher(trainer)
-    return [] if launcher is None else _attr(launcher, "procs", "_SubprocessScriptLauncher")
+    if launcher is None:
+        return []
+    procs = _attr(launcher, "procs", "_SubprocessScriptLauncher")
+    children = list(procs)
+    procs.clear()
+    return children
 
 
 # -- Lightning: loops and validation schedule ----------------------------------------------------------------

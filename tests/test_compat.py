@@ -121,11 +121,36 @@ def test_val_check_time_interval():
 
 def test_launcher_accessors():
     assert compat.subprocess_script_launcher(quiet_trainer()) is None
-    assert compat.launched_processes(quiet_trainer()) == []
+    assert compat.take_launched_processes(quiet_trainer()) == []
     ddp = quiet_trainer(strategy="ddp", devices=2)
     launcher = compat.subprocess_script_launcher(ddp)
     assert launcher is ddp.strategy.launcher and callable(launcher.kill)
-    assert compat.launched_processes(ddp) is launcher.procs  # the very list Lightning's observer watches
+
+
+class _Rank:
+    """A launched rank process: records what Lightning's observer could see when it was killed."""
+
+    def __init__(self, watched: list) -> None:
+        self.watched, self.seen_at_kill = watched, None
+
+    def kill(self) -> None:
+        self.seen_at_kill = list(self.watched)
+
+    def wait(self, timeout: float) -> int:
+        return -9
+
+
+def test_a_failed_main_process_ends_its_ranks_unseen_by_lightnings_observer():
+    """CI once lost rank 0's error: the observer found the rank it had just killed and SIGKILLed rank 0."""
+    from ssd_lightning.cli.train import _stop_other_ranks
+
+    ddp = quiet_trainer(strategy="ddp", devices=2)
+    watched = compat.subprocess_script_launcher(ddp).procs  # the very list the observer polls
+    ranks = [_Rank(watched), _Rank(watched)]
+    watched.extend(ranks)
+    _stop_other_ranks(ddp)
+    assert [r.seen_at_kill for r in ranks] == [[], []]
+    assert watched == [] and compat.take_launched_processes(ddp) == []
 
 
 class _StatefulLoader:

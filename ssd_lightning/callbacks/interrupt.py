@@ -70,15 +70,6 @@ def _distributed(trainer: pl.Trainer) -> bool:
     return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _take_over_launched_ranks(trainer: pl.Trainer) -> list[subprocess.Popen]:
-    """The ranks Lightning's own launcher started from this process (none elsewhere), now ours to wait for:
-    they exit 143/130 after the save, which Lightning's process observer would answer with SIGKILL."""
-    procs = compat.launched_processes(trainer)
-    children = list(procs)
-    procs.clear()  # the observer holds this very list
-    return children
-
-
 def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for child in children:
@@ -282,7 +273,7 @@ class InterruptCheckpoint(pl.Callback):
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
         self.stopped_by = self.stopped_by or self._received or "SIGTERM"
-        children = _take_over_launched_ranks(trainer)
+        children = compat.take_launched_processes(trainer)
         path = self.checkpoint_path(trainer)
         started = time.monotonic()
         try:

@@ -286,16 +286,10 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
     Only the main process of Lightning's own launcher has children; torchrun and SLURM end the other
     workers of a failed job themselves.
     """
-    launcher = compat.subprocess_script_launcher(trainer)
-    if launcher is None:
-        return
-    launcher.kill(signal.SIGKILL)
-    for proc in launcher.procs:
+    for proc in compat.take_launched_processes(trainer):  # out of the observer's list before they die
+        proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-    # Lightning's process observer polls this same list every 5 s and SIGKILLs this process when it finds a
-    # rank that ended badly: emptied, it lets this process report its own error and exit with its own code
-    launcher.procs.clear()
 
 
 def _release_process_group() -> None:

@@ -34,8 +34,7 @@ from ssd_lightning.error_analysis import (
 from ssd_lightning.evaluation import BACKENDS, DEFAULT_BACKEND, evaluate_coco_detailed
 from ssd_lightning.tables import markdown_table
 
-#: The 80 category ids of COCO 2017 (1..90 with 10 gaps).
-COCO_CATEGORY_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
+from benchmark_eval import COCO_CATEGORY_IDS, coco_like_box, coco_like_image  # isort: skip (beside this file)
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,17 +52,10 @@ def make_data(path: Path, num_images: int, per_image: int, seed: int) -> np.ndar
     rng = np.random.default_rng(seed)
     images, anns, dets = [], [], []
     for image_id in range(1, num_images + 1):
-        w, h = int(rng.choice([640, 500, 480])), int(rng.choice([480, 427, 375]))
-        images.append({"id": image_id, "width": w, "height": h, "file_name": f"{image_id:012d}.jpg"})
+        w, h = coco_like_image(rng, image_id, images)
         rows = []
         for _ in range(int(rng.poisson(7.3))):
-            r = rng.random()
-            side = (
-                rng.uniform(4, 32) if r < 0.41 else rng.uniform(32, 96) if r < 0.75 else rng.uniform(96, 400)
-            )
-            bw = min(side * rng.uniform(0.7, 1.4), w - 1.0)
-            bh = min(side * side / bw, h - 1.0)
-            x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+            x, y, bw, bh = coco_like_box(rng, w, h)
             cat = int(rng.choice(COCO_CATEGORY_IDS))
             anns.append(
                 {

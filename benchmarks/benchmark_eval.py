@@ -72,22 +72,31 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- data
+def coco_like_image(rng: np.random.Generator, image_id: int, images: list[dict]) -> tuple[int, int]:
+    """Append an image of a COCO-like size to ``images``; return its ``(width, height)``."""
+    w, h = int(rng.choice([640, 500, 480])), int(rng.choice([480, 427, 375]))
+    images.append({"id": image_id, "width": w, "height": h, "file_name": f"{image_id:012d}.jpg"})
+    return w, h
+
+
+def coco_like_box(rng: np.random.Generator, w: int, h: int) -> tuple[float, float, float, float]:
+    """A COCO box ``(x, y, w, h)`` inside a ``w`` x ``h`` image: 41 % small, 34 % medium, 25 % large."""
+    r = rng.random()
+    side = rng.uniform(4, 32) if r < 0.41 else rng.uniform(32, 96) if r < 0.75 else rng.uniform(96, 400)
+    bw = min(side * rng.uniform(0.7, 1.4), w - 1.0)
+    bh = min(side * side / bw, h - 1.0)
+    return rng.uniform(0, w - bw), rng.uniform(0, h - bh), bw, bh
+
+
 def make_ground_truth(path: Path, num_images: int, seed: int) -> None:
     """COCO val2017 in shape: ~7.3 objects per image, 41 % small / 34 % medium / 25 % large, ~1 % crowd."""
     rng = np.random.default_rng(seed)
     ids = np.sort(rng.choice(np.arange(1, 600_000), num_images, replace=False)).tolist()
     images, anns = [], []
     for image_id in ids:
-        w, h = int(rng.choice([640, 500, 480])), int(rng.choice([480, 427, 375]))
-        images.append({"id": image_id, "width": w, "height": h, "file_name": f"{image_id:012d}.jpg"})
+        w, h = coco_like_image(rng, image_id, images)
         for _ in range(int(rng.poisson(7.3))):
-            r = rng.random()
-            side = (
-                rng.uniform(4, 32) if r < 0.41 else rng.uniform(32, 96) if r < 0.75 else rng.uniform(96, 400)
-            )
-            bw = min(side * rng.uniform(0.7, 1.4), w - 1.0)
-            bh = min(side * side / bw, h - 1.0)
-            x, y = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+            x, y, bw, bh = coco_like_box(rng, w, h)
             anns.append(
                 {
                     "id": len(anns) + 1,

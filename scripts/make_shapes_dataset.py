@@ -27,43 +27,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=None, help="val images (per class for classification)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-size", type=int, default=160, help="detection: smallest image side")
-    parser.add_argument(
-        "--max-size",
-        type=int,
-        default=None,
-        help="detection: largest image side (default 480); classification: the image side (default 96)",
-    )
+    sizes = "detection: largest image side (default 480); classification: the image side (default 96)"
+    parser.add_argument("--max-size", type=int, default=None, help=sizes)
     args = parser.parse_args(argv)
 
+    defaults = {"detection": (2000, 200, 480), "classification": (100, 20, 96)}[args.kind]
+    given = (args.train, args.val, args.max_size)
+    train, val, size = (d if a is None else a for a, d in zip(given, defaults, strict=True))
+    n = len(SHAPE_CATEGORIES)
     start = time.perf_counter()
     try:
         if args.kind == "detection":
-            num_train = 2000 if args.train is None else args.train
-            num_val = 200 if args.val is None else args.val
             root = make_detection_dataset(
-                args.out,
-                num_train=num_train,
-                num_val=num_val,
-                seed=args.seed,
-                min_size=args.min_size,
-                max_size=480 if args.max_size is None else args.max_size,
+                args.out, num_train=train, num_val=val, seed=args.seed, min_size=args.min_size, max_size=size
             )
-            counts = f"{num_train} train + {num_val} val images, {len(SHAPE_CATEGORIES)} categories"
+            counts = f"{train} train + {val} val images, {n} categories"
         else:
-            per_train = 100 if args.train is None else args.train
-            per_val = 20 if args.val is None else args.val
             root = make_classification_dataset(
-                args.out,
-                num_train_per_class=per_train,
-                num_val_per_class=per_val,
-                seed=args.seed,
-                image_size=96 if args.max_size is None else args.max_size,
+                args.out, num_train_per_class=train, num_val_per_class=val, seed=args.seed, image_size=size
             )
-            n = len(SHAPE_CATEGORIES)
-            counts = (
-                f"{per_train * n} train + {per_val * n} val images "
-                f"({per_train}/{per_val} per class, {n} classes)"
-            )
+            counts = f"{train * n} train + {val * n} val images ({train}/{val} per class, {n} classes)"
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from ssd_lightning.data import coco_validation
 from ssd_lightning.data.coco_validation import check_coco_split, check_image_headers
 from ssd_lightning.errors import DataError
 from ssd_lightning.evaluation import evaluate_coco
-from tests.helpers import requires_dali
+from tests.helpers import OWN_DATA_FIT, requires_dali
 
 CATEGORIES = ["red", "green", "blue"]
 COLOURS = [(230, 30, 30), (30, 200, 30), (30, 30, 230)]
@@ -408,10 +408,7 @@ def test_train_fits_and_evaluates_a_labelling_tool_export(make_cfg, tmp_path):
             f"data.val_annotations={ann_file}",
             "data.batch_size=2",
             "data.eval_batch_size=3",
-            "model.net.num_classes=null",  # read from the export: 3 categories + background
-            "model.net.background_prior=0.5",  # untrained heads then score above the 0.05 threshold
-            "model.scheduler.warmup_steps=1",
-            "trainer.max_epochs=1",
+            *OWN_DATA_FIT,
             "logger=csv",
             "callbacks.coco_map.backend=pycocotools",
         ]

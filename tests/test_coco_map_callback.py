@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback, _merge_ranks
 from ssd_lightning.evaluation import COCO_STAT_NAMES, evaluate_coco
-from tests.helpers import CONFIG_DIR, csv_rows, quiet_trainer, run_script
+from tests.helpers import CONFIG_DIR, annotations_by_image, csv_rows, quiet_trainer, run_script
 
 CATEGORY_IDS = [4, 9]  # non-contiguous on purpose
 
@@ -102,10 +102,7 @@ class GroundTruthDetector(pl.LightningModule):
     ):
         super().__init__()
         self.layer = torch.nn.Linear(2, 1)
-        data = json.loads(Path(annotation_file).read_text())
-        self.gt: dict[int, list[dict]] = {im["id"]: [] for im in data["images"]}
-        for a in data["annotations"]:
-            self.gt[a["image_id"]].append(a)
+        self.gt = annotations_by_image(annotation_file)
         self.jitter, self.jitter_per_epoch, self.empty = jitter, jitter_per_epoch, empty
         self.seen_dir = seen_dir
         self.bad_image = bad_image  # this image gets label 99, which the category map cannot map

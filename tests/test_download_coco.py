@@ -131,6 +131,13 @@ def _run(
     )
 
 
+def _fetch(server, downloader: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The script with ``downloader`` against the test server, checking its checksums."""
+    return _run(
+        *args, base_url=server.url, md5_file=server.tree / "md5s.txt", COCO_DOWNLOADER=downloader, **env
+    )
+
+
 def _leftovers(root: Path) -> list[str]:
     return [p.name for p in root.glob(".extract-*")]
 
@@ -166,9 +173,7 @@ def test_download_verify_extract_gives_the_datamodule_layout(server, tmp_path, s
     if shutil.which(downloader) is None:
         pytest.skip(f"{downloader} is not installed")
     root = tmp_path / "coco"
-    result = _run(
-        str(root), base_url=server.url, md5_file=server.tree / "md5s.txt", COCO_DOWNLOADER=downloader
-    )
+    result = _fetch(server, downloader, str(root))
     assert result.returncode == 0, result.stderr
     assert sorted(server.requested()) == sorted(ARCHIVES)
     for split in ("train", "val"):
@@ -193,14 +198,7 @@ def test_an_interrupted_download_resumes_with_a_byte_range(server, tmp_path, dow
     full = (server.tree / "zips" / "val2017.zip").read_bytes()
     (root / "downloads").mkdir(parents=True)
     (root / "downloads" / "val2017.zip").write_bytes(full[: len(full) // 3])
-    result = _run(
-        "--parts",
-        "val,annotations",
-        str(root),
-        base_url=server.url,
-        md5_file=server.tree / "md5s.txt",
-        COCO_DOWNLOADER=downloader,
-    )
+    result = _fetch(server, downloader, "--parts", "val,annotations", str(root))
     assert result.returncode == 0, result.stderr
     assert ("/zips/val2017.zip", f"bytes={len(full) // 3}-") in server.log
     assert "train2017.zip" not in server.requested()
@@ -285,14 +283,7 @@ def test_a_complete_archive_left_by_an_earlier_run_is_verified_and_extracted(ser
     root = tmp_path / "coco"
     (root / "downloads").mkdir(parents=True)
     shutil.copy(server.tree / "zips" / "val2017.zip", root / "downloads" / "val2017.zip")
-    result = _run(
-        "--parts",
-        "val",
-        str(root),
-        base_url=server.url,
-        md5_file=server.tree / "md5s.txt",
-        COCO_DOWNLOADER=downloader,
-    )
+    result = _fetch(server, downloader, "--parts", "val", str(root))
     assert result.returncode == 0, result.stderr
     assert (root / "val2017").is_dir()
 

@@ -31,15 +31,10 @@ def test_parameter_counts(width_mult, expected):
 
 
 def test_default_table_is_the_papers():
-    assert DEFAULT_INVERTED_RESIDUAL_SETTING == [
-        [1, 16, 1, 1],
-        [6, 24, 2, 2],
-        [6, 32, 3, 2],
-        [6, 64, 4, 2],
-        [6, 96, 3, 1],
-        [6, 160, 3, 2],
-        [6, 320, 1, 1],
-    ]
+    # Table 2 of Sandler et al. 2018, rows of t (expansion), c (channels), n (repeats), s (first stride)
+    paper = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2]]
+    paper += [[6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1]]
+    assert paper == DEFAULT_INVERTED_RESIDUAL_SETTING
     model = mobilenet_v2()
     assert isinstance(model, torchvision.models.MobileNetV2)
     assert model.features[0][0].out_channels == 32 and model.last_channel == 1280

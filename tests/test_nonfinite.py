@@ -11,6 +11,7 @@ from ssd_lightning.callbacks import NonFiniteGuard
 from ssd_lightning.cli.train import train
 from ssd_lightning.errors import NonFiniteLossError
 from tests.fault_injection import NaNImagesAt
+from tests.helpers import quiet_trainer
 
 BATCHES = 10
 
@@ -35,16 +36,7 @@ class _Regression(pl.LightningModule):
 def _fit(callbacks: list, max_epochs: int = 1) -> tuple[pl.Trainer, _Regression]:
     torch.manual_seed(0)
     module = _Regression()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=max_epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=2,
-    )
+    trainer = quiet_trainer(callbacks=callbacks, max_epochs=max_epochs, log_every_n_steps=2)
     trainer.fit(module)
     return trainer, module
 

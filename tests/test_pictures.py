@@ -17,7 +17,7 @@ from ssd_lightning.callbacks.curves import TrainingCurves
 from ssd_lightning.callbacks.pictures import PredictionPictures
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.visualize import GT_COLOUR, class_colour, draw_detections, plot_curves, read_metrics_csv
-from tests.helpers import REPO_ROOT, run_script
+from tests.helpers import REPO_ROOT, annotations_by_image, run_script
 
 
 def _val(shapes_coco: Path) -> tuple[dict, Path]:
@@ -354,10 +354,7 @@ class _NoisyDetector(pl.LightningModule):
     def __init__(self, annotation_file: Path, category_map: CategoryMap) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
-        data = json.loads(Path(annotation_file).read_text())
-        self.gt: dict[int, list[dict]] = {img["id"]: [] for img in data["images"]}
-        for a in data["annotations"]:
-            self.gt[a["image_id"]].append(a)
+        self.gt = annotations_by_image(annotation_file)
         self.cmap = category_map
 
     def training_step(self, batch, batch_idx):

@@ -16,7 +16,7 @@ import pytest
 from ssd_lightning.data.voc import VOCDALIDataModule
 from ssd_lightning.data.yolo import TOLERANCE, YOLODALIDataModule
 from ssd_lightning.errors import DataError, MissingDataError
-from tests.helpers import requires_dali, run_train_py
+from tests.helpers import OWN_DATA_FIT, requires_dali, run_train_py
 
 SPLITS = {"train": "train2017", "val": "val2017"}
 DIFFICULT_EVERY = 4  # every 4th annotation of the source is exported as a difficult VOC object
@@ -294,57 +294,50 @@ def _first_xml(root: Path) -> Path:
     return sorted((root / "Annotations").glob("*.xml"))[0]
 
 
+def _bad_voc(name: str, change, message: str, error: type[Exception] = DataError, **kwargs):
+    """A broken VOC export: `change(root)` breaks it; the datamodule built with `kwargs` raises `error`."""
+    return pytest.param(change, kwargs, error, message, id=name)
+
+
 @pytest.mark.parametrize(
     ("change", "kwargs", "error", "message"),
     [
-        pytest.param(
+        _bad_voc(
+            "class-not-in-classes",
             lambda r: None,
-            {"classes": ["star", "triangle", "rectangle"]},
-            DataError,
             r"Annotations/\d+\.xml:\d+: class 'ellipse' is not in data\.classes",
-            id="class-not-in-classes",
+            classes=["star", "triangle", "rectangle"],
         ),
-        pytest.param(
+        _bad_voc(
+            "listed-without-xml",
             lambda r: _edit(r / "ImageSets" / "Main" / "val.txt", "\n", "\nno_such_image\n"),
-            {},
-            DataError,
             r"ImageSets/Main/val\.txt:2: image 'no_such_image' is listed, but .*no_such_image\.xml does not",
-            id="listed-without-xml",
         ),
-        pytest.param(
+        _bad_voc(
+            "listed-without-image",
             lambda r: (r / "JPEGImages" / "000000000002.jpg").unlink(),
-            {},
-            DataError,
             r"ImageSets/Main/train\.txt:2: image '000000000002' is listed, but .*JPEGImages has no",
-            id="listed-without-image",
         ),
-        pytest.param(
+        _bad_voc(
+            "not-a-number",
             lambda r: _edit(_first_xml(r), "<xmax>", "<xmax>x"),
-            {},
-            DataError,
             r"000000000001\.xml:\d+: <xmax> of object '\w+' must be a number, got 'x",
-            id="not-a-number",
         ),
-        pytest.param(
+        _bad_voc(
+            "bad-xml",
             lambda r: _edit(_first_xml(r), "</bndbox>", "</bnd>"),
-            {},
-            DataError,
             r"000000000001\.xml:\d+: not valid XML \(mismatched tag\)",
-            id="bad-xml",
         ),
-        pytest.param(
+        _bad_voc(
+            "listed-twice",
             lambda r: _edit(r / "ImageSets" / "Main" / "train.txt", "\n", "\n000000000001\n"),
-            {},
-            DataError,
             r"ImageSets/Main/train\.txt:2: image '000000000001' is listed again \(first at line 1\)",
-            id="listed-twice",
         ),
-        pytest.param(
+        _bad_voc(
+            "no-annotations-folder",
             lambda r: shutil.rmtree(r / "Annotations"),
-            {},
-            MissingDataError,
             r"voc/Annotations is missing: data=voc reads Annotations/ under data\.root",
-            id="no-annotations-folder",
+            error=MissingDataError,
         ),
     ],
 )
@@ -468,10 +461,7 @@ def test_fit_and_validate_voc_through_train(voc, make_cfg):
             f"data.root={voc[0]}",
             "data.batch_size=4",
             "data.eval_batch_size=5",
-            "model.net.num_classes=null",  # read from the files: 4 classes + background
-            "model.net.background_prior=0.5",  # untrained heads then score above the 0.05 threshold
-            "model.scheduler.warmup_steps=1",
-            "trainer.max_epochs=1",
+            *OWN_DATA_FIT,
             "+trainer.limit_train_batches=2",
             "eval_epochs=[]",
             "logger=csv",

@@ -1,15 +1,7 @@
 """Where a detector goes wrong, from what the COCO evaluation already has: PR curves and confusion matrices.
 
-* :func:`pr_curves_from_precision` reads the precision/recall curves of every category (and of all of
-  them) at chosen IoU thresholds out of COCOeval's own accumulated ``eval["precision"]`` array: no second
-  matcher, so the mean of a curve is COCOeval's AP at that IoU.
-* :func:`detection_confusion_matrix` counts, at one IoU and score threshold, which class each detection was
-  given for which ground-truth class, with a background row (false positives) and column (missed ground
-  truth). Each detection and each ground-truth box is matched at most once.
-* :func:`top_confusions` lists the largest off-diagonal cells of any confusion matrix.
-
-numpy only; boxes are COCO ``[x, y, w, h]`` in pixels, the layout of the ``(M, 7)`` results arrays of
-:mod:`ssd_lightning.evaluation`.
+PR curves come from COCOeval's own ``eval["precision"]`` (no second matcher). numpy only; boxes are COCO
+``[x, y, w, h]`` pixels, the ``(M, 7)`` layout of :mod:`ssd_lightning.evaluation`.
 """
 
 from __future__ import annotations
@@ -30,17 +22,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PRCurves:
-    """Precision at fixed recall points, per category and for all categories, at some IoU thresholds.
-
-    Attributes:
-        iou_thresholds: ``(I,)`` the IoU thresholds of the curves.
-        recall: ``(R,)`` the recall points (COCOeval's ``params.recThrs``: 0, 0.01, ..., 1).
-        precision: ``(I, K, R)`` COCOeval's interpolated precision of each category at each recall point
-            (0 beyond the highest recall reached); NaN for a category without ground truth.
-        ap: ``(I, K)`` the mean of each curve, COCOeval's per-category AP at that IoU; NaN likewise.
-        all_precision: ``(I, R)`` the mean over the categories that have ground truth: the all-classes curve.
-        all_ap: ``(I,)`` its mean, COCOeval's AP at that IoU (``mAP_50`` at 0.5); NaN without ground truth.
-    """
+    """Precision at fixed recall points ``recall`` ``(R,)``, at IoU thresholds ``iou_thresholds`` ``(I,)``:
+    ``precision`` ``(I, K, R)`` per category and ``ap`` ``(I, K)`` its mean (NaN without ground truth);
+    ``all_precision`` ``(I, R)``, the mean over categories with ground truth, and ``all_ap`` ``(I,)``."""
 
     iou_thresholds: np.ndarray
     recall: np.ndarray
@@ -59,14 +43,8 @@ def pr_curves_from_precision(
     area_index: int = 0,
     max_dets_index: int = -1,
 ) -> PRCurves:
-    """PR curves at the IoU thresholds ``ious`` from COCOeval's ``eval["precision"]``.
-
-    ``precision``, ``iou_thresholds``, ``area_index``, ``max_dets_index``: as
-    :func:`ssd_lightning.evaluation.class_ap_from_precision`; ``recall_thresholds``: ``(R,)``
-    ``params.recThrs``; each of ``ious`` must be one of ``iou_thresholds`` (else ValueError). A curve's mean
-    is taken over the entries COCOeval counts (``> -1``), so ``ap[i, k]`` is exactly the per-category AP
-    that ``COCOeval.summarize`` computes at that IoU.
-    """
+    """PR curves at the IoU thresholds ``ious`` (each one of ``iou_thresholds``) from ``eval["precision"]``;
+    arguments as :func:`ssd_lightning.evaluation.class_ap_from_precision`, ``recall_thresholds``: ``(R,)``."""
     precision = np.asarray(precision, dtype=np.float64)
     if precision.ndim != 5:
         raise ValueError(f"precision must have shape (T, R, K, A, M), got {tuple(precision.shape)}")
@@ -77,20 +55,17 @@ def pr_curves_from_precision(
             f"precision has T={precision.shape[0]}, R={precision.shape[1]} but {thresholds.shape[0]} IoU "
             f"thresholds and {recall.shape[0]} recall points were given"
         )
-    rows = []
-    for iou in ious:
-        found = np.flatnonzero(np.isclose(thresholds, float(iou)))
-        if found.size != 1:
+    found = [np.flatnonzero(np.isclose(thresholds, float(iou))) for iou in ious]
+    for iou, at in zip(ious, found, strict=True):
+        if at.size != 1:
             raise ValueError(f"IoU {iou} is not one of the evaluation's thresholds {thresholds.tolist()}")
-        rows.append(int(found[0]))
+    rows = [int(at[0]) for at in found]
     selected = precision[rows][:, :, :, area_index, max_dets_index]  # (I, R, K)
     curves = np.ascontiguousarray(np.transpose(selected, (0, 2, 1)))  # (I, K, R)
     defined = curves > -1
     count = defined.sum(axis=2)
-    # a sum along the contiguous axis is pairwise, as COCOeval's np.mean
-    ap = np.divide(
-        np.where(defined, curves, 0.0).sum(axis=2), count, out=np.full(count.shape, np.nan), where=count > 0
-    )
+    total = np.where(defined, curves, 0.0).sum(axis=2)  # along the contiguous axis: pairwise, as np.mean
+    ap = np.divide(total, count, out=np.full(count.shape, np.nan), where=count > 0)
     curves = np.where(defined, curves, np.nan)
     has_gt = defined.all(axis=2)  # COCOeval leaves -1 only for a whole category without ground truth
     n = has_gt.sum(axis=1)  # (I,)
@@ -113,8 +88,7 @@ def ground_truth_array(annotations: Sequence[dict]) -> np.ndarray:
 
 def _category_index(category_ids: np.ndarray, values: np.ndarray, what: str) -> np.ndarray:
     at = np.searchsorted(category_ids, values)
-    at_clipped = np.minimum(at, len(category_ids) - 1)
-    bad = (at >= len(category_ids)) | (category_ids[at_clipped] != values)
+    bad = category_ids[np.minimum(at, len(category_ids) - 1)] != values  # also a value above every id
     if bad.any():
         raise ValueError(
             f"{what} use category id(s) {sorted(set(values[bad].astype(int).tolist()))[:10]} that are not "
@@ -146,21 +120,15 @@ def _overlaps(dets: np.ndarray, gts: np.ndarray, crowd: bool) -> np.ndarray:
     wh = np.clip(rb - lt, 0.0, None)
     inter = wh[..., 0] * wh[..., 1]
     area_d = ((dets[..., 2] - dets[..., 0]) * (dets[..., 3] - dets[..., 1]))[:, :, None]
-    if crowd:
-        union = area_d
-    else:
-        area_g = ((gts[..., 2] - gts[..., 0]) * (gts[..., 3] - gts[..., 1]))[:, None, :]
-        union = area_d + area_g - inter
+    area_g = ((gts[..., 2] - gts[..., 0]) * (gts[..., 3] - gts[..., 1]))[:, None, :]
+    union = area_d if crowd else area_d + area_g - inter
     return np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
 
 
 def _greedy(iou: np.ndarray, threshold: float, det_open: np.ndarray, gt_open: np.ndarray) -> np.ndarray:
-    """Match detections (in column order, best score first) to ground truth, each at most once.
-
-    ``iou``: ``(C, D, G)``, ``-1`` where a pair may not match; ``det_open`` ``(C, D)`` the detections still
-    to match, ``gt_open`` ``(C, G)`` the ground truth still free (updated in place). A detection takes the
-    free ground truth of highest IoU if that is ``>= threshold``. Returns ``(C, D)`` the matched ground-truth
-    column, -1 for none."""
+    """``(C, D)`` ground-truth column matched to each detection (column order = best score first), -1 for
+    none. ``iou`` ``(C, D, G)`` (-1: may not match); ``det_open`` ``(C, D)`` detections to match; ``gt_open``
+    ``(C, G)`` ground truth still free, updated in place."""
     n_img, n_det, _ = iou.shape
     match = np.full((n_img, n_det), -1, dtype=np.int64)
     rows = np.arange(n_img)
@@ -185,32 +153,13 @@ def detection_confusion_matrix(
     image_ids: Sequence[int] | np.ndarray | None = None,
     max_cells: int = 4_000_000,
 ) -> np.ndarray:
-    """Detection confusion matrix: ``(K+1, K+1)`` counts, rows the ground-truth class, columns the predicted
-    class, index K (last) the background.
+    """``(K+1, K+1)`` counts, rows the ground-truth class, columns the predicted class, index K background.
 
-    Only detections with ``score >= score_threshold`` take part. In each image, same-class pairs are
-    matched first, by descending score, each detection taking the free ground-truth box of highest IoU if
-    that IoU is ``>= iou_threshold``: COCOeval's rule at one IoU, so the diagonal is its true positives at
-    this score threshold. A detection left unmatched that COCOeval would ignore (IoU, here intersection over
-    the detection's area, ``>= iou_threshold`` with a crowd region of its class) is not counted. The others
-    are then matched the same way to the remaining ground truth of any class (the off-diagonal
-    confusions). Each detection and each ground-truth box is matched at most once; what is left is a false
-    positive (row K) or a missed ground-truth box (column K). Crowd regions are never counted as ground truth.
-
-    Args:
-        detections: ``(M, 7)`` ``[image_id, x, y, w, h, score, category_id]`` (see
-            :func:`ssd_lightning.evaluation.to_coco_array`).
-        ground_truth: ``(N, 7)`` ``[image_id, x, y, w, h, category_id, iscrowd]``
-            (:func:`ground_truth_array`).
-        category_ids: the K dataset category ids; class index k is the k-th id in ascending order.
-        iou_threshold: the IoU a match needs.
-        score_threshold: the score a detection needs to be counted at all.
-        image_ids: count only these images (default: every image of ``detections`` and ``ground_truth``).
-        max_cells: bound on the ``images x detections x ground truth`` IoU cells computed at once (memory).
-
-    Raises:
-        ValueError: wrong shapes, or a category id outside ``category_ids``.
-    """
+    Detections with ``score >= score_threshold``, per image by descending score, take the free same-class
+    ground-truth box of highest IoU if ``>= iou_threshold`` (COCOeval's rule: the diagonal is its true
+    positives); those COCOeval would ignore (a crowd region of their class) are not counted; the rest match
+    the ground truth left of any class the same way. ``ground_truth``: :func:`ground_truth_array`; class k
+    is the k-th sorted category id; ``max_cells`` bounds the IoU cells computed at once."""
     dets = np.asarray(detections, dtype=np.float64).reshape(-1, 7)
     gt = np.asarray(ground_truth, dtype=np.float64).reshape(-1, 7)
     cats = np.unique(np.asarray(category_ids, dtype=np.int64).reshape(-1))
@@ -257,15 +206,11 @@ def _count_images(matrix: np.ndarray, dets: list, gts: list, crowds: list, thres
     second = _greedy(iou, threshold, det_open, gt_open)
     match = np.where(first >= 0, first, second)
     rows, cols = np.nonzero(match >= 0)
-    _add(matrix, gc[rows, match[rows, cols]], dc[rows, cols])  # matched pairs
     fp = det_open & (second < 0)
-    _add(matrix, np.full(int(fp.sum()), k), dc[fp])  # false positives: background row
-    _add(matrix, gc[gt_open], np.full(int(gt_open.sum()), k))  # still free: missed, background column
-
-
-def _add(matrix: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> None:
-    n = matrix.shape[0]
-    matrix += np.bincount(rows * n + cols, minlength=n * n).reshape(n, n)
+    # matched pairs, false positives (background row), ground truth still free (missed: background column)
+    true = np.concatenate([gc[rows, match[rows, cols]], np.full(int(fp.sum()), k), gc[gt_open]])
+    predicted = np.concatenate([dc[rows, cols], dc[fp], np.full(int(gt_open.sum()), k)])
+    matrix += np.bincount(true * (k + 1) + predicted, minlength=(k + 1) ** 2).reshape(k + 1, k + 1)
 
 
 def top_confusions(

@@ -19,10 +19,7 @@ BOOKKEEPING = ("epoch", "step")  # the x axes of every row: never a metric
 
 def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
     """Rows of a ``metrics.csv`` in file order, each a dict of floats; empty and non-numeric cells left out.
-
-    Raises:
-        FileNotFoundError: no such file (the message says where CSVLogger writes it).
-    """
+    FileNotFoundError (saying where CSVLogger writes it) if there is no such file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -31,13 +28,10 @@ def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
     rows = []
     with open(path, newline="", encoding="utf-8") as f:
         for raw in csv.DictReader(f):
-            row = {}
+            rows.append({})
             for key, value in raw.items():
-                if key is None or value in (None, ""):
-                    continue
-                with contextlib.suppress(ValueError):
-                    row[key] = float(value)
-            rows.append(row)
+                with contextlib.suppress(ValueError, TypeError):  # empty, non-numeric, missing (None)
+                    rows[-1][key] = float(value)
     return rows
 
 

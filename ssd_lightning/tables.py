@@ -1,7 +1,6 @@
 """Markdown tables of results: the one formatter behind every benchmark and sweep table.
 
-Cells are given already formatted (each caller owns its number formats); ``None`` prints as ``missing``.
-Standard library only.
+Cells come formatted (each caller owns its number formats); ``None`` prints as ``missing``. Stdlib only.
 """
 
 from __future__ import annotations
@@ -12,15 +11,11 @@ from typing import Any
 __all__ = ["markdown_row", "markdown_rule", "markdown_table"]
 
 
-def _text(value: Any, missing: str) -> str:
-    return missing if value is None else str(value)
-
-
 def markdown_row(
     cells: Sequence[Any], widths: Sequence[int] | None = None, align: str | None = None, *, missing: str = ""
 ) -> str:
     """``| a | b |``; with ``widths``, each cell justified to its width (``align``: ``l``/``r`` per cell)."""
-    texts = [_text(c, missing) for c in cells]
+    texts = [missing if c is None else str(c) for c in cells]
     if widths is not None:
         align = align or "l" * len(texts)
         texts = [t.rjust(w) if a == "r" else t.ljust(w) for t, w, a in zip(texts, widths, align, strict=True)]
@@ -45,14 +40,12 @@ def markdown_table(
     missing: str = "",
 ) -> str:
     """Header, rule and one line per row (rows as long as ``columns``), joined by newlines, no trailing one.
-
-    ``align``: one letter per column, ``l`` or ``r`` (default all ``l``); ``pad``: cells padded to their
-    column's widest text, so the table also reads aligned as plain text.
-    """
+    ``align``: ``l`` or ``r`` per column (default all ``l``); ``pad``: cells padded to their column's widest
+    text, so the table also reads aligned as plain text."""
     align = align or "l" * len(columns)
     if len(align) != len(columns):
         raise ValueError(f"align has {len(align)} letters for {len(columns)} columns")
-    texts = [[_text(c, missing) for c in row] for row in rows]
+    texts = [[missing if c is None else str(c) for c in row] for row in rows]
     for row in texts:
         if len(row) != len(columns):
             raise ValueError(f"a row has {len(row)} cells for {len(columns)} columns: {row}")

@@ -29,43 +29,14 @@ log = logging.getLogger(__name__)
 PR_IOUS: tuple[float, ...] = (0.5, 0.75)
 
 
-def _finite(x: float) -> float | None:
-    return None if not math.isfinite(x) else float(x)
-
-
-def _curve(values: np.ndarray) -> list[float] | None:
-    return None if np.isnan(values).all() else [float(v) for v in values]
-
-
 class DetectionAnalysis(EvaluationArtifacts):
     """After evaluations, what the detector gets wrong, from :class:`CocoMAPCallback`'s own evaluation.
 
-    On rank 0, after each evaluation that ``CocoMAPCallback`` ran (its gathered detections, its COCOeval
-    precision array: nothing is evaluated twice), writes to ``<output_dir>/analysis/epoch_<e>/``:
-
-    * ``pr_curves.json`` / ``pr_curves.png``: precision at COCO's 101 recall points per class and for all
-      classes at IoU 0.5 and 0.75 (area all, 100 detections per image); a curve's mean is COCOeval's AP
-      (``AP50`` of a class is the ``val/AP50/<name>`` logged).
-    * ``confusion_matrix.json`` / ``confusion_matrix.png``: :func:`~ssd_lightning.error_analysis.\
-detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``, rows the true class,
-      columns the predicted one, a background row (false positives) and column (missed ground truth); the
-      picture normalised by row. The three largest confusions between classes go to the log.
-
-    The pictures also go to a ``TensorBoardLogger`` (tags ``analysis/pr_curves``,
-    ``analysis/confusion_matrix``). The sanity check draws nothing; a failure is warned about once and never
-    stops training.
-
-    Args:
-        output_dir: run directory; default ``trainer.default_root_dir``.
-        pr_curves: write the PR curves.
-        confusion: write the confusion matrix.
-        confusion_iou: IoU a detection needs to match a ground-truth box.
-        confusion_score_thresh: score a detection needs to be counted at all.
-        every_n_evals: after every n-th evaluation of ``fit`` (>= 1; the last epoch's always);
-            ``trainer.validate`` always.
-
-    Raises:
-        ValueError: ``every_n_evals`` < 1, ``confusion_iou`` not in (0, 1].
+    On rank 0, after each evaluation ``CocoMAPCallback`` ran, writes ``<output_dir>/analysis/epoch_<e>/``
+    ``pr_curves.json``/``.png`` (precision at 101 recall points per class and for all at IoU 0.5 and 0.75)
+    and ``confusion_matrix.json``/``.png`` (at ``confusion_iou`` in (0, 1] and ``confusion_score_thresh``;
+    the top three confusions go to the log), the pictures also to a ``TensorBoardLogger``. Cadence:
+    ``every_n_evals``; the sanity check draws nothing; a failure is warned about once, never stops training.
     """
 
     def __init__(
@@ -81,10 +52,8 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         super().__init__(output_dir=output_dir, every_n_evals=every_n_evals)
         if not 0.0 < confusion_iou <= 1.0:
             raise ValueError(f"confusion_iou must be in (0, 1], got {confusion_iou}")
-        self.pr_curves = pr_curves
-        self.confusion = confusion
-        self.confusion_iou = float(confusion_iou)
-        self.confusion_score_thresh = float(confusion_score_thresh)
+        self.pr_curves, self.confusion = pr_curves, confusion
+        self.confusion_iou, self.confusion_score_thresh = float(confusion_iou), float(confusion_score_thresh)
 
     def _coco_callback(self, trainer: pl.Trainer) -> CocoMAPCallback | None:
         found = [cb for cb in trainer.callbacks if isinstance(cb, CocoMAPCallback)]
@@ -92,8 +61,11 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         return (main or found or [None])[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        wanted = self.pr_curves or self.confusion
-        if wanted and self._coco_callback(trainer) is None and trainer.is_global_zero:
+        if (
+            (self.pr_curves or self.confusion)
+            and self._coco_callback(trainer) is None
+            and trainer.is_global_zero
+        ):
             log.info("DetectionAnalysis: no CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,9 +74,7 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         due = self._count_evaluation(trainer)
         coco = self._coco_callback(trainer)
         evaluated = coco.take_evaluation() if coco is not None else None
-        if not (
-            trainer.is_global_zero and evaluated is not None and due and (self.pr_curves or self.confusion)
-        ):
+        if evaluated is None or not (due and trainer.is_global_zero and (self.pr_curves or self.confusion)):
             return
         try:
             self.analyse(evaluated, self._out_dir(trainer), trainer)
@@ -114,19 +84,15 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
     def analyse(self, evaluated: EvaluatedEpoch, run_dir: Path, trainer: pl.Trainer | None = None) -> Path:
         """Write the files of one evaluation under ``run_dir/analysis/epoch_<e>``; returns that folder."""
         folder = run_dir / "analysis" / f"epoch_{evaluated.epoch}"
-        ev = evaluated.evaluation
-        names = [row.name or str(row.category_id) for row in ev.classes]
+        names = [row.name or str(row.category_id) for row in evaluated.evaluation.classes]
         title = f"{run_dir.name}: epoch {evaluated.epoch}"
-        pictures: list[tuple[str, Path]] = []
+        pictures = {}
         if self.pr_curves:
-            pictures.append(("analysis/pr_curves", self._write_pr_curves(ev, names, folder, title)))
+            pictures["analysis/pr_curves"] = self._write_pr_curves(evaluated.evaluation, names, folder, title)
         if self.confusion:
-            pictures.append(
-                ("analysis/confusion_matrix", self._write_confusion(evaluated, names, folder, title))
-            )
-        if trainer is not None:
-            for tag, path in pictures:
-                log_picture(trainer.loggers, tag, path, trainer.global_step)
+            pictures["analysis/confusion_matrix"] = self._write_confusion(evaluated, names, folder, title)
+        for tag, path in pictures.items() if trainer is not None else ():
+            log_picture(trainer.loggers, tag, path, trainer.global_step)
         log.info("DetectionAnalysis: wrote %s", folder)
         return folder
 
@@ -135,29 +101,23 @@ detection_confusion_matrix` at ``confusion_iou`` and ``confusion_score_thresh``,
         curves = pr_curves_from_precision(
             ev.precision, ev.iou_thresholds, ev.recall_thresholds, ious=PR_IOUS, **indices
         )
-        record = {
-            "area": "all",
-            "max_dets": ev.max_dets,
-            "recall": curves.recall.tolist(),
-            "curves": [
-                {
-                    "iou": float(iou),
-                    "AP": _finite(curves.all_ap[i]),
-                    "precision": _curve(curves.all_precision[i]),
-                    "classes": [
-                        {
-                            "category_id": row.category_id,
-                            "name": row.name,
-                            "num_gt": row.num_gt,
-                            "AP": _finite(curves.ap[i, k]),
-                            "precision": _curve(curves.precision[i, k]),
-                        }
-                        for k, row in enumerate(ev.classes)
-                    ],
-                }
-                for i, iou in enumerate(curves.iou_thresholds)
-            ],
-        }
+
+        def curve(ap: float, precision: np.ndarray) -> dict[str, Any]:  # NaN: null
+            points = None if np.isnan(precision).all() else [float(v) for v in precision]
+            return {"AP": float(ap) if math.isfinite(ap) else None, "precision": points}
+
+        def classes(i: int) -> list[dict[str, Any]]:
+            return [
+                {"category_id": row.category_id, "name": row.name, "num_gt": row.num_gt}
+                | curve(curves.ap[i, k], curves.precision[i, k])
+                for k, row in enumerate(ev.classes)
+            ]
+
+        record = {"area": "all", "max_dets": ev.max_dets, "recall": curves.recall.tolist()}
+        record["curves"] = [
+            {"iou": float(iou)} | curve(curves.all_ap[i], curves.all_precision[i]) | {"classes": classes(i)}
+            for i, iou in enumerate(curves.iou_thresholds)
+        ]
         atomic_write_json(folder / "pr_curves.json", record, allow_nan=False)
         arrays = (curves.recall, curves.precision, curves.ap, curves.all_precision, curves.all_ap)
         return plot_pr_curves(

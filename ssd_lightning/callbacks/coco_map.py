@@ -41,50 +41,37 @@ _EMPTY = np.zeros((0, 7), dtype=np.float64)
 
 
 def _gather_to_rank_zero(obj: Any, trainer: pl.Trainer) -> list[Any] | None:
-    """Pickle-gather ``obj`` from every rank; the list (one entry per rank) on rank 0, ``None`` elsewhere.
-
-    Send numpy arrays, not per-detection Python objects: an array pickles as one buffer (a 250k-detection
-    rank is one 14 MB ``(M, 7)`` float64 array)."""
-    if trainer.world_size <= 1 or not (
-        torch.distributed.is_available() and torch.distributed.is_initialized()
-    ):
+    """Pickle-gather ``obj`` from every rank: the list (one entry per rank) on rank 0, ``None`` elsewhere.
+    Send numpy arrays, not per-detection objects: an array pickles as one buffer (250k detections: 14 MB)."""
+    dist = torch.distributed
+    if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return [obj]
     gathered: list[Any] | None = [None] * trainer.world_size if trainer.global_rank == 0 else None
-    torch.distributed.gather_object(obj, gathered, dst=0)
+    dist.gather_object(obj, gathered, dst=0)
     return gathered
 
 
 def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Merge the ``(image_ids, rows)`` of every rank, in rank order.
-
-    ``image_ids``: ``(n_r,)`` int64, the distinct images a rank validated (with or without detections);
-    ``rows``: ``(m_r, 7)`` ``[image_id, x, y, w, h, score, category_id]``. An image seen by several ranks
-    keeps the rows of the first rank that has it. Returns the sorted distinct image ids, their rows (stably
-    sorted by image id, so each image keeps its own row order) and the number of dropped duplicate images.
-    """
+    """Merge each rank's ``(image_ids (n_r,), rows (m_r, 7))`` (images validated, detections): an image seen
+    by several ranks keeps the lowest rank's rows. Returns the sorted distinct image ids, their rows (stably
+    sorted by image id) and the number of dropped duplicate images."""
     all_ids = np.concatenate([np.asarray(ids, dtype=np.int64).reshape(-1) for ids, _ in parts])
     owner = np.concatenate([np.full(len(ids), r) for r, (ids, _) in enumerate(parts)])
     image_ids, first = np.unique(all_ids, return_index=True)  # first occurrence = lowest rank
     owner = owner[first]
-    kept = []
+    kept = [_EMPTY]
     for r, (_, rows) in enumerate(parts):
         rows = np.asarray(rows, dtype=np.float64).reshape(-1, 7)
-        at = np.searchsorted(image_ids, rows[:, 0].astype(np.int64))
-        kept.append(rows[owner[at] == r])
-    rows = np.concatenate(kept) if kept else _EMPTY
+        kept.append(rows[owner[np.searchsorted(image_ids, rows[:, 0].astype(np.int64))] == r])
+    rows = np.concatenate(kept)
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
     return image_ids, rows, len(all_ids) - len(image_ids)
 
 
 @dataclass(frozen=True)
 class EvaluatedEpoch:
-    """What rank 0 keeps of an evaluation for a closer look (``DetectionAnalysis``).
-
-    Attributes:
-        epoch: ``trainer.current_epoch`` of the evaluation.
-        evaluation: the COCOeval run's stats, per-class rows, precision array and ground truth.
-        detections: ``(M, 7)`` ``[image_id, x, y, w, h, score, category_id]``, every rank's, as evaluated.
-    """
+    """What rank 0 keeps of an evaluation for a closer look (``DetectionAnalysis``): the epoch, the
+    evaluation and every rank's ``(M, 7)`` detections as evaluated."""
 
     epoch: int
     evaluation: CocoEvaluation
@@ -94,30 +81,22 @@ class EvaluatedEpoch:
 class CocoMAPCallback(Callback):
     """Official COCO bbox mAP of every validation pass, evaluated on rank 0 and logged on every rank.
 
-    Reads ``validation_step``'s ``{"detections": [per-image dict]}`` (docs/architecture.md) and the
-    datamodule's ``category_map`` and ``val_annotation_file``. Logs ``val/mAP``, ``val/mAP_50``, ... (names in
-    ``COCO_STAT_NAMES``; ``-1`` = no ground truth in that range), ``val/mAP_best`` and ``val/mAP_best_epoch``
-    while fitting, and with ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes
-    ``detections_epoch_<e>.json`` (COCO results) and ``per_class_epoch_<e>.json`` to ``output_dir``
-    (default ``trainer.log_dir``). The sanity-check pass runs the whole path but logs nothing; an error on
-    one rank is raised on every rank; the best mAP survives a resume (callback state). After an evaluation,
-    rank 0 keeps its :class:`EvaluatedEpoch` until :meth:`take_evaluation` hands it over (or the next
-    validation starts).
+    Reads ``validation_step``'s ``{"detections": [per-image dict]}`` (docs/architecture.md). Logs ``val/mAP``,
+    ... (``COCO_STAT_NAMES``), ``val/mAP_best`` and ``val/mAP_best_epoch`` while fitting (callback state:
+    survives a resume), with ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes
+    ``detections_epoch_<e>.json`` and ``per_class_epoch_<e>.json`` to ``output_dir`` (default
+    ``trainer.log_dir``) and keeps an :class:`EvaluatedEpoch` for :meth:`take_evaluation`. The sanity check
+    runs the whole path but logs nothing; an error on one rank is raised on every rank.
 
     Args:
-        backend: ``"faster_coco_eval"`` (C++, the default) or ``"pycocotools"`` (the reference; same
-            numbers, slower).
-        output_dir: where to write the detection JSON files.
-        save_detections: write the JSON files at all.
+        backend: ``"faster_coco_eval"`` (the default) or ``"pycocotools"`` (same numbers, slower).
+        output_dir, save_detections: where to write the JSON files, and whether to write them at all.
         verbose: print the 12-line COCO summary (and the per-class table) on rank 0.
-        annotation_file: overrides ``trainer.datamodule.val_annotation_file``.
-        category_map: overrides ``trainer.datamodule.category_map``; anything with ``label_to_category_id``.
-        prefix: metric name prefix; another than ``val/`` also prefixes the file names
-            (``val_raw/`` -> ``val_raw_detections_epoch_<e>.json``).
-        per_class: log, write and print the AP of every category (see above).
-        detections_key: the key of ``validation_step``'s output to evaluate. Another than ``"detections"``
-            is optional: when the module's ``validation_output_keys`` do not name it, nothing is
-            evaluated (e.g. the second set of weights of a module with EMA, only when EMA is on).
+        annotation_file, category_map: override the datamodule's ``val_annotation_file``, ``category_map``.
+        prefix: metric name prefix; another than ``val/`` also prefixes the file names (``val_raw_...``).
+        per_class: log, write and print the AP of every category.
+        detections_key: the ``validation_step`` output to evaluate; another than ``"detections"`` is optional
+            (nothing evaluated unless the module's ``validation_output_keys`` name it, e.g. EMA weights).
     """
 
     def __init__(
@@ -136,24 +115,16 @@ class CocoMAPCallback(Callback):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
+        self.backend, self.save_detections, self.verbose = backend, save_detections, verbose
         self.output_dir = None if output_dir is None else Path(output_dir)
-        self.save_detections = save_detections
-        self.verbose = verbose
-        self.annotation_file = annotation_file
-        self.category_map = category_map
-        self.prefix = prefix
-        self.per_class = per_class
-        self.detections_key = detections_key
+        self.annotation_file, self.category_map = annotation_file, category_map
+        self.prefix, self.per_class, self.detections_key = prefix, per_class, detections_key
         self.file_tag = "" if prefix == "val/" else prefix.strip("/").replace("/", "_") + "_"
         self._absent = False
         self.best_map: float | None = None
         self.best_epoch: int | None = None
         self.last_stats: dict[str, float] | None = None
-        self._per_image: dict[int, np.ndarray] = {}
-        self._local_duplicates = 0
-        self._error: Exception | None = None
-        self._evaluated: EvaluatedEpoch | None = None
+        self._reset()
 
     def take_evaluation(self) -> EvaluatedEpoch | None:
         """Rank 0: the latest evaluation of this validation pass (none in the sanity check, on other ranks, or
@@ -184,13 +155,13 @@ class CocoMAPCallback(Callback):
         return Path(ann), cmap
 
     def _reset(self) -> None:
-        self._per_image = {}
+        self._per_image: dict[int, np.ndarray] = {}
         self._local_duplicates = 0
-        self._error = None
+        self._error: Exception | None = None
+        self._evaluated: EvaluatedEpoch | None = None
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
-        self._evaluated = None
         # decided by the module's settings, the same on every rank (not by the batches a rank happens to see)
         produced = getattr(pl_module, "validation_output_keys", ("detections",))
         self._absent = self.detections_key != "detections" and self.detections_key not in produced
@@ -199,9 +170,9 @@ class CocoMAPCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any
     ) -> None:
         # Converted (and evaluated at epoch end) in the sanity check too: contract errors show up early.
-        key = self.detections_key
         if self._absent:
             return
+        key = self.detections_key
         if not isinstance(outputs, Mapping) or key not in outputs:
             raise ValueError(
                 "CocoMAPCallback: validation_step must return {'detections': [per-image dict, ...]} "
@@ -228,9 +199,7 @@ class CocoMAPCallback(Callback):
         if self.save_detections and not sanity:
             # trainer.log_dir broadcasts from rank 0: called on every rank
             out_dir = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
-
-        local_error = self._error
-        message = None
+        local_error, message = self._error, None
         if local_error is not None:
             message = f"rank {trainer.global_rank}: {type(local_error).__name__}: {local_error}"
         ids = np.fromiter(self._per_image, dtype=np.int64, count=len(self._per_image))
@@ -257,7 +226,6 @@ class CocoMAPCallback(Callback):
             return
         stats: dict[str, float] = payload[1]
         self.last_stats = stats
-
         metrics = {f"{self.prefix}{name}": value for name, value in stats.items()}  # the 12, then per class
         if trainer.state.fn == "fit":
             if self.best_map is None or stats["mAP"] > self.best_map:
@@ -293,22 +261,18 @@ class CocoMAPCallback(Callback):
                 evaluate_coco(ann_file, rows, self.backend, verbose=False, image_ids=image_ids)
             log.info(f"CocoMAPCallback: sanity check evaluated {len(image_ids)} image(s) (not logged)")
             return {}
-        evaluation = evaluate_coco_detailed(
-            ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids
-        )
-        self._evaluated = EvaluatedEpoch(epoch, evaluation, rows)
+        ev = evaluate_coco_detailed(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)
+        self._evaluated = EvaluatedEpoch(epoch, ev, rows)
         if not self.per_class:
-            return dict(evaluation.stats)
-        self._report_per_class(evaluation.classes, out_dir, epoch)
-        return {**evaluation.stats, **per_class_metrics(evaluation.classes)}
+            return dict(ev.stats)
+        self._report_per_class(ev.classes, out_dir, epoch)
+        return {**ev.stats, **per_class_metrics(ev.classes)}
 
     def _report_per_class(self, classes: Sequence[ClassAP], out_dir: Path | None, epoch: int) -> None:
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""
         if out_dir is not None:
-            records = per_class_records(classes)
-            atomic_write_json(
-                out_dir / f"{self.file_tag}per_class_epoch_{epoch}.json", records, indent=1, allow_nan=False
-            )
+            path = out_dir / f"{self.file_tag}per_class_epoch_{epoch}.json"
+            atomic_write_json(path, per_class_records(classes), indent=1, allow_nan=False)
         if self.verbose:
             print(f"Per-class AP (area all, maxDets 100), epoch {epoch}, worst first:")
             print(format_per_class_table(classes))

@@ -14,14 +14,9 @@ __all__ = ["TrainingCurves"]
 
 
 class TrainingCurves(EvaluationArtifacts):
-    """Redraw ``<output_dir>/curves.png`` from the run's ``CSVLogger`` file during ``fit``.
-
-    On rank 0, after every ``every_n_evals``-th evaluation of ``fit`` (and the last epoch's; never the
-    sanity check or ``trainer.validate``) and at the end of ``fit``, the buffered metrics are flushed and
-    :func:`ssd_lightning.visualize.plot_curves` draws ``metrics.csv`` (title ``"<run dir name>: epoch <e>"``).
-    No ``CSVLogger``: no curves (warned once). A plot that fails is warned about once per error type and
-    never stops training. ``output_dir`` (where ``curves.png`` goes) defaults to ``trainer.default_root_dir``.
-    """
+    """Redraw ``<output_dir>/curves.png`` from the run's ``CSVLogger`` file on rank 0 during ``fit``: after
+    every ``every_n_evals``-th evaluation (and the last epoch's) and at its end. No ``CSVLogger``: no curves
+    (warned once); a failing plot is warned about once per error type and never stops training."""
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
@@ -42,9 +37,8 @@ class TrainingCurves(EvaluationArtifacts):
         try:
             csv_logger.save()  # flush what is buffered so the curves include the latest values
             metrics_file = Path(csv_logger.experiment.metrics_file_path)
-            if not metrics_file.is_file():
-                return
-            title = f"{out_dir.name}: epoch {trainer.current_epoch}"
-            plot_curves({"run": metrics_file}, out_dir / "curves.png", title=title)
+            if metrics_file.is_file():
+                title = f"{out_dir.name}: epoch {trainer.current_epoch}"
+                plot_curves({"run": metrics_file}, out_dir / "curves.png", title=title)
         except Exception as e:  # never end a training run over a plot
             self._warn_once(f"curves:{type(e).__name__}", f"could not draw curves.png: {e}")

@@ -18,15 +18,8 @@ def from_datamodule(trainer: pl.Trainer, value: Any, attribute: str) -> Any:
 
 
 class EvaluationArtifacts(pl.Callback):
-    """Base of the callbacks that write files after every ``every_n_evals``-th evaluation.
-
-    Args:
-        output_dir: where the files go; default ``trainer.default_root_dir``.
-        every_n_evals: after every n-th evaluation of ``fit`` (>= 1).
-
-    Raises:
-        ValueError: ``every_n_evals`` < 1.
-    """
+    """Base of the callbacks that write files (to ``output_dir``, default ``trainer.default_root_dir``) after
+    every ``every_n_evals``-th evaluation of ``fit`` (>= 1, else ValueError)."""
 
     def __init__(self, *, output_dir: str | os.PathLike | None = None, every_n_evals: int = 1) -> None:
         super().__init__()
@@ -46,11 +39,8 @@ class EvaluationArtifacts(pl.Callback):
             rank_zero_warn(f"{type(self).__name__}: {message}")
 
     def _is_due(self, trainer: pl.Trainer) -> bool:
-        """Whether the evaluation now running is one to write after.
-
-        Outside ``fit`` (``trainer.validate``) always; in ``fit`` every ``every_n_evals``-th evaluation, the
-        last epoch's and one that ends the run (``trainer.should_stop``).
-        """
+        """Whether to write after the evaluation now running: outside ``fit`` always; in ``fit`` every
+        ``every_n_evals``-th, the last epoch's and one that ends the run (``trainer.should_stop``)."""
         if trainer.state.fn != "fit":
             return True
         last_epoch = trainer.max_epochs is not None and trainer.current_epoch >= trainer.max_epochs - 1
@@ -59,6 +49,5 @@ class EvaluationArtifacts(pl.Callback):
     def _count_evaluation(self, trainer: pl.Trainer) -> bool:
         """Count an evaluation that ended (those of ``fit`` only); returns whether it was due."""
         due = self._is_due(trainer)
-        if trainer.state.fn == "fit":
-            self._evals += 1
+        self._evals += int(trainer.state.fn == "fit")
         return due

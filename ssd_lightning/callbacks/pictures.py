@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,30 +25,12 @@ log = logging.getLogger(__name__)
 class PredictionPictures(EvaluationArtifacts):
     """After evaluations, draw detections over the ground truth on the first few validation images.
 
-    On rank 0, the first ``max_images`` validation images rank 0 sees (the same ones every time: validation
-    order is fixed) go to ``<output_dir>/predictions/epoch_<e>/<image_id>.jpg`` (JPEG q92, 4:4:4): predicted
-    boxes with score >= ``score_thresh`` (colour per class, "name score" tags) over the ground truth (green).
-    Images whose longer side is under ``min_display_size`` pixels are enlarged first. The sanity check draws
-    nothing. ``curves.png`` is :class:`~ssd_lightning.callbacks.curves.TrainingCurves`' job.
-
-    Inputs: ``validation_step`` returns ``{"detections": [per-image dict]}`` with ``image_id``, ``boxes``
-    (k, 4) ltrb in original-image pixels, ``scores`` (k,), ``labels`` (k,) in 1..K. JPEGs are read from
-    ``image_dir`` (default ``trainer.datamodule.val_images``), file names and ground truth from
-    ``annotation_file`` (default ``trainer.datamodule.val_annotation_file``), class names from
-    ``category_map`` (default ``trainer.datamodule.category_map``). A problem drawing (missing file, unknown
-    image id, other outputs) is warned about once and never stops training.
-
-    Args:
-        output_dir: run directory; default ``trainer.default_root_dir``.
-        max_images: images drawn per evaluation (>= 0).
-        every_n_evals: draw after every n-th evaluation of ``fit`` (>= 1; the last epoch's is always drawn);
-            ``trainer.validate`` always draws.
-        score_thresh: minimum score of a drawn prediction.
-        min_display_size: enlarge smaller images to this longer side in pixels (0: keep the original size).
-        image_dir, annotation_file, category_map: override what is read from the datamodule.
-
-    Raises:
-        ValueError: ``max_images`` or ``min_display_size`` < 0, ``every_n_evals`` < 1.
+    On rank 0, the first ``max_images`` validation images rank 0 sees go to ``<output_dir>/predictions/
+    epoch_<e>/<image_id>.jpg``: predictions with score >= ``score_thresh`` over the ground truth (green),
+    images whose longer side is under ``min_display_size`` (0: none) enlarged. ``image_dir``,
+    ``annotation_file``, ``category_map`` default to the datamodule's ``val_images``, ``val_annotation_file``,
+    ``category_map``. Cadence: ``every_n_evals``; the sanity check draws nothing; a problem drawing is
+    warned about once and never stops training.
     """
 
     def __init__(
@@ -67,12 +50,8 @@ class PredictionPictures(EvaluationArtifacts):
         super().__init__(output_dir=output_dir, every_n_evals=every_n_evals)
         if min_display_size < 0:
             raise ValueError(f"min_display_size must be >= 0, got {min_display_size}")
-        self.max_images = max_images
-        self.score_thresh = score_thresh
-        self.min_display_size = min_display_size
-        self.image_dir = image_dir
-        self.annotation_file = annotation_file
-        self.category_map = category_map
+        self.max_images, self.score_thresh, self.min_display_size = max_images, score_thresh, min_display_size
+        self.image_dir, self.annotation_file, self.category_map = image_dir, annotation_file, category_map
         self._active = False
         self._collected: list[dict[str, Any]] = []
         self._annotations: tuple[Path, dict[int, dict], dict[int, list[dict]]] | None = None
@@ -81,21 +60,16 @@ class PredictionPictures(EvaluationArtifacts):
         if self._annotations is None or self._annotations[0] != path:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            images = {int(img["id"]): img for img in data.get("images", [])}
-            anns: dict[int, list[dict]] = {}
+            anns: dict[int, list[dict]] = defaultdict(list)
             for ann in data.get("annotations", []):
-                anns.setdefault(int(ann["image_id"]), []).append(ann)
-            self._annotations = (path, images, anns)
+                anns[int(ann["image_id"])].append(ann)
+            self._annotations = (path, {int(img["id"]): img for img in data.get("images", [])}, anns)
         return self._annotations[1], self._annotations[2]
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._collected = []
-        self._active = (
-            trainer.is_global_zero
-            and not trainer.sanity_checking
-            and self.max_images > 0
-            and self._is_due(trainer)
-        )
+        wanted = trainer.is_global_zero and not trainer.sanity_checking and self.max_images > 0
+        self._active = wanted and self._is_due(trainer)
 
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any
@@ -115,9 +89,7 @@ class PredictionPictures(EvaluationArtifacts):
         if trainer.sanity_checking:
             return
         self._count_evaluation(trainer)
-        if not trainer.is_global_zero:
-            return
-        if self._collected:
+        if trainer.is_global_zero and self._collected:
             try:
                 self._write_pictures(trainer)
             except Exception as e:  # a picture must never end a training run
@@ -151,7 +123,6 @@ class PredictionPictures(EvaluationArtifacts):
         log.info("PredictionPictures: wrote %d pictures to %s", len(self._collected), folder)
 
     def _draw(self, det: dict[str, Any], path: Path, anns: list[dict], cmap: Any) -> Image.Image:
-        """``det``'s boxes over the ground truth ``anns`` (COCO annotations) on the image at ``path``."""
         with Image.open(path) as img:
             original = ImageOps.exif_transpose(img).convert("RGB")
         gt = [a for a in anns if "bbox" in a]

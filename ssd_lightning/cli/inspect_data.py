@@ -1,10 +1,8 @@
 """``task=inspect_data``: look at the data before training; writes into the run directory, trains nothing.
 
-Detection (COCO layout, shapes): ``data_stats.json``/``.png`` (label statistics of the training and validation
-annotation files), ``default_box_fit.json``/``.png`` (how the SSD300 training targets cover the training
-boxes) and ``batches/batch_<i>.jpg`` (the first training batches from the real DALI training pipeline, boxes
-decoded back from the encoded targets; ``batch_<i>.json`` holds them). Classification (ImageFolder):
-``data_stats.json``/``.png`` (images per class) and the batch grids with class names.
+Detection: ``data_stats.json``/``.png`` (label statistics of both splits), ``default_box_fit.json``/``.png``
+(how the SSD300 training targets cover the training boxes), ``batches/batch_<i>.jpg``/``.json`` (the first
+DALI training batches, boxes decoded back from the targets). Classification: images per class and the grids.
 """
 
 from __future__ import annotations
@@ -51,22 +49,9 @@ def run_inspect_task(
     num_batches: int = 2,
     fit_images: int | None = 2000,
 ) -> dict[str, float]:
-    """Write the inspection of ``datamodule``'s data into ``output_dir`` and log a one-screen summary.
-
-    Args:
-        datamodule: a :class:`CocoDALIDataModule` (COCO layout, shapes) or :class:`ImageFolderDALIDataModule`;
-            its training pipeline runs on the CPU whatever ``device`` says.
-        output_dir: the run directory.
-        num_batches: training batches drawn (``inspect.num_batches``).
-        fit_images: training images (evenly spaced) the default-box fit uses; None: all
-            (``inspect.fit_images``).
-
-    Returns:
-        the key numbers as floats (what ``train()`` returns).
-
-    Raises:
-        ConfigError: a bad ``inspect.*`` value, or data that is neither COCO layout nor an image folder.
-    """
+    """Write the inspection of ``datamodule``'s data (COCO layout or image folder; its training pipeline runs
+    on the CPU) into ``output_dir``, log a summary and return the key numbers (what ``train()`` returns).
+    ``fit_images``: training images (evenly spaced) of the default-box fit, None: all."""
     if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
         raise ConfigError(f"inspect.num_batches must be an integer >= 0, got {num_batches!r}")
     if fit_images is not None and (not isinstance(fit_images, int) or fit_images < 1):
@@ -86,40 +71,43 @@ def run_inspect_task(
     )
 
 
-# ------------------------------------------------------------------------------------------ detection
 def _inspect_detection(
     dm: CocoDALIDataModule, out: Path, num_batches: int, fit_images: int | None
 ) -> dict[str, float]:
-    """Label statistics of both splits, the default-box fit of the training boxes and the first training
-    batches as DALI makes them, written to ``out``; logs a summary and returns the logged metrics."""
     started = time.perf_counter()
-    stats, arrays = _split_statistics(dm)
+    stats, arrays = {}, {}
+    for split in ("train", "val") if dm.val_annotations.is_file() else ("train",):
+        info = dm.check_split(split)  # the start-up check's counts; statistics of the copy DALI reads
+        arrays[split] = load_coco_arrays(info.reader_annotation_file)
+        stats[split] = {
+            "annotation_file": str(info.annotation_file),
+            "read_from": str(info.reader_annotation_file),
+            "boxes_clipped_to_image": info.num_clipped,
+            "boxes_dropped_below_0.1px": info.num_dropped,
+            **label_statistics(arrays[split]),
+        }
     stats_seconds = time.perf_counter() - started
     atomic_write_json(out / "data_stats.json", stats)
     plot_label_statistics(
         stats["train"], out / "data_stats.png", title=f"training labels: {dm.train_annotations}"
     )
-
     started = time.perf_counter()
     fit = default_box_fit(
-        arrays["train"],
-        dboxes300_coco().ltrb,
-        include_crowd=dm.include_crowd,
-        max_images=fit_images,
+        arrays["train"], dboxes300_coco().ltrb, include_crowd=dm.include_crowd, max_images=fit_images
     )
     fit_seconds = time.perf_counter() - started
     atomic_write_json(out / "default_box_fit.json", fit)
     plot_default_box_fit(fit, out / "default_box_fit.png", title="SSD300 default boxes vs training boxes")
-
     grids = _detection_batches(dm, out / "batches", num_batches, arrays["train"].names)
-    lines = _summary(stats, fit)
-    lines += [
+    lines = [
+        f"inspect_data: outputs in {out}",
+        *_summary(stats, fit),
         f"  statistics {stats_seconds:.1f} s, default-box fit {fit_seconds:.1f} s",
         f"  {out / 'data_stats.json'}, {out / 'data_stats.png'}",
         f"  {out / 'default_box_fit.json'}, {out / 'default_box_fit.png'}",
         *(f"  {p}" for p in grids),
     ]
-    log.info("\n".join([f"inspect_data: outputs in {out}", *lines]))
+    log.info("\n".join(lines))
     o = fit["overall"]
     return {
         "inspect/train_images": float(stats["train"]["images"]),
@@ -131,35 +119,14 @@ def _inspect_detection(
     }
 
 
-def _split_statistics(dm: CocoDALIDataModule) -> tuple[dict[str, dict], dict]:
-    """Per split (val only if its annotation file exists): the start-up check's counts and the label
-    statistics of what DALI reads (the checked copy), and that file's arrays."""
-    stats: dict[str, dict] = {}
-    arrays = {}
-    for split in ("train", "val") if dm.val_annotations.is_file() else ("train",):
-        info = dm.check_split(split)
-        arrays[split] = load_coco_arrays(info.reader_annotation_file)
-        stats[split] = {
-            "annotation_file": str(info.annotation_file),
-            "read_from": str(info.reader_annotation_file),
-            "boxes_clipped_to_image": info.num_clipped,
-            "boxes_dropped_below_0.1px": info.num_dropped,
-            **label_statistics(arrays[split]),
-        }
-    return stats, arrays
-
-
 def _summary(stats: dict[str, dict], fit: dict) -> list[str]:
-    """The log lines stating the label statistics and the default-box fit."""
     train = stats["train"]
     lines = [
         f"  train: {train['images']} images, {train['boxes']} boxes "
         f"({train['boxes_per_image']['mean']:.2f} per image, max {train['boxes_per_image']['max']}), "
         f"{train['images_without_boxes']} images without boxes, {train['crowd_boxes']} crowd boxes",
         "  sizes: " + ", ".join(f"{k} {v}" for k, v in train["size_buckets"].items()),
-        "  boxes per class: "
-        + ", ".join(f"{c['name']} {c['boxes']}" for c in train["classes"][:12])
-        + (" ..." if len(train["classes"]) > 12 else ""),
+        "  boxes per class: " + _first_12(f"{c['name']} {c['boxes']}" for c in train["classes"]),
     ]
     if "val" in stats:
         lines.append(f"  val: {stats['val']['images']} images, {stats['val']['boxes']} boxes")
@@ -178,6 +145,11 @@ def _summary(stats: dict[str, dict], fit: dict) -> list[str]:
     return lines
 
 
+def _first_12(items: Iterable[str]) -> str:
+    items = list(items)
+    return ", ".join(items[:12]) + (" ..." if len(items) > 12 else "")
+
+
 def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, names: Sequence[str]) -> list:
     """The first ``num_batches`` batches of the datamodule's DALI training pipeline (with image ids), drawn
     with the boxes decoded from their targets; ``batch_<i>.json`` lists those boxes in input pixels."""
@@ -187,12 +159,10 @@ def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, n
         decoded = decode_targets(batch["boxes"], batch["labels"])
         tiles, records = [], []
         for k, (image, (boxes, labels)) in enumerate(zip(_to_pil(batch["images"]), decoded, strict=True)):
-            image_id = int(batch["image_ids"][k])
-            records.append(
-                {"image_id": image_id, "boxes": (boxes * size).tolist(), "labels": labels.tolist()}
-            )
+            image_id, boxes = int(batch["image_ids"][k]), boxes * size
+            records.append({"image_id": image_id, "boxes": boxes.tolist(), "labels": labels.tolist()})
             if k < _MAX_TILES:
-                tile = draw_detections(image, boxes * size, labels, class_names=names)
+                tile = draw_detections(image, boxes, labels, class_names=names)
                 tiles.append(_caption(tile, f"id {image_id}"))
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / f"batch_{i}.json", {"image_size": size, "images": records})
@@ -210,13 +180,11 @@ def _save_batches(
     for i, batch in enumerate(itertools.islice(make_loader(), num_batches) if num_batches else ()):
         tiles = draw(i, batch)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"batch_{i}.jpg"
-        _grid(tiles).save(path, quality=90)
-        written.append(path)
+        written.append(folder / f"batch_{i}.jpg")
+        _grid(tiles).save(written[-1], quality=90)
     return written
 
 
-# ------------------------------------------------------------------------------------ classification
 def _inspect_classification(dm: ImageFolderDALIDataModule, out: Path, num_batches: int) -> dict[str, float]:
     stats = {}
     for split, directory in (("train", dm.train_dir), ("val", dm.val_dir)):
@@ -236,10 +204,8 @@ def _inspect_classification(dm: ImageFolderDALIDataModule, out: Path, num_batche
     _plot_class_counts(stats, out / "data_stats.png")
 
     def draw(i: int, batch: dict) -> list[Image.Image]:
-        names, tiles = dm.class_names, []
-        for image, label in zip(
-            _to_pil(batch["images"][:_MAX_TILES]), batch["labels"].tolist(), strict=False
-        ):
+        names, tiles, images = dm.class_names, [], _to_pil(batch["images"][:_MAX_TILES])
+        for image, label in zip(images, batch["labels"].tolist(), strict=False):
             scale = max(1, round(160 / image.width))
             big = image.resize((image.width * scale, image.height * scale))
             tiles.append(_caption(big, names[label]))
@@ -250,8 +216,7 @@ def _inspect_classification(dm: ImageFolderDALIDataModule, out: Path, num_batche
     lines = [
         f"inspect_data: outputs in {out}",
         f"  train: {train['images']} images in {len(train['classes'])} classes: "
-        + ", ".join(f"{c['name']} {c['images']}" for c in train["classes"][:12])
-        + (" ..." if len(train["classes"]) > 12 else ""),
+        + _first_12(f"{c['name']} {c['images']}" for c in train["classes"]),
     ]
     if "val" in stats:
         lines.append(f"  val: {stats['val']['images']} images")
@@ -271,13 +236,11 @@ def _plot_class_counts(stats: dict, output: Path) -> None:
         if split in stats:
             ax.bar(x + shift, [c["images"] for c in stats[split]["classes"]], width=0.4, label=split)
     ax.set_xticks(x, names, rotation=90 if len(names) > 10 else 0)
-    ax.set_ylabel("images")
-    ax.set_title("images per class")
+    ax.set(ylabel="images", title="images per class")
     ax.legend()
     fig.savefig(output, dpi=100)
 
 
-# ------------------------------------------------------------------------------------------- drawing
 def _to_pil(images: torch.Tensor) -> list[Image.Image]:
     """(N, 3, S, S) ImageNet-normalised batch -> RGB images (the pipeline's normalisation undone)."""
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
@@ -301,8 +264,7 @@ def _caption(image: Image.Image, text: str) -> Image.Image:
 def _grid(tiles: list[Image.Image]) -> Image.Image:
     cols = max(1, math.ceil(math.sqrt(len(tiles))))
     rows = max(1, math.ceil(len(tiles) / cols))
-    w = max((t.width for t in tiles), default=1)
-    h = max((t.height for t in tiles), default=1)
+    w, h = max((t.width for t in tiles), default=1), max((t.height for t in tiles), default=1)
     grid = Image.new("RGB", (cols * w + (cols - 1) * 4, rows * h + (rows - 1) * 4), (255, 255, 255))
     for k, tile in enumerate(tiles):
         grid.paste(tile, ((k % cols) * (w + 4), (k // cols) * (h + 4)))

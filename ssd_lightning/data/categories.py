@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -48,15 +49,10 @@ _T = TypeVar("_T", int, Tensor, np.ndarray)
 
 @dataclass(frozen=True)
 class CategoryMap:
-    """Dataset category ids <-> contiguous labels (0 = background).
+    """Dataset category ids <-> contiguous labels (0 = background)."""
 
-    Attributes:
-        category_ids: dataset category id of label ``k`` at index ``k - 1`` (annotation-file order).
-        names: class name of label ``k`` at index ``k``; ``names[0] == "background"``.
-    """
-
-    category_ids: tuple[int, ...]
-    names: tuple[str, ...]
+    category_ids: tuple[int, ...]  # dataset category id of label k at index k - 1 (annotation-file order)
+    names: tuple[str, ...]  # class name of label k at index k; names[0] == "background"
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.category_ids) + 1:
@@ -71,16 +67,13 @@ class CategoryMap:
     def from_coco(
         cls, source: str | os.PathLike | Mapping[str, Any], *, where: str | None = None
     ) -> CategoryMap:
-        """Build from a COCO annotation file (path) or its parsed dict (only ``categories`` is read).
-
-        ``where`` names the source in error messages (default: the path, or "the annotation dict").
-        """
+        """From a COCO annotation file (path) or its parsed dict (only ``categories`` is read); ``where``
+        names the source in error messages (default: the path, or "the annotation dict")."""
         if isinstance(source, Mapping):
             data, where = source, where or "the annotation dict"
         else:
             where = where or os.fspath(source)
-            with open(source, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(Path(source).read_text(encoding="utf-8"))
         cats = data.get("categories") if isinstance(data, Mapping) else None
         if not isinstance(cats, list) or not cats:
             raise DataError(f"{where}: 'categories' must be a non-empty list of {{'id', 'name'}} dicts")
@@ -129,22 +122,14 @@ class CategoryMap:
 
     @staticmethod
     def _lookup(values: _T, table: np.ndarray, *, offset: int, what: str, valid: object) -> _T:
-        if isinstance(values, Tensor):
-            idx = values.long() - offset
-            bad = (idx < 0) | (idx >= len(table))
-            if not bad.any():
-                out = torch.as_tensor(table, device=values.device)[idx.clamp(0, len(table) - 1)]
-                bad = out < 0
-            if bad.any():
-                raise ValueError(f"unknown {what}(s) {values[bad].unique().tolist()}; valid: {valid}")
-            return out
-        arr = np.asarray(values, dtype=np.int64)
+        is_tensor = isinstance(values, Tensor)
+        arr = values.long() if is_tensor else np.asarray(values, dtype=np.int64)
+        if is_tensor:
+            table = torch.as_tensor(table, device=values.device)
         idx = arr - offset
-        bad = (idx < 0) | (idx >= len(table))
-        out = table[np.clip(idx, 0, len(table) - 1)]
-        bad |= out < 0
+        out = table[idx.clip(0, len(table) - 1)]
+        bad = (idx < 0) | (idx >= len(table)) | (out < 0)
         if bad.any():
-            raise ValueError(f"unknown {what}(s) {np.unique(arr[bad]).tolist()}; valid: {valid}")
-        if isinstance(values, np.ndarray):
-            return out
-        return int(out)
+            unknown = values[bad].unique() if is_tensor else np.unique(arr[bad])
+            raise ValueError(f"unknown {what}(s) {unknown.tolist()}; valid: {valid}")
+        return out if is_tensor or isinstance(values, np.ndarray) else int(out)

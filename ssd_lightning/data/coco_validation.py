@@ -1,15 +1,10 @@
 """Up-front checks of a COCO-layout split, before any DALI pipeline is built: :func:`check_coco_split`.
 
-It reads the annotation file once (polygons skipped) and, with ``check_files``, each image's first and last
-4 KiB, and returns a :class:`CocoSplitInfo` naming the files DALI and the COCO evaluation should read.
-Errors (:class:`~ssd_lightning.errors.DataError`, :class:`~ssd_lightning.errors.MissingDataError`) name the
-file and what to do. Policy, in short: boxes under 0.1 px are dropped, boxes slightly outside the image
-(``max(2 px, 2 %)``) are clipped in a copy for DALI, boxes further out or not finite raise; missing,
-non-image and truncated files raise; images listed at another size or EXIF-rotated so their boxes cannot
-line up raise or warn (``size_check``, ``exif_check``); what labelling tools leave out (``iscrowd``,
-``area``, annotation ids, integer image ids) is filled in a normalised copy whose image ids ``1..N`` the
-reader and the evaluation share. One warning per kind of change. The full policy and its reasons:
-docs/internals.md; the result is cached per machine by :mod:`ssd_lightning.data.split_cache`.
+Reads the annotation file once (polygons skipped) and, with ``check_files``, each image's first and last
+4 KiB. In short: boxes under 0.1 px are dropped, boxes slightly outside the image (``max(2 px, 2 %)``) are
+clipped in a copy for DALI, others raise; missing, non-image and truncated files raise; size and EXIF
+mismatches raise or warn; what labelling tools leave out is filled in a normalised copy (image ids ``1..N``)
+that the reader and the evaluation share. Full policy: docs/internals.md; cached by :mod:`.split_cache`.
 """
 
 from __future__ import annotations
@@ -34,68 +29,55 @@ from ssd_lightning.io.atomic import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "CocoSplitInfo",
-    "check_coco_split",
-    "check_image_headers",
-    "check_mode_args",
-    "read_annotation_json",
-    "decoder_applies_exif_orientation",
-    "exif_orientation",
-    "find_undecodable_images",
-]
+__all__ = ["CocoSplitInfo", "check_coco_split", "check_image_headers", "check_mode_args", "exif_orientation"]
+__all__ += ["read_annotation_json", "decoder_applies_exif_orientation", "find_undecodable_images"]
 
 MIN_BOX_SIZE = 0.1  # px; DALI readers.coco default size_threshold
-_MAGIC = {
-    b"\xff\xd8\xff": "JPEG",
-    b"\x89PNG\r\n\x1a\n": "PNG",
-    b"BM": "BMP",
-    b"II*\x00": "TIFF",
-    b"MM\x00*": "TIFF",
-}
+_MAGIC = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"BM": "BMP", b"II*\x00": "TIFF"}
+_MAGIC[b"MM\x00*"] = "TIFF"  # big-endian
 _MAX_LISTED = 5
 _HEADER_BYTES = 4096
 _TAIL_BYTES = 4096  # where a file's end marker must be (cameras append a few bytes after it)
 _EXIF_ORIENTATION = 0x0112  # EXIF tag "Orientation"
-_SWAPS_SIDES = frozenset({5, 6, 7, 8})  # orientations that turn the image by 90 degrees
+SWAPS_SIDES = frozenset({5, 6, 7, 8})  # orientations that turn the image by 90 degrees
 _INT32 = range(-(2**31), 2**31)  # DALI reads image ids as int32
 _COPY_FORMAT = 2  # part of the copies' names: bump when what goes into a copy changes
+# A polygon "segmentation" value: most of COCO's bytes, slow to parse, read by nothing here. On valid JSON
+# this matches only that key (a bare "segmentation" followed by ':' cannot occur in a string).
+_POLYGONS = re.compile(rb'"segmentation"\s*:\s*\[[-+0-9.eE,\s\[\]]*\]')
+_FILLED = {  # what the normalised copy changed -> how the warning says it
+    "image id": "ids 1..{n} for the {n} images, as not all were 32-bit integers (old ids in 'original_id')",
+    "annotation id": "ids 1..{n} for the {n} annotations, as ids were missing, duplicated or not integers",
+    "iscrowd": "iscrowd=0 for {n} annotation(s)",
+    "area": "area=w*h of the box for {n} annotation(s)",
+}
+CHECK_MODES = ("error", "warn", "off")  # exif_check, size_check
+_COUNTS = ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped", "num_size_mismatches")
+_NAMES = ("exif_listed_upright", "exif_listed_unrotated", "size_mismatches")  # file names
+_NUMBER = frozenset({int, float})  # exact types: what json gives, without bool
 
 
 @dataclass(frozen=True)
 class CocoSplitInfo:
-    """What :func:`check_coco_split` found.
-
-    Attributes:
-        image_dir: directory the ``file_name`` entries are relative to.
-        annotation_file: the original annotation file.
-        reader_annotation_file: the file to give DALI (the original, or a normalised and/or clipped copy).
-        evaluation_annotation_file: the file to give the COCO evaluation (the original, or the normalised
-            copy: same image ids as ``reader_annotation_file``, boxes not clipped).
-        category_map: labels <-> category ids in DALI's order.
-        num_images_with_boxes: images with at least one box DALI keeps (what ``skip_empty`` leaves).
-        filled: what the normalised copy filled in, as ``(what, how many)`` pairs (empty: no copy).
-        exif_listed_upright: ``file_name`` of the images with an EXIF orientation whose listed size is
-            their upright size (what DALI 2.x decodes).
-        exif_listed_unrotated: the same for images listed with their stored size, which differs from the
-            upright one (a 90-degree tag on a non-square image).
-        size_mismatches: the first images (up to 5) whose listed width and height differ from their file's,
-            as ``"file_name (listed WxH, file wxh)"`` (EXIF-rotated images excepted: see above).
-        num_size_mismatches: how many images that is in all.
-    """
+    """What :func:`check_coco_split` found; ``image_dir`` is what ``file_name`` entries are relative to."""
 
     image_dir: Path
-    annotation_file: Path
-    reader_annotation_file: Path
-    evaluation_annotation_file: Path
-    category_map: CategoryMap
+    annotation_file: Path  # the original
+    reader_annotation_file: Path  # for DALI: the original, or a normalised and/or clipped copy
+    evaluation_annotation_file: Path  # the original, or the normalised copy (reader's image ids, unclipped)
+    category_map: CategoryMap  # in DALI's order
     num_images: int
-    num_images_with_boxes: int
+    num_images_with_boxes: int  # images with a box DALI keeps (what ``skip_empty`` leaves)
     num_dropped: int
     num_clipped: int
+    # (what, how many) the normalised copy filled in (empty: no copy)
     filled: tuple[tuple[str, int], ...] = ()
+    # file_name of the EXIF-rotated images listed with their upright size (what DALI 2.x decodes), and of
+    # those listed with their stored size, which differs from the upright one (90 degrees, not square)
     exif_listed_upright: tuple[str, ...] = ()
     exif_listed_unrotated: tuple[str, ...] = ()
+    # the first 5 "file_name (listed WxH, file wxh)" whose listed size is not their file's (EXIF-rotated
+    # ones excepted), and how many in all
     size_mismatches: tuple[str, ...] = ()
     num_size_mismatches: int = 0
 
@@ -109,19 +91,11 @@ def _listing(items: Sequence[str]) -> str:
 def check_image_headers(paths: Iterable[Path], *, check_ends: bool = False) -> list[Path]:
     """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP).
 
-    Reads the first 4 KiB of each file (one page: as cheap as its first bytes, so fine for COCO's 118k
-    images). With ``check_ends`` also the last 4 KiB, and files cut short are named (docs/internals.md);
-    without it truncated files pass here, and DALI's decoder names those when it meets them (see
-    :func:`find_undecodable_images`).
-
-    Returns:
-        the files that may carry an EXIF orientation (see :func:`exif_orientation`): JPEGs with an ``Exif``
-        segment before their image data (or whose header segments run past that first page), TIFFs, WebPs
-        with an EXIF chunk.
+    Reads each file's first 4 KiB (one page: cheap enough for COCO's 118k images); with ``check_ends`` also
+    the last 4 KiB, to name files cut short (else DALI's decoder names them: :func:`find_undecodable_images`).
+    Returns the files that may carry an EXIF orientation (:func:`exif_orientation`).
     """
-    scan = _scan_files(paths, check_ends=check_ends)
-    _raise_for_unusable(scan)
-    return scan.exif_candidates
+    return _scan_files(paths, check_ends=check_ends).exif_candidates
 
 
 @dataclass
@@ -134,8 +108,8 @@ class _FileScan:
 
 
 def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = False) -> _FileScan:
-    """Read each file's first page (and with ``check_ends`` its last page); policy in docs/internals.md.
-    ``read_sizes``: also keep each image's (width, height) parsed from that page (None: it does not tell)."""
+    """Read each file's first (and with ``check_ends`` last) page; ``read_sizes``: keep the (width, height)
+    parsed from the first (None: it does not tell). Raises for unusable files; policy: docs/internals.md."""
     scan = _FileScan(missing=[], bad=[], truncated=[], exif_candidates=[], sizes={})
     suspects: list[tuple[Path, str]] = []
     for path in paths:
@@ -164,6 +138,7 @@ def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = F
         )
         undecodable = dict(_undecodable(path for path, _ in suspects))
         scan.truncated = [f"{p} ({why}; PIL: {undecodable[p]})" for p, why in suspects if p in undecodable]
+    _raise_for_unusable(scan)
     return scan
 
 
@@ -214,15 +189,13 @@ def _cut_short(kind: str, head: bytes, end: bytes, size: int) -> str | None:
     if kind == "PNG" and end.rfind(b"IEND") < 0:
         return f"no PNG IEND chunk in its last {_TAIL_BYTES} bytes"
     if kind == "BMP" and len(head) >= 34:
-        declared = int.from_bytes(head[2:6], "little")
-        pixels_end = None
+        declared, pixels_end = int.from_bytes(head[2:6], "little"), 0
         if int.from_bytes(head[14:18], "little") >= 40 and int.from_bytes(head[30:34], "little") in (0, 3):
-            width = int.from_bytes(head[18:22], "little", signed=True)
-            height = int.from_bytes(head[22:26], "little", signed=True)
-            row = (int.from_bytes(head[28:30], "little") * abs(width) + 31) // 32 * 4
-            pixels_end = int.from_bytes(head[10:14], "little") + row * abs(height)
-        if declared > size or (pixels_end is not None and pixels_end > size):
-            return f"{size} bytes, its BMP header says {max(declared, pixels_end or 0)}"
+            width, height = (abs(int.from_bytes(head[i : i + 4], "little", signed=True)) for i in (18, 22))
+            row = (int.from_bytes(head[28:30], "little") * width + 31) // 32 * 4  # uncompressed rows
+            pixels_end = int.from_bytes(head[10:14], "little") + row * height
+        if max(declared, pixels_end) > size:
+            return f"{size} bytes, its BMP header says {max(declared, pixels_end)}"
     if kind == "WebP" and int.from_bytes(head[4:8], "little") + 8 > size:
         return f"{size} bytes, its RIFF header says {int.from_bytes(head[4:8], 'little') + 8}"
     return None
@@ -249,32 +222,25 @@ def _header_facts(kind: str, head: bytes) -> tuple[bool, tuple[int, int] | None]
         return False, _positive(int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big"))
     if kind == "BMP" and len(head) >= 26:
         if int.from_bytes(head[14:18], "little") == 12:  # OS/2 BITMAPCOREHEADER
-            return False, _positive(
-                int.from_bytes(head[18:20], "little"), int.from_bytes(head[20:22], "little")
-            )
+            width, height = int.from_bytes(head[18:20], "little"), int.from_bytes(head[20:22], "little")
+            return False, _positive(width, height)
         width = int.from_bytes(head[18:22], "little", signed=True)
         return False, _positive(width, abs(int.from_bytes(head[22:26], "little", signed=True)))
-    if kind == "WebP":
-        return _webp_header(head)
-    return True, None  # TIFF: PIL reads both
+    chunk = head[12:16]  # WebP's first chunk
+    if kind == "WebP" and chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":  # lossy: EXIF needs VP8X
+        width, height = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
+        return False, _positive(width & 0x3FFF, height & 0x3FFF)
+    if kind == "WebP" and chunk == b"VP8L" and head[20:21] == b"\x2f":  # lossless: 14 bits each, minus one
+        bits = int.from_bytes(head[21:25], "little")
+        return False, ((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
+    if kind == "WebP" and chunk == b"VP8X" and len(head) >= 30:  # extended: flags (EXIF 0x08), size - 1
+        size = (int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1)
+        return bool(head[20] & 0x08), size
+    return True, None  # TIFF, or a header not parsed here: PIL reads both
 
 
 def _positive(width: int, height: int) -> tuple[int, int] | None:
     return (width, height) if width > 0 and height > 0 else None
-
-
-def _webp_header(head: bytes) -> tuple[bool, tuple[int, int] | None]:
-    chunk = head[12:16]
-    if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":  # lossy: no EXIF without a VP8X chunk
-        width, height = int.from_bytes(head[26:28], "little"), int.from_bytes(head[28:30], "little")
-        return False, _positive(width & 0x3FFF, height & 0x3FFF)
-    if chunk == b"VP8L" and head[20:21] == b"\x2f":  # lossless: 14 bits each, minus one
-        bits = int.from_bytes(head[21:25], "little")
-        return False, ((bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
-    if chunk == b"VP8X" and len(head) >= 30:  # extended: flags (EXIF: 0x08), canvas size minus one
-        size = (int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1)
-        return bool(head[20] & 0x08), size
-    return True, None
 
 
 def _image_kind(head: bytes) -> str | None:
@@ -284,11 +250,8 @@ def _image_kind(head: bytes) -> str | None:
 
 
 def _jpeg_header(head: bytes) -> tuple[bool, tuple[int, int] | None]:
-    """Walk the JPEG's header segments in ``head`` up to the start of frame (SOF: its width and height).
-
-    The first item is True after an APP1 ``Exif`` segment or past ``head``'s end (then the size is unknown
-    too: PIL reads both), False at the image data with no ``Exif`` before it (EXIF comes first).
-    """
+    """Walk the header segments to the start of frame (SOF: width, height). EXIF is possible after an APP1
+    ``Exif`` segment or past ``head``'s end (size unknown too: PIL reads both), not at the image data."""
     at, exif = 2, False  # after SOI
     while at + 4 <= len(head):
         if head[at] != 0xFF:
@@ -311,11 +274,8 @@ def _jpeg_header(head: bytes) -> tuple[bool, tuple[int, int] | None]:
 
 
 def exif_orientation(path: Path) -> tuple[int, tuple[int, int]] | None:
-    """``(EXIF orientation, (width, height) as stored)`` of an image, or None when PIL cannot read it.
-
-    Orientation 1 is upright; 2-8 say how viewers turn or mirror the stored pixels (5-8 swap width and
-    height). Values outside 1-8 count as 1.
-    """
+    """``(EXIF orientation, (width, height) as stored)``, None when PIL cannot read it. 1 is upright; 2-8 say
+    how viewers turn or mirror the stored pixels (5-8 swap width and height); others count as 1."""
     from PIL import Image
 
     try:
@@ -335,24 +295,13 @@ def decoder_applies_exif_orientation() -> bool:
 
 
 def find_undecodable_images(paths: Iterable[Path]) -> list[str]:
-    """Paths that PIL cannot fully decode (truncated or corrupt), each with PIL's reason.
-
-    Slow (decodes every file at 1/8 scale); used only to name the culprit after DALI failed.
-    """
+    """``"path (PIL's reason)"`` of the files PIL cannot fully decode; slow: names a culprit DALI met."""
     return [f"{path} ({why})" for path, why in _undecodable(paths)]
-
-
-# A polygon list value of "segmentation" (numbers and brackets only): most of COCO's bytes, slow to parse,
-# and nothing here reads them (docs/internals.md). On valid JSON this matches only that key: a bare
-# "segmentation" followed by ':' cannot occur in a string.
-_POLYGONS = re.compile(rb'"segmentation"\s*:\s*\[[-+0-9.eE,\s\[\]]*\]')
 
 
 def read_annotation_json(path: Path) -> dict[str, Any]:
     """The annotation file with every polygon ``segmentation`` replaced by ``[]`` (RLE ones are kept)."""
-    raw = path.read_bytes()
-    text = _POLYGONS.sub(b'"segmentation": []', raw)
-    del raw  # the whole file: free it before parsing
+    text = _POLYGONS.sub(b'"segmentation": []', path.read_bytes())  # the whole file is freed before parsing
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -374,8 +323,8 @@ def read_annotation_json(path: Path) -> dict[str, Any]:
 
 
 def _derived_copy(path: Path, data: dict[str, Any], out_dir: Path, kind: str) -> Path:
-    """Write ``data`` (polygons empty: nothing here reads them) as ``<stem>.<kind>.<key>.json`` in
-    ``out_dir``, keyed on the original file's path, size and mtime; an existing copy is reused."""
+    """Write ``data`` as ``out_dir/<stem>.<kind>.<key>.json``, keyed on ``path``'s path, size and mtime
+    (an existing copy is reused)."""
     stat = path.stat()
     where = f"{_COPY_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha1(where.encode()).hexdigest()[:16]
@@ -395,26 +344,15 @@ def check_coco_split(
     exif_check: str = "error",
     size_check: str = "error",
 ) -> CocoSplitInfo:
-    """Validate one COCO split and return what the pipelines need. Policy: docs/internals.md.
+    """Validate one COCO split and return what the pipelines need (policy: docs/internals.md); while the
+    files are unchanged, later and concurrent calls reuse the result (:mod:`.split_cache`).
 
-    While the files are unchanged, later and concurrent calls (other ranks, later runs) reuse the result
-    (:mod:`ssd_lightning.data.split_cache`) instead of checking again.
-
-    Args:
-        image_dir: directory the ``file_name`` entries are relative to.
-        annotation_file: COCO instances JSON.
-        check_files: also check every listed image's file (exists, is an image, not cut short, EXIF, size).
-        cache_dir: where the check results and the normalised and clipped copies go (default
-            :func:`~ssd_lightning.data.split_cache.default_cache_dir`).
-        exif_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what EXIF-rotated images whose boxes
-            cannot line up with what this DALI line decodes are (the same message as an error or a warning).
-        size_check: ``"error"`` (default), ``"warn"`` or ``"off"``: what images listed with a width and
-            height other than their file's are ("warn" is right when the images were resized proportionally
-            after labelling: boxes are read relative to the listed size).
-
-    Raises:
-        MissingDataError (FileNotFoundError): ``image_dir``, ``annotation_file`` or a listed image is missing.
-        DataError (ValueError): anything else the policy refuses.
+    ``check_files``: also check every listed image's file (exists, is an image, not cut short, EXIF, size).
+    ``cache_dir``: for the results and the copies (default :func:`.split_cache.default_cache_dir`).
+    ``exif_check``/``size_check``: ``"error"``, ``"warn"`` or ``"off"`` for EXIF-rotated images whose boxes
+    cannot line up with what this DALI decodes / images listed at another size than their file's ("warn"
+    fits images resized proportionally after labelling: boxes are read relative to the listed size).
+    Raises MissingDataError (a FileNotFoundError) for a missing path, DataError (ValueError) for the rest.
     """
     check_mode_args(exif_check=exif_check, size_check=size_check)
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
@@ -430,9 +368,8 @@ def check_coco_split(
         )
     folder = writable_cache_dir(cache_dir)
     if folder is None:
-        info = _check_split(
-            image_dir, annotation_file, check_files, Path(tempfile.gettempdir()) / "ssd_lightning_ann"
-        )
+        copies = Path(tempfile.gettempdir()) / "ssd_lightning_ann"
+        info = _check_split(image_dir, annotation_file, check_files, copies)
     else:
         cache = SplitCache(folder, annotation_file, image_dir)
         with cache.locked():
@@ -459,7 +396,6 @@ def check_coco_split(
 
 
 def _warn_about_changes(info: CocoSplitInfo) -> None:
-    """One warning line per kind of change the reader or the evaluation will see."""
     changes = []
     if info.filled:
         done = ", ".join(_FILLED[what].format(n=n) for what, n in info.filled)
@@ -478,26 +414,14 @@ def _warn_about_changes(info: CocoSplitInfo) -> None:
         warnings.warn(f"{info.annotation_file}: {change}", stacklevel=3)
 
 
-_FILLED = {  # what the normalised copy changed -> how the warning says it
-    "image id": "ids 1..{n} for the {n} images, as not all were 32-bit integers (old ids in 'original_id')",
-    "annotation id": "ids 1..{n} for the {n} annotations, as ids were missing, duplicated or not integers",
-    "iscrowd": "iscrowd=0 for {n} annotation(s)",
-    "area": "area=w*h of the box for {n} annotation(s)",
-}
-
-
-CHECK_MODES = ("error", "warn", "off")  # exif_check, size_check
-
-
 def check_mode_args(**modes: str) -> None:
-    """Raise ``ValueError`` unless every value (``exif_check=...``, ``size_check=...``) is in CHECK_MODES."""
+    """Raise ``ValueError`` unless each value (``exif_check=``, ``size_check=``) is one of CHECK_MODES."""
     for name, value in modes.items():
         if value not in CHECK_MODES:
             raise ValueError(f"{name} must be one of {CHECK_MODES}, got {value!r}")
 
 
 def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
-    """What cannot line up between EXIF-rotated images and their boxes under this DALI (docs/internals.md)."""
     oriented = info.exif_listed_upright + info.exif_listed_unrotated
     if not oriented:
         return None
@@ -523,7 +447,6 @@ def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
 
 
 def _size_mismatch(info: CocoSplitInfo) -> str | None:
-    """The images listed with another width and height than their file's (docs/internals.md)."""
     if not info.num_size_mismatches:
         return None
     more = info.num_size_mismatches - len(info.size_mismatches)
@@ -536,10 +459,6 @@ def _size_mismatch(info: CocoSplitInfo) -> str | None:
         "labelling, the boxes are still right relative to the listed size (the COCO evaluation's AP on "
         "these images is off: it compares listed pixels with detections in the file's pixels)"
     )
-
-
-_COUNTS = ("num_images", "num_images_with_boxes", "num_dropped", "num_clipped", "num_size_mismatches")
-_NAMES = ("exif_listed_upright", "exif_listed_unrotated", "size_mismatches")  # file names
 
 
 def _to_json(info: CocoSplitInfo) -> dict[str, Any]:
@@ -559,9 +478,7 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
     try:
         counts = {k: int(entry[k]) for k in _COUNTS}
         names = {k: tuple(str(n) for n in entry[k]) for k in _NAMES}
-        cmap = CategoryMap(
-            tuple(int(i) for i in entry["category_ids"]), tuple(str(n) for n in entry["names"])
-        )
+        cmap = CategoryMap(tuple(map(int, entry["category_ids"])), tuple(map(str, entry["names"])))
         filled = tuple((str(what), int(n)) for what, n in entry["filled"])
         reader = Path(entry["reader_annotation_file"]) if counts["num_clipped"] or filled else annotation_file
         evaluation = Path(entry["evaluation_annotation_file"]) if filled else annotation_file
@@ -575,7 +492,6 @@ def _from_json(entry: dict[str, Any], image_dir: Path, annotation_file: Path) ->
 
 
 def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip_dir: Path) -> CocoSplitInfo:
-    """The check itself: reads the whole annotation file (and one header per image with ``check_files``)."""
     data = read_annotation_json(annotation_file)
     if not data["categories"]:
         raise DataError(f"annotation file {annotation_file} has an empty 'categories' list")
@@ -584,25 +500,18 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
         raise DataError(f"annotation file {annotation_file} lists no images; the split would be empty")
     filled = _normalise(data, annotation_file)
     sizes = _image_sizes(data["images"], annotation_file)
-    upright: list[str] = []
-    unrotated: list[str] = []
-    mismatched: list[str] = []
+    upright, unrotated, mismatched = [], [], []
     if check_files:
         by_path = {image_dir / name: (w, h, name) for w, h, name in sizes.values()}
         scan = _scan_files(by_path, check_ends=True, read_sizes=True)
-        _raise_for_unusable(scan)
-        oriented = {path: exif_orientation(path) for path in scan.exif_candidates}
-        upright, unrotated = _oriented_images(oriented, by_path, annotation_file)
-        mismatched = _size_mismatches(by_path, scan.sizes, oriented)
-    category_ids = set(category_map.category_ids)
-    boxes = _check_boxes(data["annotations"], sizes, category_ids, image_dir, annotation_file)
-
+        upright, unrotated, mismatched = _compare_sizes(by_path, scan, annotation_file)
+    clipped, kept, dropped = _check_boxes(data, sizes, category_map, image_dir, annotation_file)
     evaluation_file = reader_file = annotation_file
     if filled:  # before clipping: the evaluation reads the boxes as they were drawn
         evaluation_file = reader_file = _derived_copy(annotation_file, data, clip_dir, "normalised")
-    for ann, bbox in boxes.clipped:
+    for ann, bbox in clipped:
         ann["bbox"] = bbox
-    if boxes.clipped:
+    if clipped:
         reader_file = _derived_copy(annotation_file, data, clip_dir, "clipped")
     return CocoSplitInfo(
         image_dir=image_dir,
@@ -611,9 +520,9 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
         evaluation_annotation_file=evaluation_file,
         category_map=category_map,
         num_images=len(sizes),
-        num_images_with_boxes=len(boxes.with_boxes),
-        num_dropped=boxes.dropped,
-        num_clipped=len(boxes.clipped),
+        num_images_with_boxes=len(kept),
+        num_dropped=dropped,
+        num_clipped=len(clipped),
         filled=tuple(filled),
         exif_listed_upright=tuple(upright),
         exif_listed_unrotated=tuple(unrotated),
@@ -622,23 +531,33 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
     )
 
 
-def _size_mismatches(
-    listed: dict[Path, tuple[float, float, str]],
-    parsed: dict[Path, tuple[int, int] | None],
-    oriented: dict[Path, tuple[int, tuple[int, int]] | None],
-) -> list[str]:
-    """``"file_name (listed WxH, file wxh)"`` for each image whose listed size is not its file's (size from
-    the EXIF look-up, the header or PIL's lazy ``Image.open``); rotated ones: :func:`_oriented_images`."""
+def _compare_sizes(
+    listed: dict[Path, tuple[float, float, str]], scan: _FileScan, annotation_file: Path
+) -> tuple[list[str], list[str], list[str]]:
+    """Each image's listed size against its file's (from the EXIF look-up, the header or PIL's lazy open).
+
+    Returns the ``file_name`` of the EXIF-rotated images listed with their upright size and of those listed
+    with their stored size (raises for other rotated ones), and ``"file_name (listed WxH, file wxh)"`` of
+    the unrotated images whose listed size is not their file's.
+    """
     from PIL import Image
 
-    found = []
+    oriented = {path: exif_orientation(path) for path in scan.exif_candidates}
+    upright, unrotated, neither, mismatched = [], [], [], []
     for path, (width, height, name) in listed.items():
-        real = None
-        if oriented.get(path) is not None:
-            orientation, real = oriented[path]
-            if orientation != 1:
-                continue
-        real = real or parsed.get(path)
+        real = oriented.get(path)
+        if real is not None and real[0] != 1:
+            orientation, (stored_w, stored_h) = real
+            upright_size = (stored_h, stored_w) if orientation in SWAPS_SIDES else (stored_w, stored_h)
+            if (width, height) == upright_size:
+                upright.append(name)
+            elif (width, height) == (stored_w, stored_h):
+                unrotated.append(name)
+            else:
+                upright_w, upright_h = upright_size
+                neither.append(f"{name} (listed {width:g}x{height:g}, upright {upright_w}x{upright_h})")
+            continue
+        real = real[1] if real is not None else scan.sizes.get(path)
         if real is None:
             try:
                 with Image.open(path) as img:  # reads the header only
@@ -646,22 +565,21 @@ def _size_mismatches(
             except Exception:  # noqa: BLE001 - unreadable: DALI's decoder names it (find_undecodable_images)
                 continue
         if abs(width - real[0]) >= 1 or abs(height - real[1]) >= 1:
-            found.append(f"{name} (listed {width:g}x{height:g}, file {real[0]}x{real[1]})")
-    return found
+            mismatched.append(f"{name} (listed {width:g}x{height:g}, file {real[0]}x{real[1]})")
+    if neither:
+        raise DataError(
+            f"annotation file {annotation_file}: the listed width and height of {len(neither)} EXIF-rotated "
+            f"image(s) are neither their upright nor their stored size: {_listing(neither)}; fix them"
+        )
+    return upright, unrotated, mismatched
 
 
 def _is_int_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_NUMBER = frozenset({int, float})  # exact types: what json gives, without bool
-
-
 def _is_box(bbox: Any) -> bool:
-    """Four finite numbers (Python's json reads ``NaN`` and ``Infinity`` as floats; DALI's parser fails).
-
-    Unrolled on purpose: it runs once per annotation (docs/internals.md).
-    """
+    """Four finite numbers (json reads ``NaN``/``Infinity`` as floats; DALI fails); unrolled: runs per box."""
     if type(bbox) is not list or len(bbox) != 4:
         return False
     x, y, w, h = bbox
@@ -678,12 +596,22 @@ def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, i
                 f"annotation file {annotation_file}: every entry of 'annotations' must be an object with "
                 f"'image_id', 'category_id' and 'bbox', got {ann!r}"
             )
-    changes = [
-        ("image id", _renumber_images(data, annotation_file)),
-        ("annotation id", _renumber_annotations(data["annotations"])),
-        *_fill_defaults(data["annotations"]),
-    ]
-    return [(what, n) for what, n in changes if n]
+    annotations = data["annotations"]
+    changes = dict.fromkeys(("image id", "annotation id", "iscrowd", "area"), 0)
+    changes["image id"] = _renumber_images(data, annotation_file)
+    ids = [ann.get("id") for ann in annotations]
+    if not (all(_is_int_id(i) for i in ids) and len(set(ids)) == len(ids)):  # pycocotools needs unique ids
+        for new_id, ann in enumerate(annotations, start=1):
+            ann["id"] = new_id
+        changes["annotation id"] = len(annotations)
+    for ann in annotations:
+        if "iscrowd" not in ann:
+            ann["iscrowd"] = 0
+            changes["iscrowd"] += 1
+        if "area" not in ann and _is_box(ann.get("bbox")):
+            ann["area"] = float(ann["bbox"][2]) * float(ann["bbox"][3])
+            changes["area"] += 1
+    return [(what, n) for what, n in changes.items() if n]
 
 
 def _renumber_images(data: dict[str, Any], annotation_file: Path) -> int:
@@ -710,29 +638,6 @@ def _renumber_images(data: dict[str, Any], annotation_file: Path) -> int:
     return len(images)
 
 
-def _renumber_annotations(annotations: list[dict[str, Any]]) -> int:
-    """Give the annotations ids 1..M unless every one has a unique integer id (pycocotools needs them)."""
-    ids = [ann.get("id") for ann in annotations]
-    if all(_is_int_id(i) for i in ids) and len(set(ids)) == len(ids):
-        return 0
-    for new_id, ann in enumerate(annotations, start=1):
-        ann["id"] = new_id
-    return len(annotations)
-
-
-def _fill_defaults(annotations: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    """COCO's ``iscrowd`` (0) and ``area`` (box area) where an annotation lacks them."""
-    crowd = area = 0
-    for ann in annotations:
-        if "iscrowd" not in ann:
-            ann["iscrowd"] = 0
-            crowd += 1
-        if "area" not in ann and _is_box(ann.get("bbox")):
-            ann["area"] = float(ann["bbox"][2]) * float(ann["bbox"][3])
-            area += 1
-    return [("iscrowd", crowd), ("area", area)]
-
-
 def _image_sizes(images: list[Any], annotation_file: Path) -> dict[int, tuple[float, float, str]]:
     """``{image id: (width, height, file_name)}``; raises on malformed or duplicate entries."""
     sizes: dict[int, tuple[float, float, str]] = {}
@@ -757,52 +662,17 @@ def _image_sizes(images: list[Any], annotation_file: Path) -> dict[int, tuple[fl
     return sizes
 
 
-def _oriented_images(
-    oriented: dict[Path, tuple[int, tuple[int, int]] | None],
-    listed: dict[Path, tuple[float, float, str]],
-    annotation_file: Path,
-) -> tuple[list[str], list[str]]:
-    """``file_name`` of the EXIF-rotated images (``oriented``: :func:`exif_orientation` of each candidate)
-    listed with their upright size, and of those listed with their stored size; raises for the others."""
-    upright, unrotated, neither = [], [], []
-    for path, found in oriented.items():
-        if found is None or found[0] == 1:
-            continue
-        orientation, (stored_w, stored_h) = found
-        upright_size = (stored_h, stored_w) if orientation in _SWAPS_SIDES else (stored_w, stored_h)
-        width, height, name = listed[path]
-        if (width, height) == upright_size:
-            upright.append(name)
-        elif (width, height) == (stored_w, stored_h):
-            unrotated.append(name)
-        else:
-            upright_w, upright_h = upright_size
-            neither.append(f"{name} (listed {width:g}x{height:g}, upright {upright_w}x{upright_h})")
-    if neither:
-        raise DataError(
-            f"annotation file {annotation_file}: the listed width and height of {len(neither)} EXIF-rotated "
-            f"image(s) are neither their upright nor their stored size: {_listing(neither)}; fix them"
-        )
-    return upright, unrotated
-
-
-@dataclass
-class _BoxCheck:
-    clipped: list[tuple[dict[str, Any], list[float]]]  # (annotation, clipped box)
-    with_boxes: set[int]
-    dropped: int
-
-
 def _check_boxes(
-    annotations: list[dict[str, Any]],
+    data: dict[str, Any],
     sizes: dict[int, tuple[float, float, str]],
-    valid_cats: set[int],
+    category_map: CategoryMap,
     image_dir: Path,
     annotation_file: Path,
-) -> _BoxCheck:
-    """Check every annotation's image, category and box (docs/internals.md); nothing is changed here."""
-    found = _BoxCheck(clipped=[], with_boxes=set(), dropped=0)
-    for ann in annotations:
+) -> tuple[list[tuple[dict[str, Any], list[float]]], set[int], int]:
+    """Check every annotation's image, category and box (docs/internals.md), changing nothing: returns the
+    ``(annotation, clipped box)`` pairs, the ids of the images with a box kept, and how many are dropped."""
+    clipped, with_boxes, dropped, valid_cats = [], set(), 0, set(category_map.category_ids)
+    for ann in data["annotations"]:
         iid, cid, bbox = ann.get("image_id"), ann.get("category_id"), ann.get("bbox")
         if not isinstance(iid, int | str) or iid not in sizes:
             raise DataError(
@@ -822,7 +692,7 @@ def _check_boxes(
             )
         x, y, bw, bh = (float(v) for v in bbox)
         if bw < MIN_BOX_SIZE or bh < MIN_BOX_SIZE:
-            found.dropped += 1
+            dropped += 1
             continue
         tol_x, tol_y = max(2.0, 0.02 * iw), max(2.0, 0.02 * ih)
         if x < -tol_x or y < -tol_y or x + bw > iw + tol_x or y + bh > ih + tol_y:
@@ -833,9 +703,9 @@ def _check_boxes(
             )
         left, top, right, bottom = max(x, 0.0), max(y, 0.0), min(x + bw, iw), min(y + bh, ih)
         if (left, top, right, bottom) != (x, y, x + bw, y + bh):
-            found.clipped.append((ann, [left, top, right - left, bottom - top]))
+            clipped.append((ann, [left, top, right - left, bottom - top]))
             if right - left < MIN_BOX_SIZE or bottom - top < MIN_BOX_SIZE:
-                found.dropped += 1
+                dropped += 1
                 continue
-        found.with_boxes.add(iid)
-    return found
+        with_boxes.add(iid)
+    return clipped, with_boxes, dropped

@@ -2,16 +2,12 @@
 :class:`~ssd_lightning.data.coco_datamodule.CocoDALIDataModule` reads; everything after that (start-up checks,
 DALI pipelines, evaluation, ``task=inspect_data``) is the COCO code path.
 
-A :class:`Converter` (:mod:`ssd_lightning.data.voc`, :mod:`ssd_lightning.data.yolo`) names the files it reads
-and builds one COCO dict per split. :func:`convert_once` keys the result on those files' paths, sizes and
-``mtime_ns`` (plus the converter's options and :data:`VERSION`) and keeps it in the cache folder
-(``data.cache_dir``, ``$SSD_LIGHTNING_CACHE_DIR``, ``~/.cache/ssd_lightning``; never the dataset), under
-``converted/<format>-<folder name>-<key>/``: ``instances_train.json``, ``instances_val.json`` and
-``manifest.json`` (the image folders; written last, so an entry without it is converted again). Files are
-written atomically by one process at a time (``flock``); entries of files modified less than
-:data:`~ssd_lightning.data.split_cache.RACY_SECONDS` before the conversion, or while it ran, are used once and
-not reused. Errors are :class:`~ssd_lightning.errors.DataError` (a bad file, named with its line) or
-:class:`~ssd_lightning.errors.MissingDataError` (a missing folder or file).
+A :class:`Converter` (:mod:`.voc`, :mod:`.yolo`) names the files it reads and builds one COCO dict per split.
+:func:`convert_once` keys the result on those files' paths, sizes and ``mtime_ns``, the converter's options
+and :data:`VERSION`, in the cache folder (never the dataset): ``converted/<format>-<folder name>-<key>/``
+holds ``instances_{train,val}.json`` and ``manifest.json`` (the image folders; written last, and only when
+no file changed within :data:`~.split_cache.RACY_SECONDS` of the conversion). One process at a time
+(``flock``).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ssd_lightning.data.coco_datamodule import CocoDALIDataModule
-from ssd_lightning.data.coco_validation import exif_orientation
+from ssd_lightning.data.coco_validation import SWAPS_SIDES, exif_orientation
 from ssd_lightning.data.split_cache import RACY_SECONDS, file_lock, writable_cache_dir
 from ssd_lightning.errors import ConfigError, DataError
 from ssd_lightning.io.atomic import atomic_write_json
@@ -40,7 +36,6 @@ VERSION = 1  # part of every key: bump when a converter writes anything differen
 SPLITS = ("train", "val")
 # what DALI decodes (case-insensitive: exports have .JPG)
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp"})
-_SWAPS_SIDES = frozenset({5, 6, 7, 8})  # EXIF orientations that turn the image by 90 degrees
 
 
 class Converter(Protocol):
@@ -49,14 +44,11 @@ class Converter(Protocol):
     format: str  # "voc" | "yolo": the config name and the cache entry's prefix
     root: Path
 
-    def sources(self) -> list[Path]:
-        """Every file the conversion reads whose change must re-convert (raises when the layout is wrong)."""
+    def sources(self) -> list[Path]: ...  # every file whose change must re-convert (raises on a bad layout)
 
-    def options(self) -> dict[str, Any]:
-        """The settings that change the result (class list, split names): part of the key."""
+    def options(self) -> dict[str, Any]: ...  # the settings that change the result: part of the key
 
-    def convert(self) -> dict[str, tuple[Path, dict[str, Any]]]:
-        """``{"train": (image folder, COCO dict), "val": ...}``; ``file_name`` relative to the folder."""
+    def convert(self) -> dict[str, tuple[Path, dict[str, Any]]]: ...  # {split: (image folder, COCO dict)}
 
 
 def image_size(path: Path) -> tuple[int, int]:
@@ -65,7 +57,7 @@ def image_size(path: Path) -> tuple[int, int]:
     if found is None:
         raise DataError(f"cannot read the image {path} (missing, or not an image PIL can open)")
     orientation, (width, height) = found
-    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+    return (height, width) if orientation in SWAPS_SIDES else (width, height)
 
 
 def coco_dict(
@@ -84,14 +76,10 @@ def coco_dict(
 
 
 def _identity(files: Iterable[Path]) -> list[list[Any]]:
-    identity = []
-    for path in files:
-        try:
-            st = path.stat()
-        except OSError as exc:
-            raise DataError(f"cannot read {path} ({exc.strerror or exc})") from None
-        identity.append([str(path), st.st_size, st.st_mtime_ns])
-    return identity
+    try:
+        return [[str(path), (st := path.stat()).st_size, st.st_mtime_ns] for path in files]
+    except OSError as exc:
+        raise DataError(f"cannot read {exc.filename} ({exc.strerror or exc})") from None
 
 
 def convert_once(
@@ -121,10 +109,7 @@ def convert_once(
             pass  # not converted yet (or an unreadable entry): convert
         log.info("converting the %s dataset %s to COCO annotations in %s", converter.format, root, entry)
         splits = converter.convert()
-        out = {}
-        for split in SPLITS:
-            image_dir, data = splits[split]
-            out[split] = (image_dir, atomic_write_json(entry / f"instances_{split}.json", data))
+        out = {s: (d, atomic_write_json(entry / f"instances_{s}.json", c)) for s, (d, c) in splits.items()}
         newest = max((mtime for _, _, mtime in before), default=0) / 1e9
         if _identity(converter.sources()) == before and started - newest >= RACY_SECONDS:
             atomic_write_json(manifest, {s: str(out[s][0]) for s in SPLITS})
@@ -134,12 +119,8 @@ def convert_once(
 
 
 class ConvertedDataModule(CocoDALIDataModule):
-    """:class:`CocoDALIDataModule` over the COCO copy :func:`convert_once` makes of ``converter``'s dataset
-    (at construction, so that every property of the COCO datamodule holds from the start).
-
-    The four path arguments of the COCO datamodule come from the layout: giving one is a ConfigError.
-    ``cache_dir`` is where the copy (and the COCO check's cache) goes; the rest are the COCO datamodule's.
-    """
+    """:class:`CocoDALIDataModule` over the COCO copy :func:`convert_once` makes (at construction) of
+    ``converter``'s dataset; the layout gives the four path arguments (passing one is a ConfigError)."""
 
     def __init__(
         self, converter: Converter, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
@@ -151,13 +132,6 @@ class ConvertedDataModule(CocoDALIDataModule):
                     "layout under data.root says where images and annotations are (docs/own_data.md)"
                 )
         splits = convert_once(converter, cache_dir)
-        super().__init__(
-            converter.root,
-            train_images=splits["train"][0],
-            train_annotations=splits["train"][1],
-            val_images=splits["val"][0],
-            val_annotations=splits["val"][1],
-            cache_dir=cache_dir,
-            **kwargs,
-        )
+        paths = {f"{s}_{k}": splits[s][i] for i, k in enumerate(("images", "annotations")) for s in SPLITS}
+        super().__init__(converter.root, **paths, cache_dir=cache_dir, **kwargs)
         self.source_root = converter.root

@@ -1,12 +1,7 @@
 """What ``task=inspect_data`` computes: label statistics, the default-box fit, decoded training targets.
 
-Everything works on numpy arrays read from a COCO annotation file in one ``json.load``
-(:func:`load_coco_arrays`); nothing loops over annotations in Python after that.
-
-The default-box fit (:func:`match_default_boxes`, :func:`default_box_fit`) applies the matching rule of
-DALI's ``fn.box_encoder`` (the training targets of :func:`~ssd_lightning.data.dali_pipelines.
-coco_train_pipeline`): :func:`~ssd_lightning.models.boxes.match_boxes` with DALI's tie order (among equal
-IoUs the larger index wins, where :class:`~ssd_lightning.models.BoxCoder` keeps the reference's smaller).
+The default-box fit applies the matching rule of DALI's ``fn.box_encoder`` (the training targets): among
+equal IoUs the larger index wins, where :class:`~ssd_lightning.models.BoxCoder` keeps the reference's smaller.
 """
 
 from __future__ import annotations
@@ -50,18 +45,9 @@ _ELEMENTS_PER_CHUNK = 1 << 22
 
 @dataclass(frozen=True)
 class CocoArrays:
-    """A COCO instances file as arrays (one row per image / annotation / category).
-
-    Attributes:
-        path: the file read.
-        image_ids: (I,) int64; ``widths``, ``heights``: (I,) float64 as listed.
-        ann_image: (A,) int64 index into the image arrays of each annotation's image.
-        bbox: (A, 4) float64 ``[x, y, w, h]`` in pixels, as listed.
-        area: (A,) float64 ``area`` (``w * h`` where the file has none).
-        iscrowd: (A,) bool.
-        ann_label: (A,) int64 contiguous label 1..K (category order of the file, DALI's order).
-        category_ids: (K,) dataset category ids; ``names``: K + 1 names, ``names[0] == "background"``.
-    """
+    """A COCO instances file as arrays: per image (I,), per annotation (A,) (``ann_image`` an index into the
+    image arrays, ``bbox`` (A, 4) ``[x, y, w, h]`` pixels, ``area`` ``w * h`` where the file has none,
+    ``ann_label`` 1..K in the file's category order, DALI's), ``names`` K + 1 with ``[0]`` background."""
 
     path: Path
     image_ids: np.ndarray
@@ -86,12 +72,8 @@ class CocoArrays:
 
 
 def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
-    """Read a COCO instances JSON (one parse) into :class:`CocoArrays`.
-
-    Raises:
-        DataError: not JSON, or ``images``/``annotations``/``categories`` missing or malformed, an
-            annotation naming an unknown image or category.
-    """
+    """Read a COCO instances JSON into :class:`CocoArrays`; DataError if it is not one (or an annotation
+    names an unknown image or category)."""
     path = Path(path)
     try:
         data = read_annotation_json(path)  # polygons dropped before parsing (3x faster on COCO's train file)
@@ -101,9 +83,8 @@ def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
         category_ids = np.fromiter((c["id"] for c in cats), dtype=np.int64, count=len(cats))
         names = ("background", *(str(c.get("name", c["id"])) for c in cats))
         ann_image_id, ann_cat = _columns(anns, ("image_id", "category_id"), (np.int64, np.int64))
-        bbox = np.fromiter(chain.from_iterable(map(itemgetter("bbox"), anns)), np.float64, 4 * n).reshape(
-            n, 4
-        )
+        bbox = np.fromiter(chain.from_iterable(map(itemgetter("bbox"), anns)), np.float64, 4 * n)
+        bbox = bbox.reshape(n, 4)
         area = np.fromiter((a.get("area", -1.0) for a in anns), dtype=np.float64, count=n)
         iscrowd = np.fromiter((a.get("iscrowd", 0) for a in anns), dtype=np.int64, count=n).astype(bool)
     except DataError:  # the reader's own, naming the file
@@ -147,16 +128,10 @@ def size_bucket(area: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.array([b[2] for b in SIZE_BUCKETS[:-1]]), area, side="right")
 
 
-# -------------------------------------------------------------------------------------------- statistics
 def label_statistics(arrays: CocoArrays) -> dict:
-    """Counts of one annotation file: images, boxes, boxes per image, per class, crowd, sizes, aspect ratios.
-
-    Returns a JSON-ready dict: ``images``, ``boxes``, ``images_without_boxes``, ``crowd_boxes``,
-    ``boxes_per_image`` (``mean``, ``median``, ``max`` and ``histogram``: images with k boxes at index k),
-    ``size_buckets`` (boxes per COCO bucket, by ``area``), ``aspect_ratio`` (w/h: ``edges``, ``counts`` per
-    bin with outside values in the end bins, ``median``, ``degenerate`` boxes with w or h <= 0) and
-    ``classes`` (per label: ``label``, ``category_id``, ``name``, ``boxes``, ``images``, ``crowd``).
-    """
+    """Counts of one annotation file, JSON-ready: ``images``, ``boxes``, ``images_without_boxes``,
+    ``crowd_boxes``, ``boxes_per_image`` (``histogram``: images with k boxes at index k), ``size_buckets`` (by
+    ``area``), ``aspect_ratio`` (w/h; ``degenerate``: w or h <= 0) and ``classes`` (per label)."""
     a = arrays
     per_image = np.bincount(a.ann_image, minlength=a.num_images)
     k = a.num_classes - 1
@@ -169,6 +144,7 @@ def label_statistics(arrays: CocoArrays) -> dict:
     ok = (w > 0) & (h > 0)
     ratio = w[ok] / h[ok]
     bins = np.clip(np.searchsorted(ASPECT_EDGES, ratio, side="right") - 1, 0, len(ASPECT_EDGES) - 2)
+    per_class = (a.category_ids, a.names[1:], boxes_per_class, images_per_class, crowd_per_class)
     return {
         "file": str(a.path),
         "images": int(a.num_images),
@@ -189,37 +165,18 @@ def label_statistics(arrays: CocoArrays) -> dict:
             "degenerate": int((~ok).sum()),
         },
         "classes": [
-            {
-                "label": i + 1,
-                "category_id": int(a.category_ids[i]),
-                "name": a.names[i + 1],
-                "boxes": int(boxes_per_class[i]),
-                "images": int(images_per_class[i]),
-                "crowd": int(crowd_per_class[i]),
-            }
-            for i in range(k)
+            {"label": i, "category_id": int(c), "name": n, "boxes": int(b), "images": int(m), "crowd": int(r)}
+            for i, (c, n, b, m, r) in enumerate(zip(*per_class, strict=True), start=1)
         ],
     }
 
 
-# ----------------------------------------------------------------------------------------- default boxes
 def match_default_boxes(
     boxes_ltrb: Sequence[Tensor | np.ndarray], anchors_ltrb: Tensor, criteria: float = 0.5
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per ground-truth box: how many default boxes the training targets assign to it, and its best IoU.
-
-    Args:
-        boxes_ltrb: per image an (M_i, 4) array of ground-truth boxes, ltrb relative to the image (what
-            DALI's reader hands the encoder); images are independent.
-        anchors_ltrb: (B, 4) default boxes, ltrb (``dboxes300_coco().ltrb``).
-        criteria: a default box is positive when its (forced) IoU is > this, as ``fn.box_encoder``.
-
-    Returns:
-        ``matched`` (sum M_i,) int64: default boxes whose target is this box (the forced one included),
-        and ``best_iou`` (sum M_i,) float32: the box's highest IoU with any default box (before forcing),
-        concatenated in image order. ``best_iou <= criteria``: only the forced rule matches the box (and
-        ``matched == 0`` when a later box took its forced default box).
-    """
+    """Per ground-truth box (``boxes_ltrb``: per image (M_i, 4) relative, as DALI's reader hands them): the
+    default boxes whose target it is, forced one included (``matched`` (sum M_i,) int64), and its best IoU
+    before forcing (``best_iou`` (sum M_i,) float32); a default box is positive at IoU > ``criteria``."""
     anchors = torch.as_tensor(anchors_ltrb, dtype=torch.float32)
     num_anchors = anchors.shape[0]
     counts = np.array([len(b) for b in boxes_ltrb], dtype=np.int64)
@@ -246,16 +203,6 @@ def match_default_boxes(
     return matched, best_iou
 
 
-def relative_ltrb(arrays: CocoArrays, rows: np.ndarray) -> np.ndarray:
-    """(len(rows), 4) float32 ltrb relative to each annotation's image, as DALI's reader computes them
-    with ``ltrb=True, ratio=True``: ``(x, y, x + w, y + h) / (W, H, W, H)`` in float32."""
-    xywh = arrays.bbox[rows].astype(np.float32)
-    ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1)
-    img = arrays.ann_image[rows]
-    size = np.stack([arrays.widths[img], arrays.heights[img]], 1).astype(np.float32)
-    return ltrb / np.concatenate([size, size], axis=1)
-
-
 def default_box_fit(
     arrays: CocoArrays,
     anchors_ltrb: Tensor,
@@ -264,18 +211,9 @@ def default_box_fit(
     include_crowd: bool = True,
     max_images: int | None = None,
 ) -> dict:
-    """How the training targets cover the boxes of an annotation file (see :func:`match_default_boxes`).
-
-    Boxes are taken as training reads them: relative to their image (the resize to the square input keeps
-    relative coordinates), crowd boxes only with ``include_crowd``, images without boxes skipped.
-    ``max_images`` evenly spaced images of those (None: all) bound the cost on large files.
-
-    Returns a JSON-ready dict: ``images``, ``criteria``, ``default_boxes``, ``overall``, ``size_buckets``
-    (by COCO ``area``) and ``classes``, each group with ``boxes``, ``matched_mean``, ``matched_median``
-    (default boxes per box), ``best_iou_mean``, ``forced_only`` (boxes with no default box above the
-    criteria) and its ``forced_only_share``, ``unmatched`` (boxes with no default box at all: a later box
-    took the forced one); plus ``matched_histogram`` (boxes with k default boxes at index k, overall).
-    """
+    """How the training targets cover the boxes of an annotation file (:func:`match_default_boxes`), as a
+    JSON-ready dict; ``max_images`` evenly spaced images (None: all) bound the cost. Per group,
+    ``forced_only`` counts boxes with no default box above the criteria, ``unmatched`` those with none."""
     keep = np.ones(len(arrays.ann_label), bool) if include_crowd else ~arrays.iscrowd
     rows = np.flatnonzero(keep)
     rows = rows[np.argsort(arrays.ann_image[rows], kind="stable")]  # file order inside each image
@@ -285,7 +223,10 @@ def default_box_fit(
         ends = np.append(starts[1:], len(rows))
         rows = np.concatenate([rows[starts[p] : ends[p]] for p in pick]) if len(pick) else rows[:0]
         images, starts = np.unique(arrays.ann_image[rows], return_index=True)
-    ltrb = relative_ltrb(arrays, rows)
+    # relative ltrb as DALI's reader computes it (ltrb=True, ratio=True): (x, y, x + w, y + h) / (W, H, W, H)
+    xywh, img = arrays.bbox[rows].astype(np.float32), arrays.ann_image[rows]
+    size = np.stack([arrays.widths[img], arrays.heights[img]], 1).astype(np.float32)
+    ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1) / np.concatenate([size, size], 1)
     matched, best = match_default_boxes(
         np.split(ltrb, starts[1:]) if len(rows) else [], anchors_ltrb, criteria
     )
@@ -319,17 +260,10 @@ def default_box_fit(
     }
 
 
-# -------------------------------------------------------------------------------------------- batches
 def decode_targets(boxes_cxcywh: Tensor, labels: Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Training targets back to ground truth: per image the distinct (box, label) pairs of its positives.
-
-    Args:
-        boxes_cxcywh: (N, B, 4) the batch's ``boxes``: per default box its target (cx, cy, w, h) relative.
-        labels: (N, B) the batch's ``labels`` (0: background).
-
-    Returns:
-        per image ``(boxes (k, 4) float32 ltrb relative, labels (k,) int64)``, one row per distinct target
-        (a ground-truth box that no default box carries, or two identical boxes with one label, show once).
+    """Training targets back to ground truth: per image ``(boxes (k, 4) float32 ltrb relative, labels (k,))``,
+    the distinct pairs of its positives, from the batch's ``boxes`` (N, B, 4) relative cxcywh and ``labels``
+    (N, B) (0: background). A box no default box carries is lost, two identical ones with a label show once.
     """
     out = []
     for boxes, lab in zip(boxes_cxcywh.float(), labels, strict=True):
@@ -341,7 +275,6 @@ def decode_targets(boxes_cxcywh: Tensor, labels: Tensor) -> list[tuple[np.ndarra
     return out
 
 
-# ------------------------------------------------------------------------------------------- pictures
 def plot_label_statistics(stats: dict, output: str | os.PathLike, title: str = "") -> Path:
     """``data_stats.png``: boxes per class, boxes per image, COCO size buckets, aspect ratios (w/h)."""
     from matplotlib.figure import Figure  # matplotlib only when a picture is drawn
@@ -352,29 +285,21 @@ def plot_label_statistics(stats: dict, output: str | os.PathLike, title: str = "
     ax_cls.barh(range(len(names)), [c["boxes"] for c in stats["classes"]], color="tab:blue")
     ax_cls.set_yticks(range(len(names)), names, fontsize=max(4, min(9, 400 // max(1, len(names)))))
     ax_cls.invert_yaxis()
-    ax_cls.set_xlabel("boxes")
-    ax_cls.set_title(f"boxes per class ({stats['boxes']} boxes, {stats['crowd_boxes']} crowd)")
+    counts = f"{stats['boxes']} boxes, {stats['crowd_boxes']} crowd"
+    ax_cls.set(xlabel="boxes", title=f"boxes per class ({counts})")
     hist = stats["boxes_per_image"]["histogram"]
     ax_per_img.bar(range(len(hist)), hist, width=1.0, color="tab:green")
-    ax_per_img.set_xlabel("boxes in the image")
-    ax_per_img.set_ylabel("images")
-    ax_per_img.set_title(
-        f"boxes per image ({stats['images']} images, {stats['images_without_boxes']} without boxes)"
-    )
+    without = f"{stats['images']} images, {stats['images_without_boxes']} without boxes"
+    ax_per_img.set(xlabel="boxes in the image", ylabel="images", title=f"boxes per image ({without})")
     sizes = stats["size_buckets"]
     ax_size.bar(list(sizes), list(sizes.values()), color=["tab:red", "tab:orange", "tab:purple"])
-    ax_size.set_ylabel("boxes")
-    ax_size.set_title("COCO size buckets (area < 32², < 96², larger)")
+    ax_size.set(ylabel="boxes", title="COCO size buckets (area < 32², < 96², larger)")
     ratio = stats["aspect_ratio"]
     edges = np.asarray(ratio["edges"])
     ax_ratio.bar(edges[:-1], ratio["counts"], width=np.diff(edges), align="edge", color="tab:gray")
-    ax_ratio.set_xscale("log")
+    ax_ratio.set(xscale="log", ylabel="boxes", title="box aspect ratios")
     ax_ratio.set_xlabel("aspect ratio w/h (end bins include everything beyond)")
-    ax_ratio.set_ylabel("boxes")
-    ax_ratio.set_title("box aspect ratios")
-    if title:
-        fig.suptitle(title)
-    return _save(fig, output)
+    return _save(fig, output, title)
 
 
 def plot_default_box_fit(fit: dict, output: str | os.PathLike, title: str = "") -> Path:
@@ -386,17 +311,14 @@ def plot_default_box_fit(fit: dict, output: str | os.PathLike, title: str = "") 
     ax_hist, ax_size, ax_cls = fig.subplot_mosaic([["hist", "size"], ["cls", "cls"]]).values()
     hist = fit["matched_histogram"]
     ax_hist.bar(range(len(hist)), hist, width=1.0, color="tab:blue")
-    ax_hist.set_xlabel("default boxes assigned to the box")
-    ax_hist.set_ylabel("ground-truth boxes")
+    ax_hist.set(xlabel="default boxes assigned to the box", ylabel="ground-truth boxes")
     ax_hist.set_title(f"{fit['overall']['boxes']} boxes in {fit['images']} images")
-    groups = [("all", fit["overall"]), *fit["size_buckets"].items()]
-    _bars(ax_size, [g for g, _ in groups], [v for _, v in groups])
+    groups = {"all": fit["overall"], **fit["size_buckets"]}
+    _bars(ax_size, list(groups), list(groups.values()))
     ax_size.set_title(f"per size bucket (positive: IoU > {fit['criteria']})")
     _bars(ax_cls, [c["name"] for c in fit["classes"]], fit["classes"])
     ax_cls.set_title("per class")
-    if title:
-        fig.suptitle(title)
-    return _save(fig, output)
+    return _save(fig, output, title)
 
 
 def _bars(ax, names: list[str], groups: list[dict]) -> None:
@@ -408,14 +330,15 @@ def _bars(ax, names: list[str], groups: list[dict]) -> None:
     ax.set_ylabel("default boxes per box")
     twin = ax.twinx()
     twin.bar(x + 0.2, share, width=0.4, color="tab:red", label="forced-only share")
-    twin.set_ylim(0, 1)
-    twin.set_ylabel("share matched only by the forced rule")
+    twin.set(ylim=(0, 1), ylabel="share matched only by the forced rule")
     ax.set_xticks(x, names, rotation=90 if len(names) > 8 else 0, fontsize=8 if len(names) > 20 else 10)
     ax.legend(loc="upper left")
     twin.legend(loc="upper right")
 
 
-def _save(fig, output: str | os.PathLike) -> Path:
+def _save(fig, output: str | os.PathLike, title: str) -> Path:
+    if title:
+        fig.suptitle(title)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)

@@ -1,18 +1,13 @@
 """Synthetic "shapes" datasets, deterministic from ``seed``, to train and evaluate without COCO.
 
-* detection (:func:`make_detection_dataset`): the COCO 2017 layout (``root/{train,val}2017/*.jpg``,
-  ``root/annotations/instances_{train,val}2017.json``); 1-6 shapes per image (1-``max_objects_train`` in the
-  train split) of :data:`SHAPE_CATEGORIES`
-  (or ``categories`` drawn from :data:`SHAPE_CATALOGUE`) on textured backgrounds; every 20th image (index 3,
-  23, 43, ...) has none. Annotations follow COCO: ``bbox`` ``[x, y, w, h]`` in pixels of the *visible*
-  pixels (pixel ``i`` covers ``[i, i + 1)``), ``area`` the visible pixel count, ``segmentation`` the full
-  outline as one polygon, ``iscrowd`` 0; objects less than 25 % visible are left out of the annotations;
-  category ids are non-contiguous.
+* detection (:func:`make_detection_dataset`): COCO 2017 layout (``root/{train,val}2017/*.jpg``,
+  ``root/annotations/instances_{train,val}2017.json``), 1-6 shapes per image on textured backgrounds, none
+  in every 20th; ``bbox`` ``[x, y, w, h]`` of the *visible* pixels (pixel ``i`` covers ``[i, i + 1)``),
+  ``area`` their count, ``segmentation`` the full outline; shapes under 25 % visible are not annotated.
 * classification (:func:`make_classification_dataset`): ``root/{train,val}/<name>/*.jpg``, one shape each.
 
-Images are RGB JPEG (quality 90). A dataset appears complete or not at all (written in a temporary sibling,
-then renamed); ``ensure_*_dataset`` generate only when ``root`` does not exist. Design notes:
-docs/internals.md.
+RGB JPEGs (quality 90), written in a temporary sibling and renamed; ``ensure_*_dataset`` generate only when
+``root`` does not exist. Design notes: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -33,20 +28,10 @@ from PIL import Image, ImageDraw
 
 from ssd_lightning.errors import DatasetConflictError
 
-__all__ = [
-    "SHAPE_CATALOGUE",
-    "SHAPE_CATEGORIES",
-    "ShapeObject",
-    "check_max_objects",
-    "make_classification_dataset",
-    "make_detection_dataset",
-    "ensure_classification_dataset",
-    "ensure_detection_dataset",
-    "render_classification_image",
-    "render_detection_image",
-    "dataset_folder_name",
-    "resolve_categories",
-]
+__all__ = ["SHAPE_CATALOGUE", "SHAPE_CATEGORIES", "ShapeObject", "check_max_objects", "resolve_categories"]
+__all__ += ["make_classification_dataset", "make_detection_dataset", "ensure_classification_dataset"]
+__all__ += ["ensure_detection_dataset", "render_classification_image", "render_detection_image"]
+__all__ += ["dataset_folder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -79,34 +64,23 @@ CLS_SPLITS = {"train": 2, "val": 3}
 METADATA_FILE = "shapes_dataset.json"
 _KINDS = [c["name"] for c in SHAPE_CATEGORIES]  # the default class set, in id order
 _CATALOGUE_IDS = {c["name"]: c["id"] for c in SHAPE_CATALOGUE}
-# Settings a dataset's metadata file records only when they differ from these defaults.
-_UNRECORDED_DEFAULTS = {
-    "min_scale": DEFAULT_MIN_SCALE,
-    "max_scale": DEFAULT_MAX_SCALE,
-    "categories": _KINDS,
-    "max_objects_train": MAX_OBJECTS,
-}
-# Upper bound of objects per image, used to build unique annotation ids: image_id * 10 + k.
-_ANN_ID_STRIDE = 10
+# Settings the metadata file records only when they differ from these defaults: default datasets stay
+# byte-identical, metadata file included, to those generated before they were configurable.
+_UNRECORDED_DEFAULTS = dict(
+    min_scale=DEFAULT_MIN_SCALE, max_scale=DEFAULT_MAX_SCALE, categories=_KINDS, max_objects_train=MAX_OBJECTS
+)
+_ANN_ID_STRIDE = 10  # annotation ids are image_id * 10 + k: at most 9 objects per image
 
 
 @dataclass
 class ShapeObject:
-    """One shape drawn into an image.
-
-    Attributes:
-        category_id: COCO category id from :data:`SHAPE_CATEGORIES`.
-        colour: fill colour, ``(3,)`` uint8 RGB, before the final per-image noise.
-        polygon: full outline, ``(P, 2)`` float64 ``(x, y)`` pixel coordinates (pixel centres at ``+0.5``).
-        full_area: number of pixels the shape covered when drawn.
-        visible: ``(H, W)`` bool mask of its pixels still visible in the finished image.
-    """
+    """One shape drawn into an image."""
 
     category_id: int
-    colour: np.ndarray
-    polygon: np.ndarray
-    full_area: int
-    visible: np.ndarray
+    colour: np.ndarray  # (3,) uint8 RGB, before the per-image noise
+    polygon: np.ndarray  # full outline, (P, 2) float64 (x, y) pixel coordinates (pixel centres at +0.5)
+    full_area: int  # pixels covered when drawn
+    visible: np.ndarray  # (H, W) bool: its pixels still visible in the finished image
 
     @property
     def visible_fraction(self) -> float:
@@ -114,13 +88,10 @@ class ShapeObject:
 
     def bbox(self) -> list[float]:
         """Tight ``[x, y, w, h]`` pixel box of the visible pixels (``[0, 0, 0, 0]`` if none)."""
-        rows = np.flatnonzero(self.visible.any(axis=1))
-        cols = np.flatnonzero(self.visible.any(axis=0))
+        rows, cols = np.flatnonzero(self.visible.any(axis=1)), np.flatnonzero(self.visible.any(axis=0))
         if rows.size == 0:
             return [0.0, 0.0, 0.0, 0.0]
-        y0, y1 = int(rows[0]), int(rows[-1]) + 1
-        x0, x1 = int(cols[0]), int(cols[-1]) + 1
-        return [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+        return [float(cols[0]), float(rows[0]), float(cols[-1] + 1 - cols[0]), float(rows[-1] + 1 - rows[0])]
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -129,12 +100,8 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
 
 
 def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """Textured background: linear colour gradient + low-frequency blotches + clutter lines.
-
-    Returns ``(H, W, 3)`` uint8.
-    """
-    c0 = rng.uniform(0, 255, 3).astype(np.float32)
-    c1 = rng.uniform(0, 255, 3).astype(np.float32)
+    """``(H, W, 3)`` uint8: linear colour gradient + low-frequency blotches + clutter lines."""
+    c0, c1 = (rng.uniform(0, 255, 3).astype(np.float32) for _ in range(2))
     theta = rng.uniform(0, 2 * math.pi)
     xs = np.arange(width, dtype=np.float32) * math.cos(theta)
     ys = np.arange(height, dtype=np.float32) * math.sin(theta)
@@ -142,17 +109,13 @@ def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray
     t -= t.min()
     t /= max(float(t.max()), 1e-6)
     img = c0 + t[..., None] * (c1 - c0)  # (H, W, 3)
-
-    # Blotches: coarse random field, bilinearly upsampled per channel.
-    gh, gw = max(2, height // 40), max(2, width // 40)
-    amp = rng.uniform(10, 45)
-    coarse = rng.uniform(-amp, amp, (gh, gw, 3)).astype(np.float32)
+    amp = rng.uniform(10, 45)  # blotches: a coarse random field, bilinearly upsampled per channel
+    coarse = rng.uniform(-amp, amp, (max(2, height // 40), max(2, width // 40), 3)).astype(np.float32)
     blot = [
         Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR) for c in range(3)
     ]
     img += np.stack([np.asarray(channel) for channel in blot], axis=-1)
     out = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), mode="RGB")
-
     draw = ImageDraw.Draw(out)
     for _ in range(int(rng.integers(3, 13))):
         x0, x1 = rng.uniform(-0.2, 1.2, 2) * width
@@ -173,73 +136,55 @@ def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
 
 
 def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np.ndarray, tuple | None]:
-    """Outline centred at the origin, ``(P, 2)`` float (x, y), with the shape's extent about ``size``.
-
-    For ellipses also returns ``(a, b, angle)`` so the mask can be rasterised analytically.
-    """
-    angle = rng.uniform(0, 2 * math.pi)
+    """Outline centred at the origin, ``(P, 2)`` float (x, y), extent about ``size``; and for ellipses
+    ``(a, b, angle)``, to rasterise the mask analytically."""
+    angle, ellipse = rng.uniform(0, 2 * math.pi), None
     if kind == "rectangle":
         aspect = math.exp(rng.uniform(math.log(0.4), math.log(2.5)))
         w, h = size * math.sqrt(aspect), size / math.sqrt(aspect)
         if rng.random() < 0.5:  # half of them axis-aligned
             angle = 0.0
         pts = np.array([[-w, -h], [w, -h], [w, h], [-w, h]]) / 2
-        return _rotate(pts, angle), None
-    if kind == "ellipse":
+    elif kind == "ellipse":
         aspect = math.exp(rng.uniform(math.log(0.45), math.log(1.0)))
         a, b = size / 2, size * aspect / 2
         pts = np.stack([a * np.cos(t := np.linspace(0, 2 * math.pi, 32, endpoint=False)), b * np.sin(t)], 1)
-        return _rotate(pts, angle), (a, b, angle)
-    if kind == "triangle":
-        pts = _regular_polygon(3, size / 2, angle)
-        pts = pts + rng.uniform(-0.15, 0.15, (3, 2)) * size  # irregular but never degenerate
+        ellipse = (a, b, angle)
+    elif kind == "triangle":  # irregular but never degenerate; not rotated
+        pts = _regular_polygon(3, size / 2, angle) + rng.uniform(-0.15, 0.15, (3, 2)) * size
         return pts - pts.mean(axis=0), None
-    if kind == "star":
+    elif kind == "star":  # not rotated
         outer = _regular_polygon(5, size / 2, angle)
         inner = _regular_polygon(5, size / 2 * rng.uniform(0.38, 0.55), angle + math.pi / 5)
-        pts = np.empty((10, 2))
-        pts[0::2], pts[1::2] = outer, inner
-        return pts, None
-    if kind == "cross":  # a plus sign: two bars of width 28-42 % of its length
+        return np.stack([outer, inner], axis=1).reshape(10, 2), None
+    elif kind == "cross":  # a plus sign: two bars of width 28-42 % of its length
         half, bar = size / 2, size * rng.uniform(0.14, 0.21)
-        pts = np.array(
-            [
-                [-bar, -half], [bar, -half], [bar, -bar], [half, -bar], [half, bar], [bar, bar],
-                [bar, half], [-bar, half], [-bar, bar], [-half, bar], [-half, -bar], [-bar, -bar],
-            ]
-        )  # fmt: skip
-        return _rotate(pts, angle), None
-    if kind == "hexagon":
+        pts = np.array([[-bar, -half], [bar, -half], [bar, -bar], [half, -bar], [half, bar], [bar, bar],
+                        [bar, half], [-bar, half], [-bar, bar], [-half, bar], [-half, -bar], [-bar, -bar]],
+                       )  # fmt: skip
+    elif kind == "hexagon":
         pts = _regular_polygon(6, size / 2, 0.0) * [1.0, rng.uniform(0.75, 1.0)]  # slightly squashed
-        return _rotate(pts, angle), None
-    if kind == "arrow":  # shaft and head along +x, the box of its outline centred at the origin
+    elif kind == "arrow":  # shaft and head along +x, the box of its outline centred at the origin
         half, head = size / 2, size * rng.uniform(0.3, 0.45)
         head_w, shaft_w = size * rng.uniform(0.22, 0.32), size * rng.uniform(0.07, 0.13)
         neck = half - head
-        pts = np.array(
-            [[-half, -shaft_w], [neck, -shaft_w], [neck, -head_w], [half, 0.0],
-             [neck, head_w], [neck, shaft_w], [-half, shaft_w]]
-        )  # fmt: skip
-        return _rotate(pts, angle), None
-    raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
+        pts = np.array([[-half, -shaft_w], [neck, -shaft_w], [neck, -head_w], [half, 0.0], [neck, head_w],
+                        [neck, shaft_w], [-half, shaft_w]])  # fmt: skip
+    else:
+        raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
+    return _rotate(pts, angle), ellipse
 
 
 def _rasterise(
     polygon: np.ndarray, ellipse: tuple | None, x0: int, y0: int, x1: int, y1: int, centre: np.ndarray
 ) -> np.ndarray:
-    """Bool mask of pixels of region ``[y0:y1, x0:x1]`` whose centres lie inside the shape.
-
-    Polygons use the even-odd crossing rule (handles the concave star); ellipses are exact.
-    """
+    """Mask of the pixels of ``[y0:y1, x0:x1]`` whose centres lie inside (even-odd rule, ellipses exact)."""
     py = np.arange(y0, y1, dtype=np.float64)[:, None] + 0.5  # (h, 1)
     px = np.arange(x0, x1, dtype=np.float64)[None, :] + 0.5  # (1, w)
     if ellipse is not None:
         a, b, angle = ellipse
-        dx, dy = px - centre[0], py - centre[1]
-        c, s = math.cos(angle), math.sin(angle)
-        u = dx * c + dy * s
-        v = -dx * s + dy * c
-        return (u / a) ** 2 + (v / b) ** 2 <= 1.0
+        dx, dy, c, s = px - centre[0], py - centre[1], math.cos(angle), math.sin(angle)
+        return ((dx * c + dy * s) / a) ** 2 + ((-dx * s + dy * c) / b) ** 2 <= 1.0
     inside = np.zeros((y1 - y0, x1 - x0), dtype=bool)
     nxt = np.roll(polygon, -1, axis=0)
     for (ax, ay), (bx, by) in zip(polygon, nxt, strict=True):
@@ -294,19 +239,14 @@ def _draw_shapes(
         colour = _pick_colour(rng, under)
         region[mask] = colour
         owner[y0:y1, x0:x1][mask] = k
-        drawn.append(
-            ShapeObject(_CATALOGUE_IDS[kind], colour, polygon, int(mask.sum()), np.zeros(0, dtype=bool))
-        )
+        drawn.append(ShapeObject(_CATALOGUE_IDS[kind], colour, polygon, int(mask.sum()), np.zeros(0, bool)))
     for k, obj in enumerate(drawn):
         obj.visible = owner == k
     return drawn
 
 
 def _finish(rng: np.random.Generator, img: np.ndarray) -> np.ndarray:
-    """Add per-pixel noise, uniform in ``[-a, a]`` with ``a`` drawn from 3..14 (sigma 1.7-8), as uint8.
-
-    Uniform, not Gaussian: cheaper to draw and the same after JPEG (docs/internals.md).
-    """
+    """Add uniform per-pixel noise in ``[-a, a]``, ``a`` from 3..14 (not Gaussian: docs/internals.md)."""
     half = int(rng.integers(3, 15))
     out = img.astype(np.int16)
     out += rng.integers(-half, half + 1, img.shape, dtype=np.int16)
@@ -327,23 +267,15 @@ def render_detection_image(
 ) -> tuple[np.ndarray, list[ShapeObject]]:
     """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
 
-    Shape extents are log-uniform in ``[min_scale, max_scale]`` times the short side, at least 10 px.
-    Another scale range keeps the image size, background, number and kinds of shapes of the same
-    ``(seed, split, index)`` (they are drawn first); positions, colours and noise follow from the sizes.
-    ``categories`` (names from :data:`SHAPE_CATALOGUE`; ``None``: the four of :data:`SHAPE_CATEGORIES`)
-    is the set each shape's kind is drawn from, uniformly; the set counts, not the order it is given in.
-    An image holds 1..``max_objects`` shapes (uniformly; none for every 20th index); another
-    ``max_objects`` keeps the image size and background of the same ``(seed, split, index)``.
-
-    Returns:
-        image: ``(H, W, 3)`` uint8 RGB, before JPEG compression; ``min_size <= H, W <= max_size``.
-        objects: every shape drawn, in drawing order (including ones that end up < 25 % visible).
+    Shape extents are log-uniform in ``[min_scale, max_scale]`` times the short side (at least 10 px); kinds
+    are uniform over the set ``categories`` (``None``: :data:`SHAPE_CATEGORIES`); 1..``max_objects`` shapes
+    (none for every 20th index). Size, background, count and kinds are drawn first, so another scale range
+    keeps them (another ``max_objects`` keeps size and background).
+    Returns the ``(H, W, 3)`` uint8 RGB image (before JPEG) and every shape drawn, in drawing order.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
-    _check_sizes(min_size, max_size)
-    _check_scales(min_scale, max_scale)
-    check_max_objects(max_objects)
+    _check_args(min_size, max_size, min_scale, max_scale, max_objects)
     names = resolve_categories(categories)
     rng = _rng(seed, SPLITS[split][1], index)
     width, height = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
@@ -360,10 +292,7 @@ def render_detection_image(
 def render_classification_image(
     seed: int, split: str, class_index: int, index: int, *, image_size: int = 96
 ) -> np.ndarray:
-    """Render one classification image: a single shape of class ``class_index`` near the centre.
-
-    Returns ``(image_size, image_size, 3)`` uint8 RGB, before JPEG compression.
-    """
+    """``(image_size, image_size, 3)`` uint8 RGB: one shape of class ``class_index`` near the centre."""
     if split not in CLS_SPLITS:
         raise ValueError(f"split must be one of {list(CLS_SPLITS)}, got {split!r}")
     if not 0 <= class_index < len(_KINDS):
@@ -378,17 +307,13 @@ def render_classification_image(
 
 def resolve_categories(categories: Sequence[str] | None) -> list[str]:
     """The class set ``categories`` names, in :data:`SHAPE_CATALOGUE` (id) order; ``None``: the default four.
-
-    Raises:
-        ValueError: an empty set, a repeated name, or a name that is not in the catalogue.
-    """
+    Raises ValueError for an empty set, a repeated name, or a name not in the catalogue."""
     if categories is None:
         return list(_KINDS)
     if isinstance(categories, str):
         raise ValueError(f"categories must be a list of shape names, got the string {categories!r}")
     names = [str(c) for c in categories]
-    unknown = [c for c in names if c not in _CATALOGUE_IDS]
-    if unknown or not names or len(set(names)) != len(names):
+    if not names or len(set(names)) != len(names) or not set(names) <= _CATALOGUE_IDS.keys():
         raise ValueError(
             f"categories must be distinct names from {list(_CATALOGUE_IDS)} (at least one), got {names}"
         )
@@ -402,17 +327,15 @@ def dataset_folder_name(categories: Sequence[str] | None) -> str:
     return "shapes" if names == _KINDS else "_".join(["shapes", *names])
 
 
-def _check_sizes(min_size: int, max_size: int) -> None:
+def _check_args(min_size: int, max_size: int, min_scale: float, max_scale: float, max_objects: int) -> None:
     if not 32 <= min_size <= max_size:
         raise ValueError(f"need 32 <= min_size <= max_size, got min_size={min_size}, max_size={max_size}")
-
-
-def _check_scales(min_scale: float, max_scale: float) -> None:
     if not 0 < min_scale <= max_scale <= 1:
         raise ValueError(
             f"need 0 < min_scale <= max_scale <= 1 (fractions of the short side), "
             f"got min_scale={min_scale}, max_scale={max_scale}"
         )
+    check_max_objects(max_objects)
 
 
 def check_max_objects(max_objects: int) -> None:
@@ -449,32 +372,14 @@ def _write_detection_split(
         for k, obj in enumerate(objects):
             if obj.visible_fraction < MIN_VISIBLE_FRACTION:
                 continue
-            annotations.append(
-                {
-                    "id": image_id * _ANN_ID_STRIDE + k,
-                    "image_id": image_id,
-                    "category_id": obj.category_id,
-                    "bbox": obj.bbox(),
-                    "area": float(obj.visible.sum()),
-                    "iscrowd": 0,
-                    "segmentation": [
-                        [round(float(v), 2) for v in np.clip(obj.polygon, 0, [width, height]).flat]
-                    ],
-                }
-            )
-    coco = {
-        "info": {
-            "description": f"ssd_lightning synthetic shapes, {split} split (seed {seed})",
-            "version": "1.0",
-            "year": 2024,
-            "contributor": "ssd_lightning.data.shapes",
-            "date_created": "",
-        },
-        "licenses": [],
-        "images": images,
-        "annotations": annotations,
-        "categories": [dict(c) for c in SHAPE_CATALOGUE if c["name"] in names],
-    }
+            outline = [round(float(v), 2) for v in np.clip(obj.polygon, 0, [width, height]).flat]
+            ann = dict(id=image_id * _ANN_ID_STRIDE + k, image_id=image_id, category_id=obj.category_id)
+            ann |= dict(bbox=obj.bbox(), area=float(obj.visible.sum()), iscrowd=0, segmentation=[outline])
+            annotations.append(ann)
+    info = dict(description=f"ssd_lightning synthetic shapes, {split} split (seed {seed})", version="1.0")
+    info |= dict(year=2024, contributor="ssd_lightning.data.shapes", date_created="")
+    coco = dict(info=info, licenses=[], images=images, annotations=annotations)
+    coco["categories"] = [dict(c) for c in SHAPE_CATALOGUE if c["name"] in names]
     path = _annotation_path(root, split)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(coco, separators=(",", ":")))
@@ -531,26 +436,19 @@ def make_detection_dataset(
 ) -> Path:
     """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
 
-    Train image ids are ``1..num_train``, val ids ``num_train + 1 .. num_train + num_val``; annotation ids
-    are ``image_id * 10 + k`` for the k-th shape drawn in the image. Images: :func:`render_detection_image`
-    (the defaults are the dataset ``make train`` has always generated). The annotation files list exactly
-    the ``categories``, with their catalogue ids, and the metadata file records them
-    (:func:`ensure_detection_dataset` refuses to reuse a folder of another class set). ``max_objects_train``
-    is the most shapes a *training* image holds (1..9); the val split always holds 1..:data:`MAX_OBJECTS`,
-    so scores on the val split keep their meaning. Returns ``root`` as a :class:`~pathlib.Path`.
+    Image ids: train ``1..num_train``, val after them; annotation ids ``image_id * 10 + k`` (k-th shape).
+    Images: :func:`render_detection_image`. The annotation files list exactly ``categories`` (catalogue
+    ids). ``max_objects_train`` (1..9) bounds training images only; val holds 1..:data:`MAX_OBJECTS`, so
+    val scores keep their meaning.
     """
     if num_train < 0 or num_val < 0:
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
-    _check_sizes(min_size, max_size)
-    _check_scales(min_scale, max_scale)
-    check_max_objects(max_objects_train)
+    _check_args(min_size, max_size, min_scale, max_scale, max_objects_train)
     names = resolve_categories(categories)
     render = dict(
         min_size=min_size, max_size=max_size, min_scale=min_scale, max_scale=max_scale, categories=names
     )
     params = dict(num_train=num_train, num_val=num_val, seed=seed, min_size=min_size, max_size=max_size)
-    # Scales, categories and max_objects_train are recorded only when they differ from the defaults: default
-    # datasets stay byte-identical, metadata file included, to those generated before they were configurable.
     chosen = {**render, "max_objects_train": max_objects_train}
     params |= {k: v for k, v in chosen.items() if k in _UNRECORDED_DEFAULTS and v != _UNRECORDED_DEFAULTS[k]}
 
@@ -570,11 +468,8 @@ def make_classification_dataset(
     seed: int = 0,
     image_size: int = 96,
 ) -> Path:
-    """Generate an ImageFolder shapes classification dataset: ``root/{train,val}/<class_name>/*.jpg``.
-
-    Class names are the ``name`` fields of :data:`SHAPE_CATEGORIES`; images are
-    ``image_size x image_size`` RGB JPEGs.
-    """
+    """Generate an ImageFolder shapes classification dataset: ``root/{train,val}/<name>/*.jpg``, one class
+    per :data:`SHAPE_CATEGORIES` name."""
     if num_train_per_class < 1 or num_val_per_class < 1:
         raise ValueError(
             f"num_train_per_class and num_val_per_class must be >= 1, "
@@ -582,12 +477,8 @@ def make_classification_dataset(
         )
     if image_size < 32:
         raise ValueError(f"image_size must be >= 32, got {image_size}")
-    params = {
-        "num_train_per_class": num_train_per_class,
-        "num_val_per_class": num_val_per_class,
-        "seed": seed,
-        "image_size": image_size,
-    }
+    params = dict(num_train_per_class=num_train_per_class, num_val_per_class=num_val_per_class, seed=seed)
+    params["image_size"] = image_size
 
     def fill(tmp: Path) -> None:
         for split, count in (("train", num_train_per_class), ("val", num_val_per_class)):
@@ -622,9 +513,7 @@ def _detection_problem(root: Path) -> str | None:
 
 
 def _classification_problem(root: Path) -> str | None:
-    meta = {}
-    if (root / METADATA_FILE).is_file():
-        meta = json.loads((root / METADATA_FILE).read_text())
+    meta = json.loads((root / METADATA_FILE).read_text()) if (root / METADATA_FILE).is_file() else {}
     for split in CLS_SPLITS:
         expected = meta.get(f"num_{split}_per_class")
         for name in _KINDS:
@@ -638,11 +527,8 @@ def _classification_problem(root: Path) -> str | None:
 
 
 def _category_conflict(root: Path, kwargs: dict) -> str | None:
-    """Why the complete detection dataset at ``root`` cannot serve ``kwargs["categories"]``, or ``None``.
-
-    The annotation file's own ``categories`` are compared (by name, in id order): a folder never serves
-    two class sets, whatever its metadata file says (or whether it has one).
-    """
+    """Why the dataset at ``root`` cannot serve ``kwargs["categories"]`` (its annotation file's own, by name
+    in id order: a folder never serves two class sets, whatever its metadata says), or ``None``."""
     if "categories" not in kwargs:
         return None
     wanted = resolve_categories(kwargs["categories"])
@@ -675,26 +561,16 @@ def _ensure(
                 f"If it is left over from an interrupted or older run, delete {root} and run again; "
                 f"otherwise pass a different path."
             )
-        issue = conflict(root, kwargs) if conflict is not None else None
-        if issue is not None:
+        if conflict is not None and (issue := conflict(root, kwargs)) is not None:
             raise DatasetConflictError(issue)
-        meta_path = root / METADATA_FILE
-        if meta_path.is_file() and kwargs:
-            meta = json.loads(meta_path.read_text())
-            # Keys a dataset records only when they differ from the default (see make_detection_dataset).
-            recorded = {**_UNRECORDED_DEFAULTS, **meta}
-            differ = {
-                k: (recorded.get(k), v)
-                for k, v in kwargs.items()
-                if k != "categories" and recorded.get(k) != v  # categories: checked by `conflict`
-            }
+        if (root / METADATA_FILE).is_file() and kwargs:  # some keys are recorded only when not the default
+            old = {**_UNRECORDED_DEFAULTS, **json.loads((root / METADATA_FILE).read_text())}
+            # categories: checked by `conflict`
+            differ = {k: (old.get(k), v) for k, v in kwargs.items() if k != "categories" and old.get(k) != v}
             if differ:
                 log.warning(
-                    "Reusing shapes %s dataset at %s generated with different settings "
-                    "(existing, requested): %s; delete it to regenerate",
-                    kind,
-                    root,
-                    differ,
+                    f"Reusing shapes {kind} dataset at {root} generated with different settings "
+                    f"(existing, requested): {differ}; delete it to regenerate"
                 )
         return root
     start = time.perf_counter()
@@ -706,12 +582,8 @@ def _ensure(
 def ensure_detection_dataset(root: str | os.PathLike, **kwargs) -> Path:
     """Return ``root``, generating it with :func:`make_detection_dataset` (``**kwargs``) if it does not exist.
 
-    An existing dataset generated with other sizes, scales or counts is reused with a warning; one of
-    another class set is an error (with ``categories`` in ``kwargs``; ``None`` asks for the default four).
-
-    Raises:
-        FileExistsError: ``root`` exists but is not a complete COCO-layout dataset, or (with
-            ``categories``) its annotation files list other categories.
+    An existing dataset of other sizes, scales or counts is reused with a warning. Raises FileExistsError
+    when ``root`` is not a complete COCO-layout dataset or (``categories`` given) lists other categories.
     """
     if "categories" in kwargs:
         resolve_categories(kwargs["categories"])  # a bad name is a ValueError before anything is read
@@ -719,9 +591,6 @@ def ensure_detection_dataset(root: str | os.PathLike, **kwargs) -> Path:
 
 
 def ensure_classification_dataset(root: str | os.PathLike, **kwargs) -> Path:
-    """Return ``root``, generating it with :func:`make_classification_dataset` if it does not exist.
-
-    Raises:
-        FileExistsError: ``root`` exists but is not a complete ImageFolder shapes dataset.
-    """
+    """Return ``root``, generating it with :func:`make_classification_dataset` if it does not exist (raises
+    FileExistsError when ``root`` is not a complete ImageFolder shapes dataset)."""
     return _ensure(root, "classification", make_classification_dataset, _classification_problem, kwargs)

@@ -1,13 +1,10 @@
 """Remember that a COCO split passed its check, so that an unchanged dataset is checked once per machine.
 
-:class:`SplitCache` keeps :func:`~ssd_lightning.data.coco_validation.check_coco_split`'s result as one small
-JSON entry per split, keyed on the host and the resolved paths; it is valid while the annotation file's size
-and ``mtime_ns``, the image directory's ``mtime_ns``, ``check_files`` and :data:`VERSION` are unchanged, and
-is written atomically only for files last modified more than :data:`RACY_SECONDS` before the check began.
-One process checks a split at a time (``flock``); the ones waiting for it read its entry, or raise the error
-it recorded. Location: ``cache_dir``, else :func:`default_cache_dir`, else a per-user temp folder, else no
-cache (every process checks). The dataset directory is never written to; an unreadable or malformed entry
-is ignored and rewritten. Reasons and pitfalls: docs/internals.md.
+One JSON entry per split (host + resolved paths), valid while the annotation file's size and ``mtime_ns``, the
+image directory's ``mtime_ns``, ``check_files`` and :data:`VERSION` are unchanged; written atomically, only
+for files last modified :data:`RACY_SECONDS` before the check began. One process checks a split at a time
+(``flock``); the waiting ones read its entry or raise its recorded error. The dataset directory is never
+written to; a bad entry is ignored and rewritten. Reasons: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -49,14 +46,6 @@ def default_cache_dir() -> Path:
     return Path(base) / "ssd_lightning"
 
 
-def _usable(folder: Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK | os.X_OK)
-
-
 def writable_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | None:
     """``cache_dir`` (created if needed), else the default, else a per-user temp folder (None: none works)."""
     if cache_dir is not None:
@@ -65,8 +54,10 @@ def writable_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | Non
         uid = os.getuid() if hasattr(os, "getuid") else "user"
         candidates = [default_cache_dir(), Path(tempfile.gettempdir()) / f"ssd_lightning-{uid}"]
     for folder in candidates:
-        if _usable(folder):
-            return folder
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK | os.X_OK):
+                return folder
     log.warning("no writable cache directory among %s; every process checks its data itself", candidates)
     return None
 
@@ -113,14 +104,10 @@ class SplitCache:
 
     def _current_identity(self) -> dict[str, Any]:
         ann, img = self.annotation_file.stat(), self.image_dir.stat()
-        return {
-            "version": VERSION,
-            "annotation_file": str(self.annotation_file),
-            "size": ann.st_size,
-            "mtime_ns": ann.st_mtime_ns,
-            "image_dir": str(self.image_dir),
-            "image_dir_mtime_ns": img.st_mtime_ns,
-        }
+        identity = dict(version=VERSION, annotation_file=str(self.annotation_file), size=ann.st_size)
+        return identity | dict(
+            mtime_ns=ann.st_mtime_ns, image_dir=str(self.image_dir), image_dir_mtime_ns=img.st_mtime_ns
+        )
 
     def locked(self) -> contextlib.AbstractContextManager[None]:
         """Hold the entry's exclusive lock (waits while another process checks this split)."""

@@ -18,19 +18,16 @@ from ssd_lightning.data.categories import CategoryMap
 __all__ = ["SyntheticDetectionDataModule", "SyntheticClassificationDataModule", "make_detection_targets"]
 
 _NUM_DISTINCT = 4  # distinct precomputed batches cycled through
+# torch dtypes of the images: no DALI involved, so synthetic data works where DALI is absent
+_IMAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class _RepeatBatches:
-    """Iterable with a fixed ``len``; yields ``steps`` batches cycling through ``batches``.
-
-    Resumable (Lightning's ``state_dict``/``load_state_dict`` loader protocol): a run resumed from a
-    mid-epoch checkpoint continues with the batch the interrupted run would have had next.
-    """
+    """``steps`` batches cycling through ``batches``; resumable mid-epoch (loader ``state_dict``)."""
 
     def __init__(self, batches: list[dict[str, Tensor]], steps: int) -> None:
         self.batches, self.steps = batches, steps
-        self._yielded = 0  # batches handed out in the current epoch
-        self._resume_at = 0
+        self._yielded = self._resume_at = 0  # batches handed out in this epoch, where the next one starts
 
     def __len__(self) -> int:
         return self.steps
@@ -48,20 +45,11 @@ class _RepeatBatches:
         self._resume_at = int(state["yielded"]) % self.steps
 
 
-# torch dtypes of the images: no DALI involved, so synthetic data works where DALI is absent
-_IMAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def make_detection_targets(
     num_images: int, num_classes: int, generator: torch.Generator, max_objects: int = 4
 ) -> tuple[Tensor, Tensor]:
-    """Encoded SSD300 targets of random valid ground truth.
-
-    Returns boxes (N, 8732, 4) float32 (cx, cy, w, h) and labels (N, 8732) int64.
-
-    Each image gets 1..``max_objects`` boxes with sides in [0.1, 0.6] of the image, labels in 1..K, encoded
-    with :class:`~ssd_lightning.models.boxes.BoxCoder` (IoU threshold 0.5).
-    """
+    """Encoded SSD300 targets: boxes (N, 8732, 4) float32 (cx, cy, w, h), labels (N, 8732) int64, of 1..
+    ``max_objects`` random boxes per image (sides 0.1-0.6 of the image, labels 1..K; IoU threshold 0.5)."""
     from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
 
     coder = BoxCoder(dboxes300_coco())
@@ -79,12 +67,7 @@ def make_detection_targets(
 
 
 class _SyntheticDataModule(pl.LightningDataModule):
-    """Sizes, image dtype and seed of a synthetic datamodule; loaders of ``steps_per_epoch`` batches.
-
-    Subclasses give :meth:`_split_batches` (the distinct batches of ``"train"`` or ``"val"``) and
-    ``min_classes``. Raises ``ValueError`` for ``batch_size`` or ``steps_per_epoch`` < 1, ``num_classes`` <
-    ``min_classes`` or an unknown ``output_dtype``.
-    """
+    """Loaders of ``steps_per_epoch`` batches cycling through the subclass's :meth:`_split_batches`."""
 
     min_classes = 1
 
@@ -103,18 +86,11 @@ class _SyntheticDataModule(pl.LightningDataModule):
                 f"need batch_size >= 1, steps_per_epoch >= 1, num_classes >= {self.min_classes}; got "
                 f"{batch_size}, {steps_per_epoch}, {num_classes}"
             )
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.steps_per_epoch = steps_per_epoch
         if output_dtype not in _IMAGE_DTYPES:
             raise ValueError(f"output_dtype must be one of {sorted(_IMAGE_DTYPES)}, got {output_dtype!r}")
-        self._num_classes = num_classes
-        self.dtype = _IMAGE_DTYPES[output_dtype]
-        self.seed = seed
-
-    @property
-    def num_classes(self) -> int:
-        return self._num_classes
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.steps_per_epoch, self.num_classes = steps_per_epoch, num_classes
+        self.dtype, self.seed = _IMAGE_DTYPES[output_dtype], seed
 
     def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
         raise NotImplementedError
@@ -127,17 +103,8 @@ class _SyntheticDataModule(pl.LightningDataModule):
 
 
 class SyntheticDetectionDataModule(_SyntheticDataModule):
-    """Random SSD300 batches: images (N, 3, 300, 300) ~ N(0, 1) and valid encoded targets.
-
-    Args:
-        batch_size: per-device batch size.
-        num_classes: K + 1 (includes background).
-        steps_per_epoch: training (and validation) batches per epoch.
-        eval_batch_size: validation batch size (default: ``batch_size``).
-        output_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` images.
-        seed: generator seed.
-
-    Validation batches: ``{"images", "image_ids" (N,) int64 (unique, from 1), "image_sizes" (N, 2) = 300}``.
+    """Random SSD300 batches: images (N, 3, 300, 300) ~ N(0, 1) and valid encoded targets; ``num_classes``
+    is K + 1. Validation: ``{"images", "image_ids" (N,) int64 (unique, from 1), "image_sizes" (N, 2) = 300}``.
     """
 
     min_classes = 2
@@ -155,17 +122,19 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
         super().__init__(batch_size, num_classes, steps_per_epoch, eval_batch_size, output_dtype, seed)
         self.val_annotation_file = None  # benchmarking only: no COCO evaluation
         self._train: list[dict[str, Tensor]] | None = None
-        self._val: list[dict[str, Tensor]] | None = None
+        self._val: list[dict[str, Tensor]] = []
 
     @property
     def category_map(self) -> CategoryMap:
-        return CategoryMap.from_names([f"class{k}" for k in range(1, self._num_classes)])
+        return CategoryMap.from_names([f"class{k}" for k in range(1, self.num_classes)])
 
-    def _make(self) -> None:
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None:
+            return
         g = torch.Generator().manual_seed(self.seed)
         n, self._train = self.batch_size, []
         for _ in range(_NUM_DISTINCT):
-            boxes, labels = make_detection_targets(n, self._num_classes, g)
+            boxes, labels = make_detection_targets(n, self.num_classes, g)
             images = torch.randn(n, 3, 300, 300, generator=g).to(self.dtype)
             self._train.append({"images": images, "boxes": boxes, "labels": labels})
         m = self.eval_batch_size
@@ -177,10 +146,6 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
             }
             for i in range(_NUM_DISTINCT)
         ]
-
-    def setup(self, stage: str | None = None) -> None:
-        if self._train is None:
-            self._make()
 
     def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
         self.setup()

@@ -1,14 +1,11 @@
 """Pascal VOC detection data (``data=voc``): ``<root>/Annotations/<id>.xml``, ``<root>/JPEGImages/``,
 ``<root>/ImageSets/Main/{train,val}.txt``, converted once into COCO annotations (:mod:`.conversion`).
 
-Policy: each listed id needs ``Annotations/<id>.xml`` and an image in ``JPEGImages/`` (the xml's
-``<filename>``, else ``<id>`` with any image suffix, case-insensitive). Width and height come from the xml's
-``<size>`` (what the boxes were drawn on), from the image header where it is missing or 0. ``difficult``
-objects are written as COCO ``iscrowd=1``: the COCO evaluation ignores detections on them (as VOC's does)
-and :class:`VOCDALIDataModule` does not train on them (``include_crowd=False``). Class names are the
-sorted set of ``<name>``s found in both splits, or ``classes`` (that order; another name is an error). Tags
-other than ``filename``, ``size``, ``object/name``, ``object/difficult`` and ``object/bndbox`` (``pose``,
-``truncated``, ``segmented``, ``part``, ...) are not read. Errors name ``file:line``.
+Each listed id needs ``Annotations/<id>.xml`` and an image in ``JPEGImages/`` (the xml's ``<filename>``, else
+``<id>`` with any image suffix). Sizes come from the xml's ``<size>``, else the image header. ``difficult``
+objects become ``iscrowd=1``: ignored by the evaluation (as VOC's) and not trained on
+(``include_crowd=False``). Classes: the sorted ``<name>``s of both splits, or ``classes`` (that order). Only
+``filename``, ``size`` and ``object/{name,difficult,bndbox}`` are read. Errors name ``file:line``.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 from xml.parsers import expat
@@ -30,23 +28,15 @@ _CORNERS = ("xmin", "ymin", "xmax", "ymax")
 
 
 def voc_box_to_coco(xmin: float, ymin: float, xmax: float, ymax: float) -> list[float]:
-    """A VOC ``bndbox`` as COCO ``[x, y, w, h]``.
-
-    VOC corners are 1-based pixel indices, both inclusive: ``xmin=1, xmax=W`` covers the whole image (the
-    devkit's area is ``(xmax - xmin + 1) * (ymax - ymin + 1)``). COCO's coordinates are continuous, pixel
-    ``i`` covering ``[i, i + 1)`` from 0, so the box spans ``[xmin - 1, xmax]``:
-    ``[xmin - 1, ymin - 1, xmax - xmin + 1, ymax - ymin + 1]``. That is detectron2's ``load_voc_instances``
-    (``xmin -= 1``, ``ymin -= 1``); mmdetection's ``pascal_voc.py`` converter subtracts 1 from all four
-    corners, which makes its boxes 1 px narrower and lower.
-    """
+    """A VOC ``bndbox`` as COCO ``[x, y, w, h]``: VOC corners are 1-based and inclusive (``xmin=1, xmax=W`` is
+    the whole width), COCO's pixel ``i`` covers ``[i, i + 1)``, so the box spans ``[xmin - 1, xmax]``. As
+    detectron2's ``load_voc_instances``; mmdetection subtracts 1 from all four (boxes 1 px smaller)."""
     return [xmin - 1.0, ymin - 1.0, xmax - xmin + 1.0, ymax - ymin + 1.0]
 
 
 def _read_xml(path: Path) -> tuple[ET.Element, dict[ET.Element, int]]:
     """The parsed file and the line each element starts on."""
-    parser = expat.ParserCreate()
-    builder = ET.TreeBuilder()
-    lines: dict[ET.Element, int] = {}
+    parser, builder, lines = expat.ParserCreate(), ET.TreeBuilder(), {}
 
     def start(tag: str, attrs: dict[str, str]) -> None:
         lines[builder.start(tag, attrs)] = parser.CurrentLineNumber
@@ -86,60 +76,52 @@ class VOCConverter:
         classes: Sequence[str] | None = None,
     ) -> None:
         self.root = Path(root).absolute()
-        self.lists = {
-            "train": self.root / "ImageSets" / "Main" / f"{train_split}.txt",
-            "val": self.root / "ImageSets" / "Main" / f"{val_split}.txt",
-        }
+        main = self.root / "ImageSets" / "Main"
+        self.lists = {"train": main / f"{train_split}.txt", "val": main / f"{val_split}.txt"}
         self.classes = None if classes is None else [str(c) for c in classes]
         if self.classes is not None and (not self.classes or len(set(self.classes)) != len(self.classes)):
             raise ConfigError(f"data.classes must be distinct class names, got {self.classes}")
-        self._listed: dict[str, list[tuple[str, int]]] | None = None
 
     def options(self) -> dict[str, Any]:
         return {"lists": {s: str(p) for s, p in self.lists.items()}, "classes": self.classes}
 
+    @cached_property
     def _ids(self) -> dict[str, list[tuple[str, int]]]:
         """Per split, the listed ids with their line in the list file (what the folders must hold)."""
-        if self._listed is None:
-            if not self.root.is_dir():
+        if not self.root.is_dir():
+            raise MissingDataError(
+                f"no Pascal VOC dataset at {self.root} (data.root): the folder does not exist"
+            )
+        for folder in ("Annotations", "JPEGImages"):
+            if not (self.root / folder).is_dir():
                 raise MissingDataError(
-                    f"no Pascal VOC dataset at {self.root} (data.root): the folder does not exist"
+                    f"{self.root / folder} is missing: data=voc reads {folder}/ under data.root"
                 )
-            for folder in ("Annotations", "JPEGImages"):
-                if not (self.root / folder).is_dir():
-                    raise MissingDataError(
-                        f"{self.root / folder} is missing: data=voc reads {folder}/ under data.root"
-                    )
-            listed = {}
-            for split, list_file in self.lists.items():
-                if not list_file.is_file():
-                    raise MissingDataError(
-                        f"{list_file} is missing: the {split} split lists its image ids there "
-                        f"(another list: data.{split}_split=<name of a file in {list_file.parent}>)"
-                    )
-                lines = list_file.read_text(encoding="utf-8-sig").splitlines()
-                # a line is "<id>" (Main/<split>.txt) or "<id> <flag>" (the per-class lists)
-                listed[split] = [(line.split()[0], n) for n, line in enumerate(lines, 1) if line.strip()]
-                first: dict[str, int] = {}
-                for image_id, n in listed[split]:
-                    if first.setdefault(image_id, n) != n:
-                        again = f"is listed again (first at line {first[image_id]})"
-                        raise DataError(f"{list_file}:{n}: image {image_id!r} {again}")
-            self._listed = listed
-        return self._listed
+        listed = {}
+        for split, list_file in self.lists.items():
+            if not list_file.is_file():
+                raise MissingDataError(
+                    f"{list_file} is missing: the {split} split lists its image ids there "
+                    f"(another list: data.{split}_split=<name of a file in {list_file.parent}>)"
+                )
+            lines = list_file.read_text(encoding="utf-8-sig").splitlines()
+            # a line is "<id>" (Main/<split>.txt) or "<id> <flag>" (the per-class lists)
+            listed[split] = [(line.split()[0], n) for n, line in enumerate(lines, 1) if line.strip()]
+            first: dict[str, int] = {}
+            for image_id, n in listed[split]:
+                if first.setdefault(image_id, n) != n:
+                    again = f"is listed again (first at line {first[image_id]})"
+                    raise DataError(f"{list_file}:{n}: image {image_id!r} {again}")
+        return listed
 
     def _images_by_stem(self) -> tuple[set[str], dict[str, str]]:
         """The file names in ``JPEGImages/`` and, per stem, the first image among them."""
         names = sorted(os.listdir(self.root / "JPEGImages"))
-        by_stem: dict[str, str] = {}
-        for name in names:
-            stem, suffix = os.path.splitext(name)
-            if suffix.lower() in IMAGE_SUFFIXES:
-                by_stem.setdefault(stem, name)
-        return set(names), by_stem
+        images = (os.path.splitext(name) + (name,) for name in reversed(names))  # the first one wins
+        return set(names), {stem: name for stem, suffix, name in images if suffix.lower() in IMAGE_SUFFIXES}
 
     def sources(self) -> list[Path]:
-        listed = self._ids()  # checks the folders first
+        listed = self._ids  # checks the folders first
         annotations, image_dir = self.root / "Annotations", self.root / "JPEGImages"
         present = set(os.listdir(annotations))
         names, _ = self._images_by_stem()
@@ -160,21 +142,19 @@ class VOCConverter:
         names, by_stem = self._images_by_stem()
         parsed = {
             split: [self._read(image_id, line, split, names, by_stem) for image_id, line in ids]
-            for split, ids in self._ids().items()
+            for split, ids in self._ids.items()
         }
-        if self.classes is None:
-            found = {obj["name"] for split in parsed.values() for image in split for obj in image["objects"]}
-            if not found:
-                raise DataError(f"no <object> in any annotation file under {self.root / 'Annotations'}")
-            classes = sorted(found)
-        else:
-            classes = self.classes
+        classes = self.classes or sorted(
+            {obj["name"] for split in parsed.values() for _, objs in split for obj in objs}
+        )
+        if not classes:
+            raise DataError(f"no <object> in any annotation file under {self.root / 'Annotations'}")
         category = {name: i for i, name in enumerate(classes, 1)}
         out = {}
         for split, images in parsed.items():
             annotations = []
-            for image_id, image in enumerate(images, 1):
-                for obj in image["objects"]:
+            for image_id, (_, objects) in enumerate(images, 1):
+                for obj in objects:
                     if obj["name"] not in category:
                         raise DataError(
                             f"{obj['where']}: class {obj['name']!r} is not in data.classes {classes} (add "
@@ -182,14 +162,12 @@ class VOCConverter:
                         )
                     box = {"bbox": obj["bbox"], "iscrowd": int(obj["difficult"])}
                     annotations.append({"image_id": image_id, "category_id": category[obj["name"]], **box})
-            entries = [
-                {"id": i, "file_name": image["file_name"], "width": image["width"], "height": image["height"]}
-                for i, image in enumerate(images, 1)
-            ]
+            entries = [{"id": i, **image} for i, (image, _) in enumerate(images, 1)]
             out[split] = (image_dir, coco_dict(entries, annotations, {i: n for n, i in category.items()}))
         return out
 
-    def _read(self, image_id: str, line: int, split: str, names: set[str], by_stem: dict[str, str]) -> dict:
+    def _read(self, image_id: str, line: int, split: str, names: set[str], by_stem: dict[str, str]) -> tuple:
+        """``({"file_name", "width", "height"}, [{"name", "bbox", "difficult", "where"} per object])``."""
         path = self.root / "Annotations" / f"{image_id}.xml"
         tree, lines = _read_xml(path)
         image_dir = self.root / "JPEGImages"
@@ -232,20 +210,15 @@ class VOCConverter:
             difficult = (obj.findtext("difficult") or "0").strip().lower() in ("1", "true")
             box = voc_box_to_coco(xmin, ymin, xmax, ymax)
             objects.append({"name": name, "bbox": box, "difficult": difficult, "where": where})
-        return {"file_name": file_name, "width": int(width), "height": int(height), "objects": objects}
+        return {"file_name": file_name, "width": int(width), "height": int(height)}, objects
 
 
 class VOCDALIDataModule(ConvertedDataModule):
-    """SSD300 data from a Pascal VOC folder (see the module doc), read through its COCO copy.
+    """SSD300 data from a Pascal VOC folder (e.g. ``VOCdevkit/VOC2007``), read through its COCO copy.
 
-    Args:
-        root: the folder holding ``Annotations/``, ``JPEGImages/`` and ``ImageSets/Main/`` (e.g.
-            ``VOCdevkit/VOC2007``).
-        train_split, val_split: the list files ``ImageSets/Main/<name>.txt`` of the two splits (VOC 2007:
-            ``trainval`` and ``test``).
-        classes: class names in label order (default: the sorted names the files use).
-        include_crowd: also train on ``difficult`` objects (default False, as VOC).
-        kwargs: :class:`~ssd_lightning.data.coco_datamodule.CocoDALIDataModule`'s.
+    ``train_split``/``val_split`` name the lists ``ImageSets/Main/<name>.txt`` (VOC 2007: ``trainval``,
+    ``test``); ``classes``: label order (default: the sorted names the files use); ``include_crowd``: also
+    train on ``difficult`` objects; the rest are :class:`~.coco_datamodule.CocoDALIDataModule`'s.
     """
 
     def __init__(

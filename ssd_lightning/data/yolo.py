@@ -1,18 +1,12 @@
 """YOLO (ultralytics) detection data (``data=yolo``): ``<root>/data.yaml`` and one label file per image,
 converted once into COCO annotations (:mod:`.conversion`).
 
-``data.yaml`` has ``names`` (a list, or ``{index: name}``) and ``train``/``val``: an image folder (searched
-recursively), a ``.txt`` list of images (lines relative to the list's folder), or a list of these, relative to
-``path`` (itself relative to ``data.root``; default, or where that folder does not exist, ``data.root``). As
-in ultralytics, an entry ``../x`` that does not exist is also tried as ``x`` (Roboflow's exports), and an
-image's labels are in the file whose path replaces the last ``/images/`` of the image's by ``/labels/`` and
-the suffix by ``.txt``. A label row is ``class cx cy w h`` (normalised to the image as viewers show it,
-EXIF-turned) or a polygon ``class x1 y1 x2 y2 ...`` (its bounding box, as ultralytics' detection training
-takes it); blank lines, surrounding whitespace, CRLF line ends and a BOM are fine; an image without a label
-file, or with an empty one, has no objects (a split where none has one is an error). Image sizes come from the
-image headers (no decoding). Category ids are the ``names`` indices. A box may reach :data:`TOLERANCE` outside
-[0, 1] (rounding in exports) and is clipped to it; anything else wrong is a
-:class:`~ssd_lightning.errors.DataError` naming ``file:line``.
+``data.yaml`` has ``names`` (a list, or ``{index: name}``: the category ids) and ``train``/``val``: image
+folders (recursive) or ``.txt`` image lists, relative to ``path`` (relative to ``data.root``; where missing,
+``data.root``); a missing ``../x`` is tried as ``x`` (Roboflow). Labels: :func:`label_path`; a row is
+``class cx cy w h`` (normalised to the EXIF-turned image) or a polygon ``class x1 y1 x2 y2 ...`` (its box); no
+or an empty label file means no objects. Boxes may reach :data:`TOLERANCE` outside [0, 1] (clipped); anything
+else wrong is a :class:`~ssd_lightning.errors.DataError` naming ``file:line``.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -63,38 +58,32 @@ class YOLOConverter:
     def __init__(self, root: str | os.PathLike, *, data_yaml: str = "data.yaml") -> None:
         self.root = Path(root).absolute()  # label_path needs the "/images/" of a relative root too
         self.data_yaml = self.root / data_yaml
-        self._read: tuple[dict[int, str], dict[str, list[Path]]] | None = None
 
     def options(self) -> dict[str, Any]:
         return {"data_yaml": str(self.data_yaml), "tolerance": TOLERANCE}
 
+    @cached_property
     def _dataset(self) -> tuple[dict[int, str], dict[str, list[Path]]]:
         """``names`` and, per split, the image files (sorted)."""
-        if self._read is None:
-            if not self.data_yaml.is_file():
-                where = (
-                    f"no {self.data_yaml.name} in it" if self.root.is_dir() else "the folder does not exist"
-                )
-                raise MissingDataError(
-                    f"no YOLO dataset at {self.root} (data.root): {where}; data=yolo reads {self.data_yaml}"
-                )
-            try:
-                config = yaml.safe_load(self.data_yaml.read_text(encoding="utf-8-sig"))
-            except yaml.YAMLError as exc:
-                mark = getattr(exc, "problem_mark", None)
-                at = f":{mark.line + 1}" if mark is not None else ""
-                raise DataError(
-                    f"{self.data_yaml}{at}: not valid YAML ({getattr(exc, 'problem', exc)})"
-                ) from None
-            if not isinstance(config, dict) or "names" not in config:
-                raise DataError(f"{self.data_yaml}: needs 'names' (the class names), 'train' and 'val'")
-            names = _class_names(config["names"], self.data_yaml)
-            if "nc" in config and config["nc"] != len(names):
-                raise DataError(f"{self.data_yaml}: nc is {config['nc']}, but 'names' has {len(names)} names")
-            base = self._base(config.get("path"))
-            images = {split: self._split_images(config, split, base) for split in ("train", "val")}
-            self._read = names, images
-        return self._read
+        if not self.data_yaml.is_file():
+            where = f"no {self.data_yaml.name} in it" if self.root.is_dir() else "the folder does not exist"
+            raise MissingDataError(
+                f"no YOLO dataset at {self.root} (data.root): {where}; data=yolo reads {self.data_yaml}"
+            )
+        try:
+            config = yaml.safe_load(self.data_yaml.read_text(encoding="utf-8-sig"))
+        except yaml.YAMLError as exc:
+            at = f":{mark.line + 1}" if (mark := getattr(exc, "problem_mark", None)) is not None else ""
+            raise DataError(
+                f"{self.data_yaml}{at}: not valid YAML ({getattr(exc, 'problem', exc)})"
+            ) from None
+        if not isinstance(config, dict) or "names" not in config:
+            raise DataError(f"{self.data_yaml}: needs 'names' (the class names), 'train' and 'val'")
+        names = _class_names(config["names"], self.data_yaml)
+        if "nc" in config and config["nc"] != len(names):
+            raise DataError(f"{self.data_yaml}: nc is {config['nc']}, but 'names' has {len(names)} names")
+        base = self._base(config.get("path"))
+        return names, {split: self._split_images(config, split, base) for split in ("train", "val")}
 
     def _base(self, path: Any) -> Path:
         """The folder ``train``/``val`` are relative to: ``path`` (relative to ``data.root``) or, where that
@@ -106,11 +95,8 @@ class YOLOConverter:
         if base.is_dir():
             return base
         log.warning(
-            "%s: path: %s is %s, which does not exist here; reading train and val relative to data.root (%s)",
-            self.data_yaml,
-            path,
-            base,
-            self.root,
+            f"{self.data_yaml}: path: {path} is {base}, which does not exist here; reading train and val "
+            f"relative to data.root ({self.root})"
         )
         return self.root
 
@@ -151,15 +137,13 @@ class YOLOConverter:
         return images
 
     def sources(self) -> list[Path]:
-        _, images = self._dataset()
         files = [self.data_yaml]
-        for split_images in images.values():
-            files += split_images
-            files += [label for label in map(label_path, split_images) if label.is_file()]
+        for images in self._dataset[1].values():
+            files += [*images, *(label for label in map(label_path, images) if label.is_file())]
         return files
 
     def convert(self) -> dict[str, tuple[Path, dict[str, Any]]]:
-        names, images = self._dataset()
+        names, images = self._dataset
         out = {}
         for split, paths in images.items():
             image_dir = Path(os.path.commonpath([p.parent for p in paths]))
@@ -189,12 +173,8 @@ def _check_labels_found(data_yaml: Path, split: str, images: list[Path]) -> None
         )
     if missing:
         log.warning(
-            "%s: %d of %d %s images have no label file (images without objects), e.g. %s",
-            data_yaml,
-            len(missing),
-            len(images),
-            split,
-            label_path(missing[0]),
+            f"{data_yaml}: {len(missing)} of {len(images)} {split} images have no label file (images without "
+            f"objects), e.g. {label_path(missing[0])}"
         )
 
 
@@ -245,13 +225,8 @@ def _read_labels(path: Path, names: dict[int, str]) -> list[tuple[int, tuple[flo
 
 
 class YOLODALIDataModule(ConvertedDataModule):
-    """SSD300 data from a YOLO (ultralytics) dataset (see the module doc), read through its COCO copy.
-
-    Args:
-        root: the folder holding ``data_yaml``.
-        data_yaml: the dataset file's name in ``root``.
-        kwargs: :class:`~ssd_lightning.data.coco_datamodule.CocoDALIDataModule`'s.
-    """
+    """SSD300 data from the YOLO (ultralytics) dataset ``root/data_yaml``, read through its COCO copy
+    (``kwargs``: :class:`~.coco_datamodule.CocoDALIDataModule`'s)."""
 
     def __init__(self, root: str | os.PathLike, *, data_yaml: str = "data.yaml", **kwargs: Any) -> None:
         super().__init__(YOLOConverter(root, data_yaml=data_yaml), **kwargs)

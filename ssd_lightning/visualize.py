@@ -1,16 +1,10 @@
 """Pictures a person looks at: detections drawn on images, and a run's training curves.
 
-* :func:`draw_detections` draws boxes (ltrb, in pixels of the given image) with class names and scores
-  on a copy of a PIL image; ground truth, when given, is drawn underneath in :data:`GT_COLOUR`.
-* :func:`plot_curves` draws the ``metrics.csv`` of runs (read by :mod:`ssd_lightning.metrics_csv`, whose
-  :func:`read_metrics_csv` is re-exported here): training loss and learning rate over steps, the validation
-  metric over epochs, one line per run.
-* :func:`plot_pr_curves` and :func:`plot_confusion_matrix` draw the arrays of
-  :mod:`ssd_lightning.error_analysis` (and any confusion matrix); :func:`log_picture` sends a written
-  picture to the loggers that take images (TensorBoard).
-
-matplotlib's object API (no pyplot, no GUI backend): safe in training processes and on machines without a
-display.
+:func:`draw_detections` (boxes with names and scores, ground truth underneath), :func:`plot_curves` (runs'
+``metrics.csv``: loss and LR over steps, the validation metric over epochs), :func:`plot_pr_curves` and
+:func:`plot_confusion_matrix` (:mod:`ssd_lightning.error_analysis`'s arrays); :func:`log_picture` sends a
+picture to the loggers that take images. matplotlib's object API (no pyplot, no GUI backend): safe in
+training processes and on machines without a display.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ __all__ = [
     "read_metrics_csv",
 ]
 
-# Prediction colours by class label (label k uses PALETTE[(k - 1) % len(PALETTE)]); saturated colours
-# that stay readable on photos. Ground truth uses GT_COLOUR, which is not in the palette.
+# Prediction colours by label (:func:`class_colour`), readable on photos; GT_COLOUR is not among them.
 PALETTE: tuple[tuple[int, int, int], ...] = (
     *((255, 56, 56), (255, 157, 0), (0, 140, 255), (255, 0, 200), (255, 230, 0)),
     *((0, 230, 230), (160, 80, 255), (255, 120, 160), (120, 70, 0), (0, 0, 200)),
@@ -48,7 +41,7 @@ GT_COLOUR: tuple[int, int, int] = (0, 255, 0)
 
 
 def class_colour(label: int) -> tuple[int, int, int]:
-    """RGB colour of contiguous label ``label`` (1..K) for predicted boxes."""
+    """RGB colour of predicted boxes of label ``label`` (1..K)."""
     return PALETTE[(int(label) - 1) % len(PALETTE)]
 
 
@@ -80,13 +73,8 @@ def _label_text(label: int, class_names: Sequence[str] | None, score: float | No
     return name if score is None else f"{name} {score:.2f}"
 
 
-def _text_colour(fill: tuple[int, int, int]) -> tuple[int, int, int]:
-    luminance = 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2]
-    return (0, 0, 0) if luminance > 140 else (255, 255, 255)
-
-
 def _rect(draw: ImageDraw.ImageDraw, box: np.ndarray, colour: tuple[int, int, int], width: int):
-    """Outline ``box`` (ltrb, rounded to pixels); its ``(l, t, r, b)``, or None when it cannot be drawn."""
+    """Outline ``box`` (ltrb, rounded); its ``(l, t, r, b)``, or None when it cannot be drawn."""
     if not np.all(np.isfinite(box)):
         return None
     left, t, r, b = (round(float(v)) for v in box)
@@ -102,19 +90,8 @@ def _tag(draw: ImageDraw.ImageDraw, font, text: str, x: int, y: int, colour, *, 
     tw, th = right - left + 4, bottom - top + 4
     y0 = (y - th if y - th >= 0 else y) if above else y - th + 1
     draw.rectangle((x, y0, x + tw - 1, y0 + th - 1), fill=colour)
-    draw.text((x + 2 - left, y0 + 2 - top), text, fill=_text_colour(colour), font=font)
-
-
-def _predictions(boxes, labels, scores) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    boxes_a = _as_array(boxes, (4,), "boxes")
-    labels_a = _as_array(labels, (), "labels", np.int64)
-    scores_a = None if scores is None else _as_array(scores, (), "scores")
-    if len(labels_a) != len(boxes_a) or (scores_a is not None and len(scores_a) != len(boxes_a)):
-        raise ValueError(
-            f"boxes, labels and scores need the same length, got {len(boxes_a)}, {len(labels_a)}"
-            f"{'' if scores_a is None else f' and {len(scores_a)}'}"
-        )
-    return boxes_a, labels_a, scores_a
+    dark = 0.299 * colour[0] + 0.587 * colour[1] + 0.114 * colour[2] > 140  # text colour by luminance
+    draw.text((x + 2 - left, y0 + 2 - top), text, fill=(0, 0, 0) if dark else (255, 255, 255), font=font)
 
 
 def draw_detections(
@@ -131,35 +108,24 @@ def draw_detections(
     line_width: int | None = None,
     show_labels: bool = True,
 ) -> Image.Image:
-    """Draw predicted (and ground-truth) boxes on a copy of ``image``.
-
-    Args:
-        image: the original image (any mode; converted to RGB).
-        boxes: (k, 4) float ltrb in pixels of ``image`` (tensor, array or list), or None.
-        labels: (k,) contiguous class labels (1..K) of ``boxes``; they pick the colour (:func:`class_colour`)
-            and the name ``class_names[label]``.
-        scores: (k,) confidences, shown after the name; boxes with ``score < score_thresh`` are left out.
-        class_names: name of label ``k`` at index ``k`` (index 0 = background, as ``CategoryMap.names``).
-        gt_boxes: (m, 4) ground-truth ltrb boxes in pixels, drawn first in :data:`GT_COLOUR`.
-        gt_labels: (m,) their labels (names written at the bottom-left corner, inside the box).
-        score_thresh: minimum score of a drawn prediction.
-        scale: resize factor applied to the image (bilinear) and the boxes before drawing, so that small
-            images get readable lines and text; 1.0 keeps the pixels of ``image`` unchanged off the boxes.
-        line_width: box outline width in output pixels; default ``max(2, round(side / 250))``.
-        show_labels: write names/scores in a filled tag at the top-left corner of each box.
-
-    Returns:
-        a new RGB image of size ``round(scale * size)``. Predictions are drawn in ascending score order
-        so the most confident box ends on top. A rectangle outline covers ``line_width`` pixels inward
-        from its ltrb coordinates (rounded to the nearest pixel).
-    """
+    """A new RGB image: ``image`` resized by ``scale`` (bilinear) with boxes drawn: ``boxes`` (k, 4) ltrb in
+    pixels of ``image`` (tensor, array or list) in the colour of their ``labels`` (1..K), with
+    ``class_names[label]`` and ``scores`` (those below ``score_thresh`` left out; the best drawn last) in a
+    tag (``show_labels``); ground truth first, in :data:`GT_COLOUR`. ``line_width`` (output pixels, inward
+    from the rounded ltrb) defaults to ``max(2, round(side / 250))``."""
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     out = image.convert("RGB")  # a copy
     if scale != 1.0:
         size = (max(1, round(out.width * scale)), max(1, round(out.height * scale)))
         out = out.resize(size, Image.BILINEAR)
-    boxes_a, labels_a, scores_a = _predictions(boxes, labels, scores)
+    boxes_a, labels_a = _as_array(boxes, (4,), "boxes"), _as_array(labels, (), "labels", np.int64)
+    scores_a = None if scores is None else _as_array(scores, (), "scores")
+    if len(labels_a) != len(boxes_a) or (scores_a is not None and len(scores_a) != len(boxes_a)):
+        raise ValueError(
+            f"boxes, labels and scores need the same length, got {len(boxes_a)}, {len(labels_a)}"
+            f"{'' if scores_a is None else f' and {len(scores_a)}'}"
+        )
     gt_a = _as_array(gt_boxes, (4,), "gt_boxes") * scale
     gt_labels_a = None if gt_labels is None else _as_array(gt_labels, (), "gt_labels", np.int64)
     width = line_width or max(2, round(max(out.size) / 250))
@@ -183,7 +149,6 @@ def draw_detections(
     return out
 
 
-# ---------------------------------------------------------------------------------------------- curves
 def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(r[x], r[key]) for r in rows if key in r and x in r and math.isfinite(r[key])]
     if not pairs:
@@ -191,14 +156,6 @@ def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.n
     xs, ys = np.asarray(pairs, dtype=np.float64).T
     order = np.argsort(xs, kind="stable")
     return xs[order], ys[order]
-
-
-def _smooth(ys: np.ndarray, window: int) -> np.ndarray:
-    if len(ys) < 3 * window or window < 2:
-        return ys
-    kernel = np.ones(window) / window
-    padded = np.concatenate([np.full(window - 1, ys[0]), ys])
-    return np.convolve(padded, kernel, mode="valid")
 
 
 def _found_series(
@@ -216,15 +173,18 @@ def _found_series(
 
 
 def _plot_run(axes, rows: Sequence[Mapping[str, float]], label: str, colour: str, single: bool) -> dict:
-    """Draw one run on the (loss, lr, val) axes; returns the column drawn on each panel that got a line."""
+    """Draw one run on the (loss, lr, val) axes; returns the column drawn on each panel drawn."""
     ax_loss, ax_lr, ax_val = axes
     drawn = {}
     if found := _found_series(rows, ["train/loss_step", "train/loss"], "step"):
         drawn["loss"], xs, ys = found
-        smooth = _smooth(ys, max(1, len(ys) // 50))
-        if smooth is not ys:
+        window = max(1, len(ys) // 50)
+        if window >= 2 and len(ys) >= 3 * window:  # a faint raw line under a running mean
             ax_loss.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
-        ax_loss.plot(xs, smooth, color=colour, linewidth=1.5, label=label)
+            ys = np.convolve(
+                np.concatenate([np.full(window - 1, ys[0]), ys]), np.ones(window) / window, "valid"
+            )
+        ax_loss.plot(xs, ys, color=colour, linewidth=1.5, label=label)
     if found := _found_series(rows, ["lr"], "step", prefix="lr-"):
         drawn["lr"], xs, ys = found
         ax_lr.plot(xs, ys, color=colour, linewidth=1.5, label=label)
@@ -245,18 +205,10 @@ def plot_curves(
     *,
     title: str | None = None,
 ) -> Path:
-    """Draw training loss and LR over steps and the validation metric over epochs; one line per run.
-
-    Args:
-        runs: label -> rows (from :func:`read_metrics_csv`) or the path of a ``metrics.csv``.
-        output: PNG file to write (parent folders are created); returned.
-        title: figure title.
-
-    Columns used: loss ``train/loss_step`` (else ``train/loss``), learning rate ``lr`` (else the first
-    ``lr-*`` column of ``LearningRateMonitor``), validation ``val/mAP`` (else the first ``val/*`` column),
-    x axes ``step`` and ``epoch`` (0-based, as logged). A panel without data says so.
-    """
-    from matplotlib.figure import Figure  # imported here: matplotlib is only needed for curves
+    """Training loss and LR over steps, the validation metric over epochs, one line per run (label -> rows of
+    :func:`read_metrics_csv` or a ``metrics.csv`` path), to the PNG ``output``. Columns: ``train/loss_step``
+    (else ``train/loss``), ``lr`` (else the first ``lr-*``), ``val/mAP`` (else the first ``val/*``)."""
+    from matplotlib.figure import Figure
 
     loaded = {
         label: read_metrics_csv(rows) if isinstance(rows, (str, os.PathLike)) else list(rows)
@@ -291,36 +243,13 @@ def plot_curves(
 
 
 def _save(fig, output: str | os.PathLike) -> Path:
-    """Write ``fig`` to ``output`` atomically (a temporary file, then a rename); parent folders created."""
+    """Write ``fig`` to ``output`` atomically; parent folders created."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp.png")
     fig.savefig(tmp)
     os.replace(tmp, output)
     return output
-
-
-# ---------------------------------------------------------------------------------------- error analysis
-def _legend_classes(ap: np.ndarray, max_legend_classes: int) -> tuple[np.ndarray, set[int]]:
-    """The classes with an AP, best first, and those the legend names: all, or the best and worst
-    ``max_legend_classes // 2``."""
-    defined = np.flatnonzero(~np.isnan(ap))
-    ranked = defined[np.argsort(-ap[defined], kind="stable")]
-    if len(ranked) <= max_legend_classes:
-        return ranked, set(ranked.tolist())
-    half = max_legend_classes // 2
-    return ranked, set(ranked[:half].tolist()) | set(ranked[-half:].tolist())
-
-
-def _finish_pr_panel(ax, has_curves: bool) -> None:
-    """Axes of a PR panel; the legend lists the all-classes line (drawn last) first."""
-    ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02))
-    ax.grid(True, alpha=0.3)
-    if not has_curves:
-        ax.text(0.5, 0.5, "no ground truth", ha="center", va="center", transform=ax.transAxes)
-        return
-    handles, labels = (x[-1:] + x[:-1] for x in ax.get_legend_handles_labels())
-    ax.legend(handles, labels, fontsize=7, title="AP  class", title_fontsize=7, loc="lower left")
 
 
 def plot_pr_curves(
@@ -336,32 +265,23 @@ def plot_pr_curves(
     title: str | None = None,
     max_legend_classes: int = 20,
 ) -> Path:
-    """One panel per IoU threshold: a precision/recall line per class and a thick black all-classes line.
-
-    Args:
-        recall: ``(R,)`` recall points.
-        precision: ``(I, K, R)`` precision per IoU threshold and class (NaN: class without ground truth,
-            not drawn).
-        ap: ``(I, K)`` the AP of each line, shown in the legend.
-        all_precision, all_ap: ``(I, R)`` and ``(I,)``, the all-classes line and its AP.
-        iou_thresholds: ``(I,)`` the panel titles.
-        class_names: ``K`` names.
-        output: PNG file to write; returned.
-        title: figure title.
-        max_legend_classes: with more classes than this, the legend names the all-classes line and the
-            ``max_legend_classes // 2`` best and worst classes; the others are drawn in light grey.
-    """
+    """One panel per IoU threshold: ``precision`` (I, K, R) over ``recall`` (R,) per class (NaN: not drawn),
+    ``ap`` (I, K) in the legend, and the all-classes line, thick and black. Beyond ``max_legend_classes``,
+    the legend names the best and worst half of them, the others grey. Written to the PNG ``output``."""
     from matplotlib.figure import Figure
 
-    precision = np.asarray(precision, dtype=np.float64)
-    ap = np.asarray(ap, dtype=np.float64)
+    precision, ap = np.asarray(precision, dtype=np.float64), np.asarray(ap, dtype=np.float64)
     n_iou, n_cls = precision.shape[:2]
     if len(class_names) != n_cls:
         raise ValueError(f"{len(class_names)} class names for {n_cls} classes")
     fig = Figure(figsize=(6.5 * n_iou, 5.2), dpi=100, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, n_iou))
+    half = max_legend_classes // 2
     for i, ax in enumerate(axes):
-        ranked, named = _legend_classes(ap[i], max_legend_classes)
+        defined = np.flatnonzero(~np.isnan(ap[i]))
+        ranked = defined[np.argsort(-ap[i, defined], kind="stable")]  # best first
+        shown = ranked if len(ranked) <= max_legend_classes else [*ranked[:half], *ranked[-half:]]
+        named = set(np.asarray(shown).tolist())
         for rank, k in enumerate(ranked):
             if k in named:
                 label = f"{ap[i, k]:.3f} {class_names[k]}"
@@ -374,7 +294,13 @@ def plot_pr_curves(
             )
         hidden = len(ranked) - len(named)
         ax.set_title(f"IoU {iou_thresholds[i]:g}" + (f" ({hidden} classes in grey)" if hidden else ""))
-        _finish_pr_panel(ax, has_curves=len(ranked) > 0)
+        ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02))
+        ax.grid(True, alpha=0.3)
+        if not len(ranked):
+            ax.text(0.5, 0.5, "no ground truth", ha="center", va="center", transform=ax.transAxes)
+            continue
+        handles, labels = (x[-1:] + x[:-1] for x in ax.get_legend_handles_labels())  # all classes first
+        ax.legend(handles, labels, fontsize=7, title="AP  class", title_fontsize=7, loc="lower left")
     if title:
         fig.suptitle(title)
     return _save(fig, output)
@@ -391,18 +317,10 @@ def plot_confusion_matrix(
     annotate_max: int = 25,
     max_classes: int = 60,
 ) -> Path:
-    """A confusion matrix (rows true, columns predicted) normalised by row: each cell the share of its row.
-
-    Args:
-        matrix: ``(C, C)`` counts; an all-zero row stays zero.
-        class_names: ``C`` names (the last one ``"background"`` for a detection matrix).
-        output: PNG file to write; returned.
-        title: figure title (state the thresholds here).
-        true_label, predicted_label: axis labels.
-        annotate_max: write the shares into the cells when ``C`` is at most this.
-        max_classes: beyond this many classes only the ``max_classes`` most confused ones are drawn (most
-            off-diagonal counts in their row and column; shares still of the whole row), said in the title:
-            1,000 ImageNet classes drawn in full took ~55 s and a 300-megapixel picture per evaluation.
+    """The ``(C, C)`` counts ``matrix`` (rows true, columns predicted) as shares of their row, to the PNG
+    ``output`` (returned); the shares written in the cells up to ``annotate_max`` classes. Beyond
+    ``max_classes`` only the most confused ones are drawn (most off-diagonal counts in their row and column),
+    said in the title: 1,000 ImageNet classes in full took ~55 s and a 300-megapixel picture.
     """
     from matplotlib.figure import Figure
 
@@ -444,12 +362,8 @@ def plot_confusion_matrix(
 
 
 def log_picture(loggers: Sequence[object], tag: str, path: str | os.PathLike, step: int) -> int:
-    """Add the picture at ``path`` under ``tag`` at ``step`` to every logger that takes images: TensorBoard
-    (its ``SummaryWriter.add_image``), W&B and MLflow (their ``log_image``); CSV loggers are left alone.
-
-    Returns:
-        how many loggers took it.
-    """
+    """Add the picture at ``path`` to every logger that takes images (TensorBoard's ``add_image``, W&B and
+    MLflow's ``log_image``); returns how many took it."""
     taken, image = 0, None
     for logger in loggers:
         if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):

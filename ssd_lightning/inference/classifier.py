@@ -1,8 +1,7 @@
 """One classifier: a trained MobileNetV2 (Lightning checkpoint) or its ONNX export, with its class names.
 
-:meth:`Classifier.classify` maps preprocessed images (N, 3, S, S) to class probabilities (N, K); the
-checkpoint's model record (:mod:`ssd_lightning.io.model_record`) says how to rebuild the network, what its
-classes are called and how images are prepared (:meth:`Classifier.preprocess`).
+:meth:`Classifier.classify` maps preprocessed images to class probabilities; the checkpoint's model record
+says how to rebuild the network, name its classes and prepare images (:meth:`Classifier.preprocess`).
 """
 
 from __future__ import annotations
@@ -30,17 +29,9 @@ CLASSIFIER_OUTPUTS: tuple[str, ...] = ("logits",)
 
 @dataclass
 class Classifier:
-    """A network (or an onnxruntime session) with the class names and input transform it was trained with.
-
-    Attributes:
-        class_names: name of label ``k`` at index ``k``.
-        image_size: side of the square centre crop fed to the network.
-        resize: the shorter side is resized to this before the crop (validation's transform).
-        mean, std: per-channel normalisation, 0..255 scale.
-        net: maps (N, 3, S, S) normalised images to (N, K) logits.
-        session: instead of ``net``, an onnxruntime session of :func:`export_classifier`'s file.
-        source: where the weights came from (for messages).
-    """
+    """A network (images (N, 3, S, S) -> logits (N, K)) or an onnxruntime ``session`` of its export, with
+    its class names and validation transform: shorter side to ``resize``, centre ``image_size`` crop,
+    ``mean``/``std`` on the 0..255 scale; ``source``: where the weights came from (for messages)."""
 
     class_names: tuple[str, ...]
     image_size: int = 224
@@ -57,14 +48,12 @@ class Classifier:
 
     @property
     def runs_on(self) -> str:
-        """``cpu``, ``cuda:0``, ... or ``onnxruntime <provider>``."""
         if self.session is not None:
             return "onnxruntime " + self.session.get_providers()[0]
         return str(next(self.net.parameters()).device)
 
     def preprocess(self, image: Image.Image) -> Tensor:
-        """PIL image -> (3, S, S) float32: the shorter side resized to ``resize`` (Pillow bilinear), the
-        centre ``image_size`` square cropped, normalised: the validation transform of the ImageFolder data."""
+        """PIL image -> (3, S, S) float32: the ImageFolder data's validation transform (Pillow bilinear)."""
         rgb = image.convert("RGB")
         scale = self.resize / min(rgb.width, rgb.height)
         width, height = max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))
@@ -72,8 +61,7 @@ class Classifier:
         left, top = (width - self.image_size) // 2, (height - self.image_size) // 2
         rgb = rgb.crop((left, top, left + self.image_size, top + self.image_size))
         array = torch.from_numpy(np.asarray(rgb, dtype=np.float32).copy()).permute(2, 0, 1)
-        mean = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
-        std = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
+        mean, std = (torch.tensor(v, dtype=torch.float32).view(3, 1, 1) for v in (self.mean, self.std))
         return (array - mean) / std
 
     @torch.inference_mode()
@@ -87,7 +75,7 @@ class Classifier:
         return logits.softmax(dim=1)
 
     def metadata(self) -> dict[str, Any]:
-        """What an ONNX export stores about this classifier (read back by :func:`classifier_from_onnx`)."""
+        """What an ONNX export stores (read back by :func:`classifier_from_onnx`)."""
         return {
             "kind": "classifier",
             "class_names": list(self.class_names),
@@ -101,14 +89,8 @@ class Classifier:
 def load_classifier(
     ckpt_path: str | os.PathLike, *, device: str | torch.device = "cpu", trust_checkpoint: bool = False
 ) -> Classifier:
-    """A :class:`Classifier` from a checkpoint of ``ClassifierLitModule`` (the file alone), ``eval()`` on
-    ``device`` (``auto``: CUDA when available).
-
-    Raises:
-        CheckpointNotFoundError, CheckpointReadError, UntrustedCheckpointError: a missing, unreadable or
-            untrusted file, one without a model record (written before checkpoints carried one) or of
-            another kind.
-    """
+    """A :class:`Classifier` from a ``ClassifierLitModule`` checkpoint, ``eval()`` on ``device`` (``auto``:
+    CUDA when available); CheckpointReadError for a file without a model record or of another kind."""
     checkpoint = read_checkpoint(ckpt_path, trust_checkpoint=trust_checkpoint, what="ckpt_path")
     source = f"ckpt_path={ckpt_path}"
     record = read_model_record(checkpoint, source=source)
@@ -133,7 +115,6 @@ def classifier_from_onnx(session: Any, meta: Mapping[str, Any], path: Path) -> C
 
 
 def _classifier(names: Sequence[str], inputs: Mapping[str, Any], **model: Any) -> Classifier:
-    """A :class:`Classifier` of ``names`` with the transform of ``inputs`` (``image_size``, ``resize``,
-    ``mean``, ``std``: a model record's ``input``, an export's metadata); ``model``: its net or session."""
+    """``inputs``: a model record's ``input`` or an export's metadata; ``model``: the net or session."""
     size, resize, mean, std = (inputs[k] for k in ("image_size", "resize", "mean", "std"))
     return Classifier(tuple(names), int(size), int(resize), tuple(mean), tuple(std), **model)

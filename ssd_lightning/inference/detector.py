@@ -1,7 +1,7 @@
 """One detector: a trained SSD300 (Lightning checkpoint, NVIDIA weights) or an end-to-end ONNX export.
 
-:meth:`Detector.detect` maps preprocessed images (N, 3, 300, 300) to detections in pixels of the original
-images, with :meth:`ssd_lightning.models.BoxCoder.detect` (the decode of validation) or the exported graph.
+:meth:`Detector.detect` maps preprocessed images to detections in original pixels, with the decode of
+validation (:meth:`ssd_lightning.models.BoxCoder.detect`) or the exported graph.
 """
 
 from __future__ import annotations
@@ -55,12 +55,8 @@ def load_nvidia_checkpoint(
     trust_checkpoint: bool = False,
 ) -> dict[str, Tensor]:
     """An NVIDIA SSD300 checkpoint (file or loaded; ``main.py --save``, torch.hub) as a state dict that
-    ``ssd300(backbone=..., num_classes=...).load_state_dict(..., strict=True)`` takes.
-
-    Raises:
-        FileNotFoundError, pickle.UnpicklingError: see :func:`ssd_lightning.io.weights.read_checkpoint`.
-        ValueError: not a checkpoint dict, or keys/shapes that do not fit the model.
-    """
+    ``ssd300(backbone=..., num_classes=...).load_state_dict(..., strict=True)`` takes; ValueError when it is
+    not a checkpoint dict or does not fit (and :func:`~ssd_lightning.io.weights.read_checkpoint`'s errors)."""
     is_file = isinstance(path_or_dict, (str, os.PathLike))
     source = f"nvidia_checkpoint={path_or_dict}" if is_file else "checkpoint"
     state = read_nvidia_state_dict(path_or_dict, trust_checkpoint=trust_checkpoint)
@@ -73,8 +69,7 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def resolve_dtype(dtype: str | int, device: str | torch.device) -> tuple[str, str]:
     """``(fp32 | bf16 | fp16, why)`` for ``dtype`` (``auto``, ``32``/``fp32``, ``bf16``, ``16``/``fp16``)
     on ``device``. ``auto`` is what training validates with: fp16 on CUDA, bf16 on CPUs with native bf16
-    kernels (:func:`ssd_lightning.models.cpu_bf16.cpu_has_native_bf16`, train.py's rule), else fp32 (bf16 runs
-    10-15x slower than fp32 on CPUs without them)."""
+    kernels (train.py's rule), else fp32."""
     name = {"32": "fp32", "16": "fp16"}.get(str(dtype), str(dtype))
     if name not in ("auto", "fp32", *_AUTOCAST):
         raise ConfigError(f"dtype={dtype}: expected auto, 32 (fp32), bf16 or 16 (fp16)")
@@ -90,18 +85,10 @@ def resolve_dtype(dtype: str | int, device: str | torch.device) -> tuple[str, st
 
 @dataclass
 class Detector:
-    """A network (or an ONNX session) with what turns its outputs into named detections.
-
-    Attributes:
-        categories: label ``k`` -> name and dataset category id (``[0]`` = background).
-        settings: the decoder settings (part of the graph for an ONNX export).
-        net: maps (N, 3, 300, 300) normalised images to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
-        session: instead of ``net``, an onnxruntime session of an end-to-end export.
-        source: where the weights came from (for messages).
-        dtype: ``fp32``, or ``bf16``/``fp16``: the network under autocast in NHWC (channels_last),
-            as training validates (on a CPU, strided depthwise convolutions stay fp32 there); an ONNX
-            session runs its graph as exported.
-    """
+    """A network (images -> ``(locs (N, 4, 8732), logits (N, C, 8732))``) or an onnxruntime ``session`` of
+    an end-to-end export, with its ``categories`` (``[0]`` = background) and decoder ``settings``. ``dtype``
+    ``bf16``/``fp16``: autocast in channels_last, as training validates (strided depthwise convolutions
+    stay fp32 on a CPU)."""
 
     categories: CategoryMap
     settings: DecoderSettings = field(default_factory=DecoderSettings)
@@ -139,22 +126,13 @@ class Detector:
 
     @property
     def runs_on(self) -> str:
-        """``cpu``, ``cuda:0``, ... or ``onnxruntime <provider>``."""
         return f"onnxruntime {self.session.get_providers()[0]}" if self.session else str(self.device)
 
     @torch.inference_mode()
     def detect(self, images: Tensor, sizes: Sequence[tuple[int, int]]) -> list[dict[str, Tensor]]:
-        """Detections per image, boxes in original pixels.
-
-        Args:
-            images: (N, 3, S, S) float32 from :func:`ssd_lightning.inference.predict.preprocess`.
-            sizes: original ``(height, width)`` of each image.
-
-        Returns:
-            per image ``boxes`` (k, 4) float32 ltrb in original-image pixels (a checkpoint's not clipped,
-            as ``SSDLitModule.validation_step``'s; an ONNX export's clipped to the image), ``scores`` (k,),
-            ``labels`` (k,) int64 in 1..C-1, by descending score.
-        """
+        """``images`` (N, 3, S, S) from :func:`~ssd_lightning.inference.predict.preprocess`, ``sizes`` their
+        original ``(height, width)`` -> per image ``boxes`` (k, 4) ltrb in original pixels (not clipped, as
+        in validation; an ONNX export's clipped), ``scores`` (k,), ``labels`` (k,) in 1..C-1, best first."""
         if self.session is None:
             images = images.to(self.device)
             if self.dtype in _AUTOCAST:
@@ -164,26 +142,24 @@ class Detector:
             else:
                 locs, logits = self.net(images)
             return self.box_coder.detect(locs, logits, sizes, self.settings)
-        boxes, scores, labels, counts = self.session.run(
-            ["boxes", "scores", "labels", "num_detections"], {"images": images.float().cpu().numpy()}
+        *outputs, counts = self.session.run(
+            list(END_TO_END_OUTPUTS), {"images": images.float().cpu().numpy()}
         )
-        outputs = {"boxes": boxes, "scores": scores, "labels": labels}
+        keys = END_TO_END_OUTPUTS[:3]
         detections = [
-            {key: torch.from_numpy(value[i, :n]) for key, value in outputs.items()}
-            for i, n in enumerate(int(c) for c in counts)
+            {key: torch.from_numpy(value[i, : int(n)]) for key, value in zip(keys, outputs, strict=True)}
+            for i, n in enumerate(counts)
         ]
         return scale_to_pixels(detections, sizes)
 
 
-# ------------------------------------------------------------------------------------------ loading
 def _numbered(num_classes: int) -> CategoryMap:
     return CategoryMap.from_names([f"class_{k}" for k in range(1, num_classes)])
 
 
 def _load_run_config(config_path: Path):
-    """The run's composed config (unresolved), its ``paths`` set from ``.hydra/hydra.yaml``: outside the
-    training process the ``hydra:`` resolver knows nothing about that run. No project resolver is
-    registered: the keys read here (``model.net``, ``data.*`` annotation paths) use none."""
+    """The run's composed config (unresolved), ``paths`` set from ``.hydra/hydra.yaml`` (the ``hydra:``
+    resolver knows nothing of that run here; the keys read use no project resolver)."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(config_path)
@@ -204,8 +180,7 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
     root = OmegaConf.select(cfg, "data.root", throw_on_resolution_failure=False)
     candidates = []
     for split in ("val", "train"):
-        value = OmegaConf.select(cfg, f"data.{split}_annotations", throw_on_resolution_failure=False)
-        if value:
+        if value := OmegaConf.select(cfg, f"data.{split}_annotations", throw_on_resolution_failure=False):
             candidates.append(Path(str(value)))
         elif root:
             candidates.append(Path(str(root)) / f"annotations/instances_{split}2017.json")
@@ -230,8 +205,8 @@ def _categories_from_run(cfg, num_classes: int) -> CategoryMap:
 def _from_checkpoint(
     ckpt: Path, run_config: str | os.PathLike | None, trust_checkpoint: bool
 ) -> tuple[nn.Module, CategoryMap, Mapping, int]:
-    """(network with the model's weights, categories, saved decoder settings, input size) of a checkpoint:
-    from its model record, or (no record, or ``run_config`` given) from the run's config."""
+    """(network with weights, categories, saved decoder settings, input size) from the checkpoint's model
+    record, or (no record, or ``run_config`` given) from the run's config."""
     checkpoint = read_checkpoint(ckpt, trust_checkpoint=trust_checkpoint, what="ckpt_path")
     source = f"ckpt_path={ckpt}"
     record = read_model_record(checkpoint, source=source)
@@ -272,43 +247,34 @@ def _from_checkpoint(
 
 
 def _load_weights(net: nn.Module, checkpoint: Mapping[str, Any], prefix: str, ckpt: Path) -> None:
-    """``net`` gets the checkpoint's weights under ``prefix`` (``net.`` or the EMA's), strictly."""
     net.load_state_dict(model_weights(checkpoint, prefix, source=f"ckpt_path={ckpt}"), strict=True)
     if prefix != "net.":
         log.info("%s: the EMA weights (model.ema_decay with model.use_ema=true)", ckpt)
 
 
-def _onnx_providers(device: str | torch.device) -> list[str]:
-    """onnxruntime execution providers for ``device`` (``auto``: CUDA when this onnxruntime has it)."""
+def open_onnx(path: Path, device: str | torch.device) -> tuple[Any, dict[str, Any]]:
+    """An onnxruntime session of this project's export (``auto``: on CUDA when this onnxruntime has it) and
+    its metadata (``kind`` defaults to detector)."""
     import onnxruntime as ort
 
+    if not path.is_file():
+        raise FileNotFoundError(f"onnx={path} does not exist")
     available, device = ort.get_available_providers(), str(device)
     if device.startswith("cuda") and "CUDAExecutionProvider" not in available:
         raise ValueError(
             f"device={device}: this onnxruntime has no CUDAExecutionProvider (it has "
             f"{', '.join(available)}); install onnxruntime-gpu or use device=cpu"
         )
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     if device == "cpu" or (device == "auto" and "CUDAExecutionProvider" not in available):
-        return ["CPUExecutionProvider"]
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-
-
-def open_onnx(path: Path, device: str | torch.device) -> tuple[Any, dict[str, Any]]:
-    """An onnxruntime session of an export of this project and its metadata (``kind``: ``detector`` when
-    the file predates the entry)."""
-    import onnxruntime as ort
-
-    if not path.is_file():
-        raise FileNotFoundError(f"onnx={path} does not exist")
-    session = ort.InferenceSession(str(path), providers=_onnx_providers(device))
+        providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(str(path), providers=providers)
     meta = read_metadata(session.get_modelmeta().custom_metadata_map)
     meta.setdefault("kind", "detector")
     return session, meta
 
 
-def detector_from_onnx(
-    session: Any, meta: Mapping[str, Any], path: Path, decoder: Mapping | None
-) -> Detector:
+def detector_from_onnx(session: Any, meta: Mapping, path: Path, decoder: Mapping | None) -> Detector:
     """A :class:`Detector` running an end-to-end export (:func:`open_onnx`)."""
     outputs = tuple(o.name for o in session.get_outputs())
     if outputs != END_TO_END_OUTPUTS:
@@ -317,8 +283,7 @@ def detector_from_onnx(
             "runs end-to-end exports; write one with `python scripts/export_onnx.py ckpt_path=... "
             "end_to_end=true`"
         )
-    missing = set(METADATA_KEYS) - set(meta)
-    if missing:
+    if missing := set(METADATA_KEYS) - set(meta):
         raise ValueError(
             f"onnx={path} lacks the metadata {sorted(missing)} that scripts/export_onnx.py end_to_end=true "
             "writes (class names, decoder settings); re-export it with that script"
@@ -350,31 +315,16 @@ def load_detector(
     trust_checkpoint: bool = False,
     dtype: str | int = "fp32",
 ) -> Detector:
-    """A :class:`Detector` from exactly one source, in ``eval()`` mode on ``device`` (``auto``: CUDA when
-    available; for ONNX when onnxruntime has it).
+    """A :class:`Detector` from exactly one source, ``eval()`` on ``device`` (``auto``: CUDA when there).
 
-    * ``ckpt_path``: a Lightning checkpoint of ``SSDLitModule``. The network, its class names and dataset
-      category ids, input size and decoder settings come from the file's model record
-      (:mod:`ssd_lightning.io.model_record`); the file alone is enough. A checkpoint written before records
-      existed (or any, with ``run_config`` given) is rebuilt from the run's composed config (``run_config``,
-      default ``<run>/.hydra/config.yaml``) with ``hydra.utils.instantiate(cfg.model.net)`` (backbone
-      weights never downloaded); names and ids from the run's annotation file if still there, else
-      ``class_<k>``; decoder settings from ``hyper_parameters["decoder"]``.
-    * ``nvidia_checkpoint``: ``ssd300(backbone, num_classes)`` with the NVIDIA reference's weights; COCO
-      names and ids when ``num_classes == 81``.
-    * ``onnx``: an end-to-end export (:func:`ssd_lightning.inference.export.export_detector`) run with
-      onnxruntime; names, ids and decoder settings from its metadata (``decoder`` may only repeat them).
+    * ``ckpt_path``: an ``SSDLitModule`` checkpoint, rebuilt from its model record; without one (or with
+      ``run_config``) from the run's config (default ``<run>/.hydra/config.yaml``), names from the run's
+      annotation file if still there (else ``class_<k>``), decoder from ``hyper_parameters``.
+    * ``nvidia_checkpoint``: ``ssd300(backbone, num_classes)`` with NVIDIA's weights (COCO names at 81).
+    * ``onnx``: an end-to-end export run with onnxruntime; names, ids and decoder from its metadata.
 
-    ``dtype`` (:func:`resolve_dtype`) is the network's; an ONNX export runs as exported. ``decoder``
-    overrides the decoder settings (``None`` values are ignored). Checkpoints are read with
-    ``torch.load(weights_only=True)``; ``trust_checkpoint=True`` unpickles them fully (can run code).
-
-    Raises:
-        ValueError: none or several sources; an ONNX decoder override.
-        CheckpointReadError: a file of the wrong kind or a newer format; a checkpoint without a model
-            record whose run config is gone (the message says what to pass).
-        FileNotFoundError: a file missing.
-        UntrustedCheckpointError: the file holds more than tensors and plain values.
+    ``decoder`` overrides the decoder settings (``None`` ignored; ONNX: ValueError unless the same).
+    ``trust_checkpoint=True`` unpickles fully (can run code) instead of ``weights_only``.
     """
     if sum(x is not None for x in (ckpt_path, nvidia_checkpoint, onnx)) != 1:
         raise ValueError(
@@ -403,7 +353,6 @@ def load_detector(
 
 
 def load_detector_from_settings(settings: Mapping[str, Any]) -> Detector:
-    """:func:`load_detector` called with the keys of ``settings`` it takes (``configs/predict.yaml``, the
-    export command's keys); other keys (``input``, ``output``, ...) are left out."""
+    """:func:`load_detector` with the keys of ``settings`` (``configs/predict.yaml``) it takes."""
     names = inspect.signature(load_detector).parameters
     return load_detector(**{key: value for key, value in settings.items() if key in names})

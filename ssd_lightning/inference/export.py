@@ -1,21 +1,17 @@
 """ONNX export of a detector: the network alone (:func:`export_network`) or with decoding and NMS in the
 graph (:class:`EndToEndSSD`, :func:`export_end_to_end`); :func:`export_detector` does either.
 
-:class:`EndToEndSSD` maps images to fixed-size detection tensors and computes what
-:meth:`BoxCoder.decode <ssd_lightning.models.boxes.BoxCoder.decode>` computes, from the same box decoding
-and class scores, with only ops that export to ONNX: ``TopK``, ``Gather``, ``NonMaxSuppression``,
-``ScatterND`` (opset 11+). The end-to-end file stores the class names and decoder settings in its metadata
-(:func:`read_metadata`). Both use the TorchScript-based exporter (``dynamo=False``).
+:class:`EndToEndSSD` computes what :meth:`BoxCoder.decode <ssd_lightning.models.boxes.BoxCoder.decode>`
+computes into fixed-size tensors, with ONNX ops only (``TopK``, ``Gather``, ``NonMaxSuppression``,
+``ScatterND``; opset 11+); class names and decoder settings go into the file's metadata. Both use the
+TorchScript-based exporter (``dynamo=False``). How ``NonMaxSuppression`` follows the decoder's rules:
 
-How the ONNX ``NonMaxSuppression`` operator is made to follow the decoder's rules:
-
-* every (image, class) pair is one NMS "batch" row holding that class's top-k candidates, so boxes are
-  gathered per class first and the operator's own per-class loop is not used (it would see all 8732
-  boxes, not the top-k);
-* the operator suppresses when IoU ``>`` its threshold; the decoder when IoU ``>=`` ``nms_iou``. Passing the
-  float32 just below ``nms_iou`` makes the two rules identical for every float32 IoU;
-* ties: ``TopK`` in onnxruntime puts the smaller index first among equal values, the decoder the larger.
-  Rows are reversed before each ``TopK`` so the graph resolves ties as the decoder does.
+* every (image, class) pair is one NMS "batch" row of that class's top-k candidates (the operator's own
+  per-class loop would see all 8732 boxes, not the top-k);
+* it suppresses at IoU ``>`` its threshold, the decoder at ``>=`` ``nms_iou``: the float32 just below
+  ``nms_iou`` makes the rules identical for every float32 IoU;
+* ties: onnxruntime's ``TopK`` puts the smaller index first, the decoder the larger, so rows are reversed
+  before each ``TopK``.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from ssd_lightning.inference.classifier import CLASSIFIER_OUTPUTS, Classifier
 from ssd_lightning.inference.detector import Detector
 from ssd_lightning.inference.onnx_format import (
     END_TO_END_OUTPUTS,
-    METADATA_KEYS,
     NETWORK_OUTPUTS,
     metadata_entry,
     read_metadata,
@@ -43,8 +38,6 @@ from ssd_lightning.models.boxes import BoxCoder, DecoderSettings, _batched_greed
 
 __all__ = [
     "END_TO_END_OUTPUTS",
-    "METADATA_KEYS",
-    "NETWORK_OUTPUTS",
     "EndToEndSSD",
     "compare_with_decoder",
     "detection_difference",
@@ -59,11 +52,8 @@ __all__ = [
 
 
 class _ClasswiseNMS(torch.autograd.Function):
-    """Greedy NMS inside every row; exported as one ONNX ``NonMaxSuppression`` node.
-
-    Inputs: boxes (G, K, 4) ltrb, each row sorted by descending score; scores (G, 1, K).
-    Output: selected (M, 3) int64 ``[row, 0, candidate index]``, as ``NonMaxSuppression`` returns them.
-    """
+    """Greedy NMS inside every row of boxes (G, K, 4) ltrb sorted by score, scores (G, 1, K) -> selected
+    (M, 3) int64 ``[row, 0, candidate]``; exported as one ONNX ``NonMaxSuppression`` node."""
 
     @staticmethod
     def forward(
@@ -83,19 +73,13 @@ class _ClasswiseNMS(torch.autograd.Function):
         max_per_row = g.op("Constant", value_t=torch.tensor([max_per_row]))
         iou = g.op("Constant", value_t=torch.tensor([float(iou_below)], dtype=torch.float32))
         score = g.op("Constant", value_t=torch.tensor([score_thresh], dtype=torch.float32))
-        # center_point_box=0: corner boxes; (l, t, r, b) is read as (y1, x1, y2, x2), which swaps the
-        # axes and leaves every IoU unchanged.
+        # center_point_box=0: (l, t, r, b) read as (y1, x1, y2, x2) swaps the axes, no IoU changes
         return g.op("NonMaxSuppression", boxes, scores, max_per_row, iou, score, center_point_box_i=0)
 
 
 def _topk_later_first(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """``topk`` along the last dim, best first; among equal values the larger index first (the decoder's
-    rule).
-
-    Eager: the decoder's own ``_topk_rows``. Exporting: ONNX ``TopK`` as onnxruntime implements it puts the
-    smaller index first among equal values, so the row is read backwards (``torch.topk`` on the CPU has no
-    defined tie order, hence the two paths).
-    """
+    """``topk`` along the last dim, best first, ties to the larger index (the decoder's rule). Eager: the
+    decoder's ``_topk_rows`` (``torch.topk`` on the CPU has no tie order); exporting: the row reversed."""
     length = values.shape[-1]
     if not torch.jit.is_tracing():
         top, idx = _topk_rows(values.reshape(-1, length), k)
@@ -113,18 +97,10 @@ def select_detections(
     topk_per_class: int,
     max_detections: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Decoded boxes and foreground class scores -> fixed-size detections (the decoder's selection).
-
-    Args:
-        boxes: (N, B, 4) float32 ltrb relative to the image (:meth:`BoxCoder.decode_boxes`).
-        class_scores: (N, C - 1, B) float32 softmax scores of the foreground classes 1..C-1.
-        score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
-
-    Returns:
-        ``boxes`` (N, K, 4) float32 ltrb clipped to [0, 1], ``scores`` (N, K) float32, ``labels`` (N, K)
-        int64 in 1..C-1, ``num_detections`` (N,) int64, with K = ``max_detections``; rows are sorted by
-        descending score and rows ``>= num_detections`` are zeros (label 0 = padding).
-    """
+    """The decoder's selection as fixed-size tensors: ``boxes`` (N, B, 4) relative ltrb
+    (:meth:`BoxCoder.decode_boxes`) and foreground softmax ``class_scores`` (N, C - 1, B) -> ``boxes``
+    (N, K, 4) clipped to [0, 1], ``scores`` (N, K), ``labels`` (N, K) int64 in 1..C-1, ``num_detections``
+    (N,), K = ``max_detections``; best first, rows past ``num_detections`` zero (label 0 = padding)."""
     # static sizes (only the batch is dynamic in the exported graph)
     n_fg, n_box = int(class_scores.shape[1]), int(class_scores.shape[2])
     k = min(topk_per_class, n_box)
@@ -161,19 +137,9 @@ def select_detections(
 
 
 class EndToEndSSD(nn.Module):
-    """Images -> detections, decoding and NMS included; exportable to ONNX (:func:`export_end_to_end`).
-
-    Args:
-        net: maps (N, 3, H, W) normalised images to ``(locs (N, 4, B), logits (N, C, B))``.
-        box_coder: the :class:`BoxCoder` of ``net``'s default boxes.
-        score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
-
-    ``forward(images)`` returns :func:`select_detections`' four tensors; the first ``num_detections`` rows
-    are ``BoxCoder.decode``'s detections (boxes relative to the image, clipped to [0, 1]).
-
-    Raises:
-        ValueError: ``topk_per_class`` or ``max_detections`` < 1, ``nms_iou`` not in (0, 1],
-            ``score_thresh`` not in [0, 1).
+    """Images -> :func:`select_detections`' four tensors (``net``: images -> ``(locs (N, 4, B), logits
+    (N, C, B))``, decoded by ``box_coder``); exportable (:func:`export_end_to_end`). ValueError for
+    ``topk_per_class`` or ``max_detections`` < 1, ``nms_iou`` not in (0, 1], ``score_thresh`` not in [0, 1).
     """
 
     def __init__(
@@ -204,9 +170,8 @@ class EndToEndSSD(nn.Module):
         return self.decode(*self.net(images))
 
     def decode(self, locs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Network outputs ``locs`` (N, 4, B), ``logits`` (N, C, B) -> the four outputs of ``forward``."""
         boxes = self.box_coder.decode_boxes(locs)  # (N, B, 4), as BoxCoder.decode
-        class_scores = self.box_coder.foreground_scores(logits)  # (N, C-1, B), as BoxCoder.decode
+        class_scores = self.box_coder.foreground_scores(logits)  # (N, C-1, B)
         return select_detections(boxes, class_scores, **self.decoder_settings)
 
 
@@ -218,10 +183,8 @@ def export_end_to_end(
     metadata: Mapping[str, Any] | None = None,
     opset: int = 17,
 ) -> Path:
-    """Write ``model`` to ``output`` as ONNX: input ``images`` (N, 3, S, S) float32, outputs
-    :data:`END_TO_END_OUTPUTS`, N dynamic. ``metadata`` (JSON-able values, e.g. ``class_names``,
-    ``category_ids``) is stored with the decoder settings and ``image_size``; see :func:`read_metadata`.
-    """
+    """Write ``model`` as ONNX: ``images`` (N, 3, S, S) -> :data:`END_TO_END_OUTPUTS`, N dynamic; ``metadata``
+    (JSON-able: ``class_names``, ``category_ids``) stored with the decoder settings and ``image_size``."""
     if opset < 11:
         raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
     output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
@@ -230,7 +193,6 @@ def export_end_to_end(
 
 
 def _with_metadata(output: Path, entries: Mapping[str, Any]) -> Path:
-    """Add ``entries`` (JSON-able values) to the ONNX file ``output``'s metadata, check it, save it."""
     import onnx
 
     proto = onnx.load(str(output))
@@ -243,9 +205,8 @@ def _with_metadata(output: Path, entries: Mapping[str, Any]) -> Path:
 
 
 def export_classifier(classifier: Classifier, output: str | os.PathLike, *, opset: int = 17) -> Path:
-    """Write ``classifier``'s network as ONNX: input ``images`` (N, 3, S, S) float32 (its
-    :meth:`~ssd_lightning.inference.classifier.Classifier.preprocess`), output ``logits`` (N, K), N dynamic;
-    class names and the input transform in the metadata, so ``predict.py onnx=<file>`` runs it as it is."""
+    """Write ``classifier``'s network as ONNX: ``images`` (N, 3, S, S) -> ``logits`` (N, K), N dynamic; class
+    names and input transform in the metadata (``predict.py onnx=<file>`` runs it as it is)."""
     if classifier.net is None:
         raise ValueError(f"{classifier.source} is already an ONNX export")
     output = _trace(classifier.net, output, CLASSIFIER_OUTPUTS, image_size=classifier.image_size, opset=opset)
@@ -255,7 +216,6 @@ def export_classifier(classifier: Classifier, output: str | os.PathLike, *, opse
 def _trace(
     model: nn.Module, output: str | os.PathLike, outputs: tuple[str, ...], *, image_size: int, opset: int
 ) -> Path:
-    """``torch.onnx.export`` of ``model`` (images (N, 3, S, S) -> ``outputs``), N dynamic, on the CPU."""
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval().float().cpu()
@@ -274,8 +234,7 @@ def _trace(
 def export_network(
     net: nn.Module, output: str | os.PathLike, *, opset: int = 17, image_size: int = 300
 ) -> Path:
-    """Write ``net`` as ONNX: input ``images`` (N, 3, S, S) float32, outputs ``locs`` (N, 4, B) and
-    ``logits`` (N, C, B) (:data:`NETWORK_OUTPUTS`), N dynamic; decoding stays outside the graph."""
+    """Write ``net`` as ONNX: ``images`` (N, 3, S, S) -> ``locs`` (N, 4, B), ``logits`` (N, C, B)."""
     import onnx
 
     output = _trace(net, output, NETWORK_OUTPUTS, image_size=image_size, opset=opset)
@@ -286,8 +245,7 @@ def export_network(
 def network_difference(
     net: nn.Module, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0, image_size: int = 300
 ) -> float:
-    """Largest |PyTorch - onnxruntime (CPU)| over the outputs of a network export (a detector's network
-    or a classifier), random batch."""
+    """Largest |PyTorch - onnxruntime (CPU)| over a network export's outputs on a random batch."""
     import onnxruntime as ort
 
     images = torch.randn(batch_size, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed))
@@ -302,12 +260,8 @@ def network_difference(
 def export_detector(
     detector: Detector, output: str | os.PathLike, *, end_to_end: bool = False, opset: int = 17
 ) -> tuple[Path, nn.Module]:
-    """Export the network of ``detector`` (a checkpoint's or NVIDIA's, not an ONNX one): network only, or
-    with its decoder settings in the graph (``end_to_end``) and its class names and ids as metadata.
-
-    Returns:
-        the file and the exported module (``detector.net`` or the :class:`EndToEndSSD` around it).
-    """
+    """Export ``detector``'s network alone, or with its decoder in the graph and names and ids as metadata
+    (``end_to_end``). Returns the file and the exported module (``net`` or the :class:`EndToEndSSD`)."""
     if detector.net is None:
         raise ValueError(f"{detector.source} is already an ONNX export")
     if not end_to_end:
@@ -326,17 +280,9 @@ def detection_difference(
     scores_b: np.ndarray,
     labels_b: np.ndarray,
 ) -> float:
-    """How far apart two sets of detections of one image are, whatever their order.
-
-    Each detection of ``a`` is matched to an unused one of ``b`` with the same label and the closest
-    box and score (the closest pairs first, so near-equal scores in a different order still pair up).
-
-    Args: boxes (k, 4), scores (k,), labels (k,) of each.
-
-    Returns:
-        the largest |difference| of box coordinates or scores over the matched pairs; ``inf`` when the
-        counts or the labels differ.
-    """
+    """Largest |difference| of box coordinates or scores between two sets of one image's detections (boxes
+    (k, 4), scores (k,), labels (k,)), whatever their order; ``inf`` when the counts or labels differ. Each
+    of ``a`` is paired with an unused one of ``b`` of its label, closest pairs first."""
     boxes_a, boxes_b = np.asarray(boxes_a, np.float64), np.asarray(boxes_b, np.float64)
     scores_a, scores_b = np.asarray(scores_a, np.float64), np.asarray(scores_b, np.float64)
     labels_a, labels_b = np.asarray(labels_a), np.asarray(labels_b)
@@ -359,9 +305,8 @@ def detection_difference(
 def compare_with_decoder(
     model: EndToEndSSD, onnx_file: str | os.PathLike, *, batch_size: int = 2, seed: int = 0
 ) -> float:
-    """Run ``onnx_file`` with onnxruntime (CPU) and ``model.net`` + :meth:`BoxCoder.decode` in PyTorch on
-    the same random batch: the largest :func:`detection_difference` over the images (decode's boxes
-    clipped to [0, 1] as the graph's are); ``inf`` when they find different detections."""
+    """The largest :func:`detection_difference` between ``onnx_file`` (onnxruntime, CPU) and ``model.net`` +
+    :meth:`BoxCoder.decode` (boxes clipped to [0, 1]) on a random batch."""
     import onnxruntime as ort
 
     images = torch.randn(batch_size, 3, 300, 300, generator=torch.Generator().manual_seed(seed))

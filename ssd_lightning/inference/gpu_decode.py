@@ -1,6 +1,5 @@
 """JPEGs decoded on a CUDA device (nvJPEG through ``torchvision.io.decode_jpeg``) into the network's input
-and a picture-sized copy, for ``predict.py`` when the detector runs on CUDA. Only the picture (at most
-``picture_size`` on its longer side) comes back to host memory, and only when pictures are drawn.
+and a picture-sized copy (the only thing copied back to the host, and only when pictures are drawn).
 """
 
 from __future__ import annotations
@@ -48,10 +47,9 @@ def decode_jpegs_on(
     paths: Sequence[Path], orientations: Sequence[int], device: torch.device
 ) -> list[Tensor | None]:
     """The JPEGs at ``paths`` as (3, H, W) uint8 RGB on ``device``, each turned by its EXIF orientation;
-    None for a file nvJPEG refuses (corrupt) or one that does not end in the JPEG end marker (cut off, or
-    with data after the image: nvJPEG fills a cut-off image with grey): the host reads those and says
-    what is wrong. One batched call (on an A100/H100/H200: the hardware JPEG decoder), or, when that
-    fails, one call per file to find which."""
+    None for a file nvJPEG refuses or that does not end in the JPEG end marker (nvJPEG fills a cut-off
+    image with grey): the host reads those and says what is wrong. One batched call (on A100/H100/H200
+    the hardware decoder), or one per file when that fails."""
     data = [torch.from_numpy(np.fromfile(path, dtype=np.uint8)) for path in paths]
     whole = [k for k, one in enumerate(data) if bytes(one[-2:].tolist()) == b"\xff\xd9"]
     images: list[Tensor | None] = [None] * len(data)
@@ -82,9 +80,8 @@ def _decode(data: Tensor | list[Tensor], device: torch.device) -> Tensor | list[
 
 
 def network_input(image: Tensor, size: int = 300) -> Tensor:
-    """(3, H, W) uint8 -> (3, size, size) float32 ImageNet-normalised, resized without letterbox
-    (bilinear with antialiasing: PIL's ``BILINEAR`` resize, as :func:`~ssd_lightning.inference.predict.
-    preprocess` does on the host, to within rounding)."""
+    """(3, H, W) uint8 -> (3, size, size) float32 ImageNet-normalised: the host's ``preprocess`` (PIL
+    ``BILINEAR`` is antialiased) to within rounding."""
     resized = F.interpolate(image[None].float(), size=(size, size), mode="bilinear", antialias=True)[0]
     mean, std = (torch.tensor(v, device=image.device).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     return (resized - mean) / std

@@ -21,8 +21,7 @@ def metadata_entry(key: str, value: Any) -> tuple[str, str]:
 
 
 def read_metadata(custom_metadata: Mapping[str, str]) -> dict[str, Any]:
-    """Decode the entries of :func:`metadata_entry` from an ``onnxruntime`` session's
-    ``get_modelmeta().custom_metadata_map`` (or the file's ``metadata_props`` as a dict)."""
+    """The :func:`metadata_entry` entries of an onnxruntime ``custom_metadata_map`` (or metadata_props)."""
     return {
         k.removeprefix(_PREFIX): json.loads(v) for k, v in custom_metadata.items() if k.startswith(_PREFIX)
     }

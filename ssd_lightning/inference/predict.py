@@ -43,7 +43,6 @@ from ssd_lightning.inference.classifier import Classifier
 from ssd_lightning.inference.detector import Detector, resolve_dtype
 from ssd_lightning.inference.loading import load_model_from_settings
 from ssd_lightning.inference.sources import (
-    IMAGE_EXTENSIONS,
     InputImage,
     collect_inputs,
     load_annotation_file,
@@ -54,7 +53,6 @@ from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.tables import markdown_table
 
 __all__ = [
-    "IMAGE_EXTENSIONS",
     "InputImage",
     "categories_for_annotations",
     "classify_images",
@@ -75,18 +73,14 @@ def preprocess(image: Image.Image, size: int = 300) -> Tensor:
     ``(pixel - mean) / std`` with the ImageNet mean/std on the 0..255 scale."""
     rgb = image.convert("RGB").resize((size, size), Image.BILINEAR)
     array = torch.from_numpy(np.asarray(rgb, dtype=np.float32).copy()).permute(2, 0, 1)  # (3, S, S) 0..255
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
     return (array - mean) / std
 
 
 def open_image(path: Path, min_side: int = 0) -> tuple[Image.Image, tuple[int, int]]:
-    """Decode fully (so a truncated file fails here, not later) and apply the EXIF orientation.
-
-    ``min_side > 0``: a JPEG is decoded at the smallest of libjpeg's DCT scales (1/2, 1/4, 1/8: PIL's
-    ``draft``) at which both sides stay >= ``min_side``; other files, and JPEGs too small for that, are
-    decoded as they are. Returns the image and the full image's ``(height, width)`` after orientation (what
-    detections are mapped back to)."""
+    """The image, EXIF-oriented and decoded fully (a truncated file fails here), and the full image's
+    ``(height, width)`` after orientation (what detections are mapped to). ``min_side > 0``: a JPEG is
+    decoded at the smallest libjpeg DCT scale (PIL ``draft``: 1/2, 1/4, 1/8) keeping both sides >= it."""
     with Image.open(path) as img:
         width, height = img.size
         if img.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a quarter turn
@@ -97,14 +91,13 @@ def open_image(path: Path, min_side: int = 0) -> tuple[Image.Image, tuple[int, i
         return ImageOps.exif_transpose(img).convert("RGB"), (height, width)
 
 
-# ------------------------------------------------------------------------------------------ reading
 READ_ERRORS = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True)
 class _Read:
-    """One input read: the decoded ``image`` (reduced for a large JPEG with ``fast_decode``), the full
-    image's ``size`` ``(height, width)``, the network's ``tensor``; or ``reason`` why it could not be read."""
+    """One input: decoded ``image`` (maybe reduced), full-image ``size`` (h, w), network ``tensor``; or the
+    ``reason`` it could not be read."""
 
     index: int
     item: InputImage
@@ -129,7 +122,6 @@ def _cuda_device_of(detector: Detector) -> torch.device | None:
 
 
 def _one_at_a_time(read: Callable[[int, InputImage], _Read]) -> Callable[..., list[_Read]]:
-    """``read(index, item)`` as a reader of chunks: ``(start, items) -> [_Read]``."""
     return lambda start, chunk: [read(start + k, item) for k, item in enumerate(chunk)]
 
 
@@ -141,9 +133,8 @@ def _read_on_gpu(
     picture_size: int,
     host: Callable[[int, InputImage], _Read],
 ) -> list[_Read]:
-    """The JPEGs of ``chunk`` decoded together, resized and normalised on ``device`` (each picture, at most
-    ``picture_size``, copied to the host; none for 0); other files, and JPEGs nvJPEG refuses, read by
-    ``host`` (whose message names what is wrong) and their tensor moved to ``device``."""
+    """``chunk``'s JPEGs decoded together and preprocessed on ``device`` (pictures of at most
+    ``picture_size`` copied to the host; none for 0); other files and refused JPEGs read by ``host``."""
     from ssd_lightning.inference import gpu_decode
 
     def on_host(index: int) -> _Read:
@@ -174,18 +165,15 @@ def _read_on_gpu(
 
 
 class _Pool:
-    """``workers`` threads for reading ahead and for writing pictures behind the network, each bounded to
-    ``window`` tasks in flight (0 workers: everything in the calling thread, in order)."""
+    """``workers`` threads reading ahead of the network and writing pictures behind it, at most ``window``
+    tasks each way (0 workers: all in the calling thread)."""
 
     def __init__(self, workers: int, window: int) -> None:
         self.executor = ThreadPoolExecutor(workers, "predict") if workers > 0 else None
         self.window = window
         self.behind: deque[Future] = deque()
 
-    def read_ahead(
-        self, items: Sequence[InputImage], read: Callable[..., list[_Read]], chunk: int = 1
-    ) -> Iterator[_Read]:
-        """Every item read, in input order: ``read(start, items[start : start + chunk])`` per chunk."""
+    def read_ahead(self, items: Sequence[InputImage], read: Callable, chunk: int = 1) -> Iterator[_Read]:
         starts = range(0, len(items), chunk)
         if self.executor is None:
             for start in starts:
@@ -200,8 +188,7 @@ class _Pool:
             yield from ahead.popleft().result()
 
     def later(self, task: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """``task(*args, **kwargs)`` in the background; beyond ``window`` pending, waits for the oldest (its
-        error, e.g. a full disk, is raised here)."""
+        """``task`` in the background; beyond ``window`` pending, waits for the oldest (raising its error)."""
         if self.executor is None:
             task(*args, **kwargs)
             return
@@ -210,7 +197,6 @@ class _Pool:
             self.behind.popleft().result()
 
     def close(self, wait: bool) -> None:
-        """Wait for the pending tasks (``wait``; the first error is raised) or cancel them; then stop."""
         if self.executor is None:
             return
         try:
@@ -224,14 +210,12 @@ class _Progress:
     """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a log line at every tenth of the inputs."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.next_line = total, 0, total / 10
-        on_terminal = enabled and sys.stderr.isatty()
-        self.bar = None
-        if on_terminal:
+        self.total, self.done, self.next_line, self.bar = total, 0, total / 10, None
+        if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="img", dynamic_ncols=True)
-        self.lines = enabled and not on_terminal
+        self.lines = enabled and self.bar is None
 
     def update(self, n: int) -> None:
         self.done += n
@@ -246,7 +230,6 @@ class _Progress:
             self.bar.close()
 
 
-# ------------------------------------------------------------------------------------------ running
 def _picture_name(name: str, used: set[str]) -> str:
     """``<name without suffix>.jpg``, or ``..._<k>.jpg`` for the k-th other input of that stem."""
     stem = PurePosixPath(name).with_suffix("").as_posix()
@@ -260,14 +243,12 @@ def _picture_name(name: str, used: set[str]) -> str:
 def _write_picture(
     path: Path, read: _Read, boxes: Any, labels: Any, scores: Any, picture_size: int, **draw: Any
 ) -> None:
-    """``read``'s image with ``boxes`` (ltrb in full-image pixels) drawn, its longer side at most
-    ``picture_size``, as a JPEG at ``path``."""
+    """``read``'s image with ``boxes`` (ltrb, full-image pixels) drawn, longer side <= ``picture_size``."""
     from ssd_lightning.visualize import draw_detections
 
     image = read.image
-    shrink = image.width / read.size[1]  # the decoded image's pixels per full-image pixel
+    boxes = np.asarray(boxes, dtype=np.float64) * (image.width / read.size[1])  # to the decoded pixels
     scale = min(1.0, picture_size / max(image.size))
-    boxes = np.asarray(boxes, dtype=np.float64) * shrink
     picture = draw_detections(image, boxes, labels, scores, scale=scale, **draw)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,12 +260,9 @@ def _write_picture(
 def _results_of(
     read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap
 ) -> tuple[list[dict[str, Any]], dict[str, Any], np.ndarray]:
-    """One image's detections as COCO results (boxes clipped to the image), its ``predictions.jsonl``
-    record, and the clipped boxes (ltrb, pixels)."""
+    """COCO results (boxes clipped to the image), ``predictions.jsonl`` record, clipped ltrb boxes."""
     height, width = read.size
-    boxes = det["boxes"].cpu().double().numpy().copy()
-    boxes[:, 0::2] = boxes[:, 0::2].clip(0, width)
-    boxes[:, 1::2] = boxes[:, 1::2].clip(0, height)
+    boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
     labels = det["labels"].cpu().numpy()
     rows = to_coco_array([image_id], [boxes], [det["scores"].cpu().numpy()], [labels], categories)
     entries = coco_array_to_results(rows)
@@ -316,32 +294,18 @@ def predict_images(
     gpu_decode: bool = True,
     keep_results: bool = True,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Detect objects in ``inputs``; write annotated pictures, ``predictions.jsonl`` and
-    ``predictions.json`` to ``output_dir``.
+    """Detect objects in ``inputs``; write pictures, ``predictions.jsonl`` and ``predictions.json`` to
+    ``output_dir``; return (the COCO results, ``[]`` without ``keep_results``; unreadable ``(path, reason)``).
 
-    ``predictions.json`` is in COCO results format (:func:`ssd_lightning.evaluation.to_coco_array`: bbox to
-    0.001 px, score to 1e-5), one entry per detection the decoder keeps: ``image_id`` (``image_ids[i]`` for
-    input ``i``, default ``i``; failures keep their place), ``category_id`` (from ``categories``, default
-    the detector's), ``bbox`` ``[x, y, w, h]`` in original pixels clipped to the image, ``score``, plus
-    ``file_name`` (the input's ``name``: its path relative to the input folder; a plain path is named by its
-    file name) and ``category_name``. ``predictions.jsonl`` gets one line per input as it is done (flushed,
-    so an interrupted run keeps what it did): ``image_id``, ``file_name``, ``height``, ``width`` and
-    ``detections`` (the entries above without the first two), or ``error`` for an unreadable file.
-    ``predictions.json`` is made from it at the end (streamed, written atomically), so memory does not grow
-    with the number of images unless ``keep_results`` also returns the entries.
-
-    ``fast_decode``: JPEGs are decoded at the smallest libjpeg scale that keeps both sides >= twice the
-    network input (:func:`open_image`); false decodes every pixel (the detections of earlier versions,
-    exactly, with ``gpu_decode=False`` on CUDA). ``gpu_decode`` with the network on CUDA: JPEGs are decoded
-    (nvJPEG) and preprocessed on the GPU; other files as on a CPU. Pictures ``<output_dir>/<name>.jpg``
-    (subfolders kept, the suffix replaced; ``_1``, ``_2``... for further inputs of the same name) show
-    detections with score >= ``draw_score_thresh`` on the image as decoded, its longer side at most
-    ``picture_size``. The log's last line gives the images per second of the loop (reading, detecting,
-    drawing; not loading the detector).
-
-    Returns:
-        (the COCO results, or ``[]`` without ``keep_results``; the unreadable files, skipped and logged,
-        as ``(path, reason)``).
+    ``predictions.json``: COCO results (:func:`~ssd_lightning.evaluation.to_coco_array`), ``image_id`` =
+    ``image_ids[i]`` for input ``i`` (default ``i``), ids of ``categories`` (default the detector's), bbox
+    in original pixels clipped to the image, plus ``file_name`` (the input's ``name``) and
+    ``category_name``. ``predictions.jsonl`` gets a line per input as it is done: ``image_id``,
+    ``file_name``, ``height``, ``width``, ``detections`` (or ``error``); ``predictions.json`` is streamed
+    from it at the end, so memory does not grow with the inputs. ``fast_decode``: JPEGs decoded at the
+    smallest libjpeg scale keeping both sides >= twice the network input (false, with ``gpu_decode=False``
+    on CUDA: earlier versions' detections). ``gpu_decode``: on CUDA, JPEGs decoded and preprocessed there.
+    Pictures ``<name>.jpg`` (``_1``... for repeated names) show scores >= ``draw_score_thresh``.
     """
     items = [_as_input(item) for item in inputs]
     ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
@@ -370,23 +334,24 @@ def predict_images(
                 )  # fmt: skip
         return records
 
-    read, chunk = _detector_reader(detector, fast_decode, gpu_decode, picture_size if draw else 0, batch_size)
+    size = detector.image_size
+    host = partial(_read, transform=partial(preprocess, size=size), min_side=2 * size if fast_decode else 0)
+    device = _cuda_device_of(detector) if gpu_decode else None
+    read, chunk = _one_at_a_time(host), 1
+    if device is not None:  # one batch's JPEGs decoded together
+        shown = picture_size if draw else 0
+        read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
+        chunk = batch_size
     options = {"batch_size": batch_size, "workers": workers, "progress": progress, "chunk": chunk}
     failures = _run_batches(items, ids, read, run, output_dir, **options)
     count = _results_json_from_lines(output_dir / "predictions.jsonl", output_dir / "predictions.json")
-    log.info(
-        "%d image(s), %d detection(s) -> %s",
-        len(items) - len(failures),
-        count,
-        output_dir / "predictions.json",
-    )
+    done, target = len(items) - len(failures), output_dir / "predictions.json"
+    log.info("%d image(s), %d detection(s) -> %s", done, count, target)
     return results, failures
 
 
 def _results_json_from_lines(lines: Path, target: Path) -> int:
-    """``target``, the COCO results list of the ``predictions.jsonl`` records in ``lines`` (each entry as
-    :func:`_results_of` made it: ``image_id``, its detection's keys, ``file_name`` before
-    ``category_name``), written one entry at a time. Returns the number of entries."""
+    """``target``: the COCO results of the records in ``lines``, streamed; returns their number."""
     count = 0
 
     def write(out: Any) -> None:
@@ -396,25 +361,13 @@ def _results_json_from_lines(lines: Path, target: Path) -> int:
             for record in map(json.loads, records):
                 for found in record.get("detections", ()):
                     entry = {"image_id": record["image_id"], **found, "file_name": record["file_name"]}
-                    entry["category_name"] = entry.pop("category_name")
+                    entry["category_name"] = entry.pop("category_name")  # after file_name
                     out.write((", " if count else "") + json.dumps(entry))
                     count += 1
         out.write("]")
 
     atomic_write(target, write)
     return count
-
-
-def _detector_reader(
-    detector: Detector, fast_decode: bool, gpu_decode: bool, picture_size: int, batch_size: int
-) -> tuple[Callable[..., list[_Read]], int]:
-    """``(read, chunk)`` for :meth:`_Pool.read_ahead`; with ``gpu_decode`` on CUDA: one batch's JPEGs."""
-    size = detector.image_size
-    host = partial(_read, transform=partial(preprocess, size=size), min_side=2 * size if fast_decode else 0)
-    device = _cuda_device_of(detector) if gpu_decode else None
-    if device is None:
-        return _one_at_a_time(host), 1
-    return partial(_read_on_gpu, device=device, size=size, picture_size=picture_size, host=host), batch_size
 
 
 def _run_batches(
@@ -429,11 +382,9 @@ def _run_batches(
     progress: bool,
     chunk: int = 1,
 ) -> list[tuple[Path, str]]:
-    """Read ``items`` ahead in ``workers`` threads, ``chunk`` items a task (at most
-    ``max(2 * batch_size, 4 * workers)`` items ahead), and call ``run`` on batches of :class:`_Read`; the
-    records it returns go to ``<output_dir>/predictions.jsonl`` as they come (flushed), one per image.
-    Unreadable files are logged, recorded there as ``{"image_id": ids[i], "file_name", "error"}`` and
-    skipped. Returns them as ``(path, reason)``; logs the rate."""
+    """Read ``items`` ahead (``chunk`` per task, at most ``max(2 * batch_size, 4 * workers)`` items), call
+    ``run`` per batch and write its records to ``predictions.jsonl`` as they come; unreadable files are
+    logged, recorded there with an ``error`` and returned as ``(path, reason)``. Logs the rate."""
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size}: must be >= 1")
     failures: list[tuple[Path, str]] = []
@@ -477,12 +428,7 @@ def imagefolder_labels(
     inputs: Sequence[InputImage], root: str | os.PathLike, class_names: Sequence[str]
 ) -> list[int]:
     """The true label of each input in an ImageFolder layout: its first folder below ``root``, by name
-    among ``class_names``.
-
-    Raises:
-        DataError: an image outside ``root``, or in a folder that is not one of the classes (checked before
-            anything runs; the message names them).
-    """
+    among ``class_names``. DataError for an image outside ``root`` or in a folder that is not a class."""
     root = Path(root)
     label_of = {name: k for k, name in enumerate(class_names)}
     labels, outside, unknown = [], [], set()
@@ -522,19 +468,10 @@ def classify_images(
     labels: Sequence[int] | None = None,
     picture_size: int = 1280,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Classify ``inputs``; write ``predictions.json`` (and, with ``draw``, pictures) to ``output_dir``.
-
-    ``predictions.json`` holds one entry per readable image, in input order: ``image_id`` (the input's
-    index), ``file_name`` (its name, as for detection), ``top_k``: the ``top_k`` most likely classes as
-    ``{"label", "name", "score"}`` (softmax probability, to 1e-5), best first; ``predictions.jsonl`` gets
-    each entry (or an ``error``) as it is done, as for detection. Pictures ``<output_dir>/<name>.jpg`` (longer
-    side at most ``picture_size``) show the image framed in the top class's colour with its name and score.
-    With the true ``labels`` of the inputs (:func:`imagefolder_labels`), top-1 and top-5 accuracy (overall
-    and per class) are logged and written to ``<output_dir>/classification_eval.json``.
-
-    Returns:
-        (the entries, the unreadable files as ``(path, reason)``).
-    """
+    """Classify ``inputs`` into ``<output_dir>/predictions.json`` (``.jsonl`` and pictures as for detection):
+    per readable image ``image_id`` (input index), ``file_name``, ``top_k`` (``{"label", "name", "score"}``,
+    best first). With the true ``labels``, top-1/top-5 accuracy goes to ``classification_eval.json``.
+    Returns (the entries, the unreadable ``(path, reason)``)."""
     items = [_as_input(item) for item in inputs]
     names = classifier.class_names
     k = max(1, min(int(top_k), len(names)))
@@ -567,10 +504,8 @@ def classify_images(
         return results[-len(batch) :]
 
     read = _one_at_a_time(partial(_read, transform=classifier.preprocess, min_side=0))
-    ids = range(len(items))
-    failures = _run_batches(
-        items, ids, read, run, output_dir, batch_size=batch_size, workers=workers, progress=progress
-    )
+    options = {"batch_size": batch_size, "workers": workers, "progress": progress}
+    failures = _run_batches(items, range(len(items)), read, run, output_dir, **options)
     atomic_write_json(output_dir / "predictions.json", results)
     if labels is not None:
         _report_accuracy(hits, names, output_dir)
@@ -578,30 +513,22 @@ def classify_images(
 
 
 def _report_accuracy(hits: np.ndarray, names: Sequence[str], output_dir: Path) -> None:
-    """Log and write ``classification_eval.json`` from per-class ``(images, top-1 hits, top-5 hits)``."""
     total, top1, top5 = (int(x) for x in hits.sum(axis=0))
-    report = {
-        "images": total,
-        "top1": top1 / total if total else None,
-        "top5": top5 / total if total else None,
-        "per_class": [
-            {"name": name, "images": int(n), "top1": int(h1) / int(n) if n else None}
-            for name, (n, h1, _) in zip(names, hits, strict=True)
-        ],
-    }
-    path = atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
-    rows = [
-        (c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}")
-        for c in report["per_class"]
+    per_class = [
+        {"name": name, "images": int(n), "top1": int(h1) / int(n) if n else None}
+        for name, (n, h1, _) in zip(names, hits, strict=True)
     ]
+    top1, top5 = (top1 / total, top5 / total) if total else (None, None)
+    report = {"images": total, "top1": top1, "top5": top5, "per_class": per_class}
+    path = atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
+    rows = [(c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}") for c in per_class]
     table = markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True)
-    top1, top5 = report["top1"] or 0.0, report["top5"] or 0.0
+    top1, top5 = top1 or 0.0, top5 or 0.0
     log.info(
         "Classification of %d image(s): top-1 %.4f, top-5 %.4f\n%s\n-> %s", total, top1, top5, table, path
     )
 
 
-# ------------------------------------------------------------------------------------------ evaluation
 def _category_text(pairs: Mapping[int, str], limit: int = 12) -> str:
     shown = [f"{i}: {name!r}" for i, name in list(pairs.items())[:limit]]
     more = f", ... ({len(pairs)} in all)" if len(pairs) > limit else ""
@@ -611,14 +538,8 @@ def _category_text(pairs: Mapping[int, str], limit: int = 12) -> str:
 def categories_for_annotations(
     categories: CategoryMap, dataset: Mapping[str, Any], *, where: str = "annotations"
 ) -> CategoryMap:
-    """The detector's ``categories`` with the category ids of a COCO ``dataset`` (parsed JSON).
-
-    The same ``{id: name}`` set: ``categories`` as they are. The same names under other ids: each label
-    gets the id of its name in ``dataset``.
-
-    Raises:
-        DataError: the names differ; the one-line message names both sets (``where`` names the file).
-    """
+    """The detector's ``categories`` with the category ids of a COCO ``dataset`` (parsed JSON): as they are
+    for the same ``{id: name}`` set, renumbered by name for the same names; else DataError (names both)."""
     theirs = CategoryMap.from_coco(dataset, where=where)
     ours_pairs = dict(zip(categories.category_ids, categories.names[1:], strict=True))
     their_pairs = dict(zip(theirs.category_ids, theirs.names[1:], strict=True))
@@ -644,17 +565,9 @@ def evaluate_predictions(
     *,
     annotated_images: int | None = None,
 ) -> dict[str, Any]:
-    """COCO bbox evaluation of ``results`` (keyed by ``annotation_file``'s ids) on the images ``image_ids``
-    (an image without detections counts as missed) with
-    :func:`ssd_lightning.evaluation.evaluate_coco_detailed`; logs the 12 numbers and a per-class table and
-    writes them to ``<output_dir>/coco_eval.json``.
-
-    Returns:
-        What ``coco_eval.json`` holds: ``annotations`` (the file), ``images`` (how many evaluated),
-        ``annotated_images`` (how many the file has, if given), ``stats`` (``{name: value}`` in
-        :data:`~ssd_lightning.evaluation.COCO_STAT_NAMES` order, ``-1`` where undefined) and ``per_class``
-        (``category_id``, ``name``, ``metric_key``, ``AP``, ``AP50``, ``num_gt``; ``null`` AP without ground
-        truth).
+    """COCO bbox evaluation of ``results`` on the images ``image_ids`` (one without detections counts as
+    missed), logged and returned as written to ``<output_dir>/coco_eval.json``: ``annotations``, ``images``,
+    ``annotated_images``, ``stats`` (``-1`` undefined) and ``per_class`` (``null`` AP without ground truth).
     """
     with warnings.catch_warnings():  # a subset is stated in the log line below
         warnings.filterwarnings("ignore", message="evaluating on .* images", category=UserWarning)
@@ -682,78 +595,45 @@ def evaluate_predictions(
     return report
 
 
-# ------------------------------------------------------------------------------------------ predict.py
-def _predict(settings: Mapping[str, Any]) -> int:
-    if (size := settings["picture_size"]) < 1:
-        raise ConfigError(f"picture_size={size}: the pictures' longer side in pixels (>= 1)")
-    inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[settings["output"]])
-    model = load_model_from_settings(settings)
-    dtype = ""  # a classifier runs in fp32, an ONNX export as exported
-    if isinstance(model, Detector) and model.net is not None:
-        dtype = f"; dtype {model.dtype} ({resolve_dtype(settings['dtype'], model.device)[1]})"
-    log.info(
-        "%d input file(s); weights from %s; device %s%s", len(inputs), model.source, model.runs_on, dtype
-    )
-    common = {key: settings[key] for key in ("batch_size", "draw", "workers", "progress", "picture_size")}
-    if isinstance(model, Classifier):
-        labels = None
-        if settings["annotations"]:
-            labels = imagefolder_labels(inputs, settings["annotations"], model.class_names)
-        results, failures = classify_images(
-            model, inputs, settings["output"], top_k=settings.get("top_k", 5), labels=labels, **common
-        )
-        log.info("%d image(s) classified -> %s/predictions.json", len(results), settings["output"])
-        score = None
-    else:
-        failures, score = _detect(model, inputs, settings, common)
-    if failures:
-        shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
-        log.error("%d file(s) skipped: %s", len(failures), shown)
-    if len(failures) == len(inputs):
-        log.error("no image could be read")
-        return 1
-    if score is not None:
-        score()
-    return 0
-
-
-def _detect(
-    model: Detector, inputs: Sequence[InputImage], settings: Mapping[str, Any], common: Mapping[str, Any]
-) -> tuple[list[tuple[Path, str]], Callable[[], Any] | None]:
-    """predict.py's detection: the failures, and the scoring against ``annotations`` (None without)."""
-    annotations, output = settings["annotations"], settings["output"]
-    dataset = load_annotation_file(annotations) if annotations else None
-    image_ids = categories = None
-    if dataset is not None:
-        image_ids = match_annotation_ids(inputs, dataset, where=f"annotations={annotations}")
-        categories = categories_for_annotations(model.categories, dataset, where=f"annotations={annotations}")
-    options = {key: settings[key] for key in ("draw_score_thresh", "fast_decode", "gpu_decode")}
-    _, failures = predict_images(
-        model,
-        inputs,
-        output,
-        image_ids=image_ids,
-        categories=categories,
-        keep_results=False,
-        **options,
-        **common,
-    )
-    if dataset is None:
-        return failures, None
-    results, annotated = Path(output) / "predictions.json", len(dataset["images"])
-    return failures, partial(
-        evaluate_predictions, annotations, results, image_ids, output, annotated_images=annotated
-    )
-
-
 def predict_from_settings(settings: Mapping[str, Any]) -> int:
     """What ``python predict.py`` does with its resolved settings (``configs/predict.yaml``): collect the
-    inputs, load the model the file holds, detect (and match the inputs to ``annotations``' image ids) or
-    classify, write, evaluate.
-
-    Returns:
-        The exit status: 0, or 1 when no image could be read. Input errors (a missing list entry, images
-        or categories the annotation file lacks) end the process with a one-line ``Error:`` (exit 1 or 2).
-    """
+    inputs, load the model, detect or classify, write, evaluate. Returns the exit status: 0, or 1 when no
+    image could be read; input errors end the process with a one-line ``Error:`` (exit 1 or 2)."""
     with user_errors_as_messages():
-        return _predict(settings)
+        output, size, annotations = settings["output"], settings["picture_size"], settings["annotations"]
+        if size < 1:
+            raise ConfigError(f"picture_size={size}: the pictures' longer side in pixels (>= 1)")
+        inputs = collect_inputs(settings["input"], recursive=settings["recursive"], exclude=[output])
+        model = load_model_from_settings(settings)
+        dtype = ""  # a classifier runs in fp32, an ONNX export as exported
+        if isinstance(model, Detector) and model.net is not None:
+            dtype = f"; dtype {model.dtype} ({resolve_dtype(settings['dtype'], model.device)[1]})"
+        log.info(
+            "%d input file(s); weights from %s; device %s%s", len(inputs), model.source, model.runs_on, dtype
+        )
+        common = {key: settings[key] for key in ("batch_size", "draw", "workers", "progress", "picture_size")}
+        dataset = None  # the annotations of a detector's inputs
+        if isinstance(model, Classifier):
+            top_k = settings.get("top_k", 5)
+            labels = imagefolder_labels(inputs, annotations, model.class_names) if annotations else None
+            results, failures = classify_images(model, inputs, output, top_k=top_k, labels=labels, **common)
+            log.info("%d image(s) classified -> %s/predictions.json", len(results), output)
+        else:
+            common.update({key: settings[key] for key in ("draw_score_thresh", "fast_decode", "gpu_decode")})
+            if annotations:
+                dataset, where = load_annotation_file(annotations), f"annotations={annotations}"
+                common["image_ids"] = match_annotation_ids(inputs, dataset, where=where)
+                common["categories"] = categories_for_annotations(model.categories, dataset, where=where)
+            _, failures = predict_images(model, inputs, output, keep_results=False, **common)
+        if failures:
+            shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
+            log.error("%d file(s) skipped: %s", len(failures), shown)
+        if len(failures) == len(inputs):
+            log.error("no image could be read")
+            return 1
+        if dataset is not None:
+            results_file, annotated = Path(output) / "predictions.json", len(dataset["images"])
+            evaluate_predictions(
+                annotations, results_file, common["image_ids"], output, annotated_images=annotated
+            )
+        return 0

@@ -1,11 +1,10 @@
 """INT8 for CPU deployment: calibrate an fp32 ONNX export on the user's images and quantize it statically
 (:func:`quantize_onnx`), and measure how far the INT8 file is from PyTorch (:func:`compare_int8`).
 
-onnxruntime's ``quantize_static`` in QDQ format: ``QuantizeLinear``/``DequantizeLinear`` pairs around the
-network's compute ops, which onnxruntime fuses into integer kernels when it loads the file. Calibration
-images are read and preprocessed as ``predict.py`` reads them (:func:`image_transform`), so the ranges are
-those the file sees in use. The metadata is copied over, so ``predict.py onnx=<int8 file>`` runs it as it
-runs the fp32 export.
+onnxruntime's ``quantize_static`` in QDQ format (``QuantizeLinear``/``DequantizeLinear`` pairs around the
+network's compute ops, fused into integer kernels when onnxruntime loads the file). Calibration images are
+preprocessed as ``predict.py`` reads them, so the ranges are those seen in use; the metadata is copied, so
+``predict.py onnx=<int8 file>`` runs it as it runs the fp32 export.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from ssd_lightning.models.boxes import box_iou
 
 __all__ = [
     "COMPUTE_OP_TYPES",
-    "DEFAULT_CALIBRATION_IMAGES",
     "QUANTIZED_OP_TYPES",
     "Int8Comparison",
     "calibration_tensors",
@@ -47,8 +45,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Images read for calibration unless told otherwise (the first N, in input order).
-DEFAULT_CALIBRATION_IMAGES = 100
 #: The ops whose inputs define the network part of a graph: it is everything upstream of them.
 COMPUTE_OP_TYPES: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
 #: Ops of the network part that get QuantizeLinear/DequantizeLinear (element-wise ones between two
@@ -58,11 +54,9 @@ QUANTIZED_OP_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------ calibration
 def image_transform(model: Detector | Classifier) -> tuple[Callable[[Image.Image], Tensor], int]:
-    """``(transform, min_side)`` with which ``predict.py`` reads images for ``model``: ``transform`` maps a
-    decoded image to the network's (3, S, S) input; ``min_side`` is :func:`open_image`'s reduced JPEG
-    decoding (``fast_decode``, on for detectors)."""
+    """``(transform, min_side)`` with which ``predict.py`` reads images for ``model``: decoded image ->
+    (3, S, S) input, and :func:`open_image`'s reduced JPEG decoding (``fast_decode``, on for detectors)."""
     if isinstance(model, Classifier):
         return model.preprocess, 0
     return partial(preprocess, size=model.image_size), 2 * model.image_size
@@ -76,23 +70,15 @@ def calibration_tensors(
     min_side: int = 0,
     key: str = "calibration",
 ) -> tuple[list[Tensor], list[InputImage]]:
-    """The first ``count`` readable images of ``source`` (what ``predict.py``'s ``input=`` takes: a folder,
-    a glob, ``@list.txt``; in :func:`collect_inputs`' order: sorted by name in a folder or glob, the list's
-    order in a list file), each preprocessed by ``transform``; unreadable files are skipped (and logged).
-
-    Raises:
-        ConfigError: ``count`` < 1. MissingDataError: ``source`` names no image file (the message names
-            ``key``). DataError: none of its image files can be read.
-    """
+    """The first ``count`` readable images of ``source`` (as ``predict.py``'s ``input=``) through
+    ``transform``, and their inputs; unreadable ones skipped (logged; DataError when none is readable)."""
     if count < 1:
         raise ConfigError(f"{key}_images={count}: give how many images to calibrate on (>= 1)")
     try:
         items = collect_inputs(source)
     except FileNotFoundError as e:  # collect_inputs names the key input=; this is calibration=
         raise type(e)(str(e).replace("input=", f"{key}=", 1)) from None
-    tensors: list[Tensor] = []
-    used: list[InputImage] = []
-    skipped: list[str] = []
+    tensors, used, skipped = [], [], []
     for item in items:
         if len(tensors) == count:
             break
@@ -114,7 +100,7 @@ def calibration_tensors(
 
 
 def _data_reader(tensors: Sequence[Tensor], input_name: str) -> Any:
-    """An onnxruntime ``CalibrationDataReader`` feeding ``tensors`` one image at a time."""
+    """An onnxruntime ``CalibrationDataReader``: one image at a time."""
     from onnxruntime.quantization import CalibrationDataReader
 
     class _Reader(CalibrationDataReader):
@@ -127,20 +113,17 @@ def _data_reader(tensors: Sequence[Tensor], input_name: str) -> Any:
     return _Reader()
 
 
-# ------------------------------------------------------------------------------------------ quantizing
 def network_nodes(model: Any) -> set[str]:
-    """Names of the nodes of the ``onnx.ModelProto`` ``model`` that belong to its network: the
-    :data:`COMPUTE_OP_TYPES` nodes and every node upstream of one. Decoding, NMS and the reshapes after the
-    last convolutions are downstream of every convolution, hence not in it."""
+    """Names of the ``onnx.ModelProto``'s network nodes: the :data:`COMPUTE_OP_TYPES` nodes and all upstream
+    of one (decoding, NMS and the reshapes after the last convolutions are downstream of them all)."""
     producer = {out: node for node in model.graph.node for out in node.output}
     found: set[str] = set()
     stack = [node for node in model.graph.node if node.op_type in COMPUTE_OP_TYPES]
     while stack:
         node = stack.pop()
-        if node.name in found:
-            continue
-        found.add(node.name)
-        stack.extend(producer[name] for name in node.input if name in producer)
+        if node.name not in found:
+            found.add(node.name)
+            stack.extend(producer[name] for name in node.input if name in producer)
     return found
 
 
@@ -152,23 +135,15 @@ def quantize_onnx(
     per_channel: bool = True,
     reduce_range: bool = False,
 ) -> Path:
-    """Write an INT8 (QDQ) version of the ONNX export ``fp32_file`` to ``output``, calibrated on
-    ``calibration`` (preprocessed (3, S, S) images: :func:`calibration_tensors`).
-
-    Quantized: the :data:`QUANTIZED_OP_TYPES` nodes of :func:`network_nodes` (weights int8 per output
-    channel with ``per_channel``, 7-bit with ``reduce_range`` for CPUs without VNNI where u8 x s8 products
-    can saturate; activations uint8 per tensor, min/max calibration). The decoding and NMS of an end-to-end
-    graph stay fp32. ``output`` appears whole or not at all (written beside it, then renamed).
-
-    Raises:
-        ValueError: ``calibration`` is empty; the graph has no node to quantize.
-    """
+    """Write an INT8 (QDQ) version of the ONNX export ``fp32_file`` to ``output`` (atomically), calibrated on
+    preprocessed (3, S, S) images: the :data:`QUANTIZED_OP_TYPES` nodes of :func:`network_nodes` (weights
+    int8, per output channel with ``per_channel``, 7-bit with ``reduce_range`` for CPUs without VNNI where
+    u8 x s8 products can saturate; activations uint8 per tensor, min/max calibration)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    tensors = list(calibration)
-    if not tensors:
+    if not (tensors := list(calibration)):
         raise ValueError("no calibration images")
     metadata = onnx.load(str(fp32_file), load_external_data=False).metadata_props
     output = Path(output)
@@ -184,8 +159,7 @@ def quantize_onnx(
             if not node.name or node.name in seen:
                 node.name = f"{node.op_type}_q{index}"
             seen.add(node.name)
-        inside = network_nodes(model)
-        if not inside:
+        if not (inside := network_nodes(model)):
             raise ValueError(f"{fp32_file} has no {'/'.join(COMPUTE_OP_TYPES)} node to quantize")
         outside = [node.name for node in model.graph.node if node.name not in inside]
         (input_name,) = [i.name for i in model.graph.input]
@@ -214,18 +188,10 @@ def quantize_onnx(
     return output
 
 
-# ------------------------------------------------------------------------------------------ checking
 @dataclass(frozen=True)
 class Int8Comparison:
-    """How an INT8 file's results compare with PyTorch's (fp32) on the same images.
-
-    Attributes:
-        images: how many images were compared.
-        top_match: images whose top result agrees: the same top-1 class (classifier), or the same label
-            and IoU >= 0.5 for the highest-scoring detection, or no detection in both (detector).
-        max_score_diff: largest |difference| of that top score (a missing detection counts its score).
-        mean_detections: detections per image, (PyTorch, INT8); classifiers: (0, 0).
-    """
+    """An INT8 file against PyTorch (fp32): ``top_match`` images with the same top-1 class, or top
+    detection (label, IoU >= 0.5; or none in both), ``max_score_diff`` of that top score."""
 
     images: int
     top_match: int
@@ -256,10 +222,9 @@ def _top_agreement(reference: dict[str, Tensor], got: dict[str, Tensor]) -> tupl
 def compare_int8(
     model: Detector | Classifier, net: torch.nn.Module, int8_file: str | os.PathLike, images: Sequence[Tensor]
 ) -> Int8Comparison:
-    """Run ``int8_file`` (onnxruntime, CPU) and ``net`` (PyTorch fp32: a detector's network + its
-    ``BoxCoder.decode``, or a classifier's network) on ``images`` (preprocessed, e.g. calibration images;
-    random ones say little about a calibrated file) and compare their top results (:class:`Int8Comparison`).
-    A detector file is network-only (``locs``, ``logits``: decoded here) or end-to-end."""
+    """Compare ``int8_file`` (onnxruntime, CPU; a detector's network-only or end-to-end) with ``net`` (fp32,
+    + ``BoxCoder.decode`` for a detector) on preprocessed ``images`` (calibration ones: random ones say
+    little about a calibrated file)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(int8_file), providers=["CPUExecutionProvider"])

@@ -1,11 +1,10 @@
 """The images of a ``predict.py`` run: what ``input=`` names, each with the name its outputs are written
 under, and their image ids in a COCO annotation file.
 
-An :class:`InputImage` pairs the file to read with its ``name``: the path relative to the folder given
-(``a/b.jpg`` for ``input=photos/`` and ``photos/a/b.jpg``), to a glob's leading folder, or to a list file's
-folder; a file outside that folder (``../x.jpg``, an absolute path) and a single file are named by their file
-name. Names are POSIX paths without ``..``, so ``<output>/<name>`` stays inside ``<output>``, and they are
-what ``predictions.json`` records as ``file_name`` (the layout of a COCO ``file_name`` with subfolders).
+An :class:`InputImage`'s ``name`` is its path relative to the folder given (``a/b.jpg`` for
+``input=photos/`` and ``photos/a/b.jpg``), to a glob's leading folder or to a list file's folder; a file
+outside it, and a single file, by its file name. Names are POSIX paths without ``..`` (``<output>/<name>``
+stays inside ``<output>``), recorded as ``predictions.json``'s ``file_name``.
 """
 
 from __future__ import annotations
@@ -46,18 +45,16 @@ class InputImage:
     name: str
 
 
-def _named(path: Path, root: Path | None) -> InputImage:
-    """``path`` named relative to ``root`` when it lies below it, else by its file name."""
-    if root is not None:
-        with contextlib.suppress(ValueError):
-            relative = path.resolve().relative_to(root.resolve())
-            if relative.parts:
-                return InputImage(path, relative.as_posix())
+def _named(path: Path, root: Path) -> InputImage:
+    with contextlib.suppress(ValueError):
+        relative = path.resolve().relative_to(root.resolve())
+        if relative.parts:
+            return InputImage(path, relative.as_posix())
     return InputImage(path, path.name)
 
 
 def _first_of_each(images: Iterable[InputImage]) -> list[InputImage]:
-    """``images`` in order, a file named twice (same resolved path) kept at its first place."""
+    """A file named twice (same resolved path) kept at its first place."""
     unique: dict[Path, InputImage] = {}
     for image in images:
         unique.setdefault(image.path.resolve(), image)
@@ -65,8 +62,8 @@ def _first_of_each(images: Iterable[InputImage]) -> list[InputImage]:
 
 
 def _folder_images(folder: Path, recursive: bool, exclude: Sequence[Path]) -> list[InputImage]:
-    """Files with an image extension in ``folder`` (and below with ``recursive``), sorted by name; hidden
-    files and folders (``.name``) and the subfolders in ``exclude`` are skipped."""
+    """Image files in ``folder`` (and below with ``recursive``), sorted by name; hidden ones and the
+    subfolders in ``exclude`` skipped."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
         here = Path(dirpath)
@@ -80,33 +77,19 @@ def _folder_images(folder: Path, recursive: bool, exclude: Sequence[Path]) -> li
     return sorted(found, key=lambda item: item.name)
 
 
-def _glob_root(pattern: str) -> Path:
-    """The folder part of ``pattern`` before its first wildcard (``photos/**/*.jpg`` -> ``photos``)."""
-    return Path(*takewhile(lambda part: not _GLOB_MAGIC.search(part), Path(pattern).parts[:-1]))
-
-
 def read_list_file(list_file: str | os.PathLike) -> list[InputImage]:
-    """The files a list file names: one path per line, relative ones resolved against the list file's
-    folder; surrounding whitespace, blank lines and lines starting with ``#`` are skipped. Entries are kept in
-    the file's order (a repeated path once).
-
-    Raises:
-        MissingDataError: the list file, or any file it lists, does not exist (the message names the list
-            file and the line of the first ones).
-        DataError: a listed path is a folder.
-    """
+    """The files a list file names, in order (a repeated path once): one path per line, relative to the
+    list file's folder; blank lines and ``#`` lines skipped. MissingDataError: the list file or a listed
+    file does not exist (the message names the first lines); DataError: a listed path is a folder."""
     list_file = Path(list_file)
     if not list_file.is_file():
         raise MissingDataError(f"input=@{list_file}: the list file does not exist")
-    base = list_file.parent
-    found: list[InputImage] = []
-    missing: list[str] = []
+    base, found, missing = list_file.parent, [], []
     for number, line in enumerate(list_file.read_text(encoding="utf-8-sig").splitlines(), start=1):
         entry = line.strip()
         if not entry or entry.startswith("#"):
             continue
-        path = Path(entry).expanduser()
-        path = path if path.is_absolute() else base / path
+        path = base / Path(entry).expanduser()  # an absolute path as it is
         if path.is_dir():
             raise DataError(
                 f"{list_file}:{number}: {entry!r} is a folder; a list file names image files, one per line"
@@ -130,18 +113,10 @@ def collect_inputs(
     recursive: bool = True,
     exclude: Iterable[str | os.PathLike] = (),
 ) -> list[InputImage]:
-    """The images named by ``spec``, each once, in order (sorted by name within a folder or glob).
-
-    ``spec`` is an image file, a folder (the files with an image extension in it and, with ``recursive``,
-    in its subfolders; hidden files and folders skipped), a glob pattern (``photos/*.jpg``; ``**`` matches
-    subfolders; every matching file), a list file (``@list`` or an existing ``*.txt`` file, see
-    :func:`read_list_file`), or a sequence of those. Folders in ``exclude`` (the output folder) are not
-    searched.
-
-    Raises:
-        FileNotFoundError: nothing matched (the message names ``spec``); a list file problem (see
-            :func:`read_list_file`).
-    """
+    """The images named by ``spec``, each once, in order (sorted by name within a folder or glob): an image
+    file, a folder (with ``recursive`` its subfolders too; hidden ones and ``exclude`` skipped), a glob
+    (``**`` matches subfolders), a list file (``@list`` or a ``*.txt``: :func:`read_list_file`), or a
+    sequence of those. MissingDataError when nothing matched."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     skip = [Path(p).resolve() for p in exclude]
     found: list[InputImage] = []
@@ -156,7 +131,7 @@ def collect_inputs(
         elif path.is_dir():
             found += _folder_images(path, recursive, skip)
         else:
-            root = _glob_root(os.fspath(item))
+            root = Path(*takewhile(lambda part: not _GLOB_MAGIC.search(part), path.parts[:-1]))  # a/**/*: a
             matches = sorted(Path(p) for p in glob.glob(os.fspath(item), recursive=True))
             found += [_named(p, root) for p in matches if p.is_file()]
     if not found:
@@ -167,24 +142,16 @@ def collect_inputs(
     return _first_of_each(found)
 
 
-# ------------------------------------------------------------------------------------------ annotations
 def _preview(names: Sequence[str]) -> str:
-    """The first few of ``names``, comma-separated, ``...`` if there are more."""
     return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
 
 
 def match_annotation_ids(
     images: Sequence[InputImage], dataset: Mapping[str, Any], *, where: str = "annotations"
 ) -> list[int]:
-    """The image id of each of ``images`` in a COCO ``dataset`` (its parsed ``images`` list).
-
-    An image matches the entry whose ``file_name`` equals its ``name`` (the path relative to the input
-    folder), else the one entry with the same file name (basename) if exactly one has it.
-
-    Raises:
-        DataError: an image matches no entry or an ambiguous one (the count and the first names), or two
-            images match the same entry; ``where`` names the annotation file.
-    """
+    """The image id of each of ``images`` in a COCO ``dataset``: the entry whose ``file_name`` is its
+    ``name``, else the only entry with its basename. DataError (``where`` names the file) for no or an
+    ambiguous match, or two images matching one entry."""
     entries = dataset.get("images")
     if not isinstance(entries, list):
         raise DataError(f"{where}: no 'images' list; is it a COCO instances file?")
@@ -194,8 +161,7 @@ def match_annotation_ids(
         file_name = PurePosixPath(str(entry["file_name"]).replace("\\", "/"))
         by_path[file_name.as_posix()] = int(entry["id"])
         by_base.setdefault(file_name.name, []).append(int(entry["id"]))
-    ids: list[int] = []
-    unmatched: list[str] = []
+    ids, unmatched = [], []
     for image in images:
         same_base = by_base.get(PurePosixPath(image.name).name, [])
         if image.name in by_path:
@@ -210,8 +176,7 @@ def match_annotation_ids(
             f"(matched by path relative to the input folder, then by file name): {_preview(unmatched)}; "
             "predict on the annotated images only (a list file, input=@list.txt) or leave out annotations="
         )
-    twice = [name for name, n in Counter(ids).items() if n > 1]
-    if twice:
+    if twice := [name for name, n in Counter(ids).items() if n > 1]:
         names = [image.name for image, i in zip(images, ids, strict=True) if i in set(twice)]
         raise DataError(
             f"{where}: several input images match the same image entry (same file name in different "
@@ -221,17 +186,12 @@ def match_annotation_ids(
 
 
 def load_annotation_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A COCO annotation file's parsed JSON.
-
-    Raises:
-        MissingDataError: it does not exist. DataError: not JSON, or not an object.
-    """
+    """A COCO annotation file's parsed JSON; MissingDataError if missing, DataError if not a JSON object."""
     path = Path(path)
     if not path.is_file():
         raise MissingDataError(f"annotations={path}: the file does not exist; give a COCO instances JSON")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"annotations={path}: not a JSON file ({e})") from e
     if not isinstance(data, dict):

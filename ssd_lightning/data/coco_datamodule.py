@@ -7,12 +7,12 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import CocoSplitInfo, check_coco_split, check_mode_args
 from ssd_lightning.data.dali_datamodule import DALIDataModule, decode_error_reporter
-from ssd_lightning.data.dali_iterator import Batch, DALILoader
+from ssd_lightning.data.dali_iterator import DALILoader
 from ssd_lightning.data.dali_pipelines import coco_train_pipeline, coco_val_pipeline
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -22,52 +22,39 @@ __all__ = ["CocoDALIDataModule"]
 class CocoDALIDataModule(DALIDataModule):
     """SSD300 data from a COCO-layout directory, decoded and augmented by DALI.
 
-    Layout (defaults derived from ``root``): ``<root>/train2017``, ``<root>/val2017``,
-    ``<root>/annotations/instances_{train,val}2017.json``.
-
     Args:
         root: dataset root.
-        train_images, val_images, train_annotations, val_annotations: override the default paths.
-        batch_size: training batch size PER DEVICE (the reference's ``--bs``); the global batch is
-            ``batch_size * world_size``.
-        eval_batch_size: validation batch size per device (default: ``batch_size``).
-        num_threads: DALI CPU worker threads per pipeline.
-        prefetch_queue_depth: batches DALI prepares ahead.
-        seed: augmentation seed (offset by the global rank) and global shuffle seed (same on all ranks).
-        device: ``"auto"`` (GPU pipelines when CUDA is available), ``"cpu"`` or ``"gpu"``.
-        output_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` images.
+        train_images, val_images, train_annotations, val_annotations: override the default paths
+            ``<root>/train2017``, ``<root>/val2017``, ``<root>/annotations/instances_{train,val}2017.json``.
         image_size: square network input side (300 for SSD300).
         shuffle: global reshuffle every epoch (``shuffle_after_epoch``); off: fixed order per shard.
         augment: the reference augmentation; False gives decode + resize only (tests, debugging).
         include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
         check_files: check that every listed image exists and looks like an image, in ``setup()``.
-        cache_dir: where the results of the annotation check (and normalised or clipped copies of
-            annotation files) are kept, so that an unchanged split is checked once per machine, not by
-            every rank of every run (default ``$XDG_CACHE_HOME/ssd_lightning``; see
-            :mod:`ssd_lightning.data.split_cache`).
         train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
             that a resumed run sees the same images).
-        exif_check: ``"error"``, ``"warn"`` or ``"off"``: EXIF-rotated images whose boxes cannot line up
-            with what this DALI line decodes (:func:`~ssd_lightning.data.coco_validation.check_coco_split`).
-        size_check: ``"error"``, ``"warn"`` or ``"off"``: images listed with a width and height other than
-            their file's (DALI reads boxes relative to the listed size; "warn" when the images were resized
-            proportionally after labelling).
-        val_skip_empty: validate only the images that have annotations, as NVIDIA's reference does (4,952
-            of COCO val 2017's 5,000). The default, False, is the official protocol: all images, so
-            detections on the 48 empty ones count as false positives and the same checkpoint scores slightly
-            lower.
+        cache_dir: where the annotation check's results (and normalised or clipped copies of annotation
+            files) are kept, so an unchanged split is checked once per machine (default
+            ``$XDG_CACHE_HOME/ssd_lightning``; :mod:`ssd_lightning.data.split_cache`).
+        val_skip_empty: validate only the images with annotations, as NVIDIA's reference does (4,952 of COCO
+            val 2017's 5,000); the default, False, is the official protocol (detections on the 48 empty
+            images count as false positives, so the same checkpoint scores slightly lower).
+        exif_check, size_check: ``"error"``, ``"warn"`` or ``"off"``: EXIF-rotated images whose boxes cannot
+            line up with what this DALI line decodes; images listed with a width and height other than their
+            file's (DALI reads boxes relative to the listed size; "warn" when the images were resized
+            proportionally after labelling). See :func:`~ssd_lightning.data.coco_validation.check_coco_split`.
+        **kwargs: ``batch_size`` (per device), ``eval_batch_size``, ``num_threads``, ``prefetch_queue_depth``,
+            ``seed``, ``device``, ``output_dtype``: see :class:`.dali_datamodule.DALIDataModule`.
 
     Batches (see docs/architecture.md): training ``{"images" (N, 3, S, S), "boxes" (N, 8732, 4) float32
     (cx, cy, w, h) in [0, 1], "labels" (N, 8732) int64}``; validation ``{"images", "image_ids" (N,) int64,
     "image_sizes" (N, 2) int64 (height, width) of the original}``. Training drops the incomplete last
-    batch per rank; validation yields every image exactly once across ranks (see
-    :mod:`ssd_lightning.data.dali_iterator`). Training skips images without boxes; validation keeps them
-    (unless ``val_skip_empty``).
+    batch per rank and skips images without boxes; validation yields every image exactly once across ranks
+    and keeps them (unless ``val_skip_empty``).
 
-    Exports of labelling tools work as they are written: category ids from 0, ``file_name`` in subfolders,
-    PNGs, annotations without ``iscrowd``/``area``/``id`` and string image ids (read through a normalised
-    copy whose image ids ``1..N`` the batches and :attr:`val_annotation_file` share), EXIF-rotated photos
-    where DALI decodes them upright; see :mod:`ssd_lightning.data.coco_validation` for the policy.
+    Exports of labelling tools work as written (category ids from 0, ``file_name`` in subfolders, PNGs, no
+    ``iscrowd``/``area``/``id``, string image ids: read through a normalised copy whose image ids ``1..N``
+    the batches and :attr:`val_annotation_file` share); policy: :mod:`ssd_lightning.data.coco_validation`.
     """
 
     def __init__(
@@ -78,13 +65,6 @@ class CocoDALIDataModule(DALIDataModule):
         val_images: str | os.PathLike | None = None,
         train_annotations: str | os.PathLike | None = None,
         val_annotations: str | os.PathLike | None = None,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_threads: int = 2,
-        prefetch_queue_depth: int = 2,
-        seed: int = 42,
-        device: str = "auto",
-        output_dtype: str = "float32",
         image_size: int = 300,
         shuffle: bool = True,
         augment: bool = True,
@@ -95,9 +75,9 @@ class CocoDALIDataModule(DALIDataModule):
         val_skip_empty: bool = False,
         exif_check: str = "error",
         size_check: str = "error",
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self._set_loader_args(locals())
+        super().__init__(image_size=image_size, **kwargs)
         check_mode_args(exif_check=exif_check, size_check=size_check)  # fails before anything is read
         if image_size != 300:
             # box_encoder's anchors are dboxes300_coco(), in relative units; other sizes need other anchors
@@ -107,24 +87,17 @@ class CocoDALIDataModule(DALIDataModule):
         self.val_images = Path(val_images or self.root / "val2017")
         self.train_annotations = Path(train_annotations or self.root / "annotations/instances_train2017.json")
         self.val_annotations = Path(val_annotations or self.root / "annotations/instances_val2017.json")
-        self.shuffle = shuffle
-        self.augment = augment
-        self.include_crowd = include_crowd
-        self.check_files = check_files
-        self.train_image_ids = train_image_ids
-        self.cache_dir = cache_dir
-        self.val_skip_empty = val_skip_empty
-        self.exif_check = exif_check
-        self.size_check = size_check
+        self.shuffle, self.augment, self.include_crowd = shuffle, augment, include_crowd
+        self.check_files, self.train_image_ids, self.cache_dir = check_files, train_image_ids, cache_dir
+        self.val_skip_empty, self.exif_check, self.size_check = val_skip_empty, exif_check, size_check
         self._splits: dict[str, CocoSplitInfo] = {}
         self._category_map: CategoryMap | None = None
         self._anchors: list[float] | None = None
 
     @property
     def val_annotation_file(self) -> Path:
-        """The validation ground truth for the COCO evaluation: ``val_annotations``, or its normalised copy
-        where the export lacked COCO fields or integer image ids (then batches carry the copy's image ids;
-        see :func:`~ssd_lightning.data.coco_validation.check_coco_split`)."""
+        """The COCO evaluation's ground truth: ``val_annotations``, or its normalised copy (whose image ids
+        the batches carry) where the export lacked COCO fields or integer image ids (``check_coco_split``)."""
         if "val" not in self._splits and self.val_annotations.is_file() and self.val_images.is_dir():
             self._split("val")  # checked (and cached) once; setup() reuses it
         info = self._splits.get("val")
@@ -184,34 +157,16 @@ class CocoDALIDataModule(DALIDataModule):
         return self._splits[split]
 
     def make_loader(
-        self,
-        split: Literal["train", "val"],
-        *,
-        shard_id: int = 0,
-        num_shards: int = 1,
-        with_image_ids: bool | None = None,
+        self, split: str, *, shard_id: int = 0, num_shards: int = 1, with_image_ids: bool | None = None
     ) -> DALILoader:
-        """The loader of one split for one shard (the hooks pass the trainer's rank and world size).
-
-        ``with_image_ids`` adds ``"image_ids"`` to training batches (default: ``train_image_ids``).
-        """
+        """The loader of ``"train"`` or ``"val"`` for one shard; ``with_image_ids`` adds ``"image_ids"`` to
+        training batches (default: ``train_image_ids``)."""
         info = self._split(split)
-        common = {
-            "shard_id": shard_id,
-            "num_shards": num_shards,
-            "on_error": _error_reporter(info, split),
-            "file_root": str(info.image_dir),
-            "annotations_file": str(info.reader_annotation_file),
-        }
+        common = dict(shard_id=shard_id, num_shards=num_shards, on_error=_error_reporter(info, split))
+        common.update(file_root=str(info.image_dir), annotations_file=str(info.reader_annotation_file))
         if split != "train":
-            return self._loader(
-                split,
-                coco_val_pipeline,
-                ["images", "image_ids", "shapes"],
-                postprocess=self._postprocess_val,
-                **common,
-                skip_empty=self.val_skip_empty,
-            )
+            names = ["images", "image_ids", "image_sizes"]
+            return self._loader(split, coco_val_pipeline, names, **common, skip_empty=self.val_skip_empty)
         with_image_ids = self.train_image_ids if with_image_ids is None else with_image_ids
         if self._anchors is None:
             from ssd_lightning.models import dboxes300_coco
@@ -221,7 +176,6 @@ class CocoDALIDataModule(DALIDataModule):
             split,
             coco_train_pipeline,
             ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else []),
-            postprocess=self._postprocess_train,
             **common,
             anchors_ltrb=self._anchors,
             shuffle=self.shuffle,
@@ -230,21 +184,6 @@ class CocoDALIDataModule(DALIDataModule):
             include_crowd=self.include_crowd,
             output_image_ids=with_image_ids,
         )
-
-    # the loader has made int32 outputs int64 and images the output dtype: what is left is names and shapes
-    @staticmethod
-    def _postprocess_train(batch: Batch) -> Batch:
-        if "image_ids" in batch:
-            batch["image_ids"] = batch["image_ids"].reshape(-1)
-        return batch
-
-    @staticmethod
-    def _postprocess_val(batch: Batch) -> Batch:
-        return {
-            "images": batch["images"],
-            "image_ids": batch["image_ids"].reshape(-1),
-            "image_sizes": batch["shapes"][:, :2],
-        }
 
 
 # what DALI's readers.coco says when it cannot parse the annotation file (JSON syntax, field types, bbox)
@@ -257,8 +196,8 @@ def _error_reporter(info: CocoSplitInfo, split: str) -> Callable[[Exception], Ex
     other = decode_error_reporter(lambda: _listed_files(info), f"{split} images in {info.image_dir}")
 
     def report(exc: Exception) -> Exception:
-        # DALI (ValueError or RuntimeError): "Critical error ...\nError in CPU operator `...readers.coco`,
-        # ... encountered:\n\nInvalid COCO annotation: ...": the parser's own line is the one to show
+        # DALI: "Critical error ...\nError in CPU operator `...readers.coco`, ... encountered:\n\nInvalid COCO
+        # annotation: ..." (ValueError or RuntimeError): the parser's own line is the one to show
         said = next((line for line in str(exc).splitlines() if _PARSE_ERROR.search(line)), None)
         if said is not None:
             first = said.strip().rstrip(".")
@@ -274,6 +213,5 @@ def _error_reporter(info: CocoSplitInfo, split: str) -> Callable[[Exception], Ex
 
 
 def _listed_files(info: CocoSplitInfo) -> list[Path]:
-    with open(info.annotation_file, encoding="utf-8") as f:
-        data = json.load(f)
-    return [info.image_dir / img["file_name"] for img in data["images"]]
+    images = json.loads(Path(info.annotation_file).read_text(encoding="utf-8"))["images"]
+    return [info.image_dir / img["file_name"] for img in images]

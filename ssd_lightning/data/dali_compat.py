@@ -1,12 +1,8 @@
 """Every difference between the supported DALI lines (1.34.0 for CUDA 11, 2.x for CUDA 12/13), in one place.
 
-Features are detected (operator schemas, constructor signatures), never inferred from version numbers. Each
-function answers one question or returns the keyword arguments that bridge one difference: the readers'
-shuffle seed (:func:`reader_shuffle_kwargs`), the executor and its output buffers
-(:func:`uses_fresh_outputs`, :func:`run_pipeline`), EXIF orientation in the decoders
-(:func:`decoders_apply_exif_orientation`); ``feed_ndarray`` and ``to_torch_type`` come from
-``nvidia.dali.plugin.pytorch``, where both lines have them. What 1.34 lacks and what the project does
-instead: docs/internals.md.
+Features are detected (operator schemas, constructor signatures), never inferred from version numbers:
+the readers' shuffle seed, the executor and its output buffers, EXIF orientation in the decoders. What
+1.34 lacks and what the project does instead: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -19,41 +15,23 @@ from typing import Any
 import nvidia.dali
 from nvidia.dali import backend
 from nvidia.dali.pipeline import Pipeline
-from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-__all__ = [
-    "DALI_VERSION",
-    "DEFAULT_SHUFFLE_SEED",
-    "HAS_EXEC_DYNAMIC",
-    "HAS_SHUFFLE_SEED",
-    "decoders_apply_exif_orientation",
-    "feed_ndarray",
-    "reader_shuffle_kwargs",
-    "run_pipeline",
-    "to_torch_type",
-    "uses_fresh_outputs",
-]
+from nvidia.dali.plugin.pytorch import feed_ndarray as feed_ndarray  # re-exported: both lines have them
+from nvidia.dali.plugin.pytorch import to_torch_type as to_torch_type
 
 DALI_VERSION: str = nvidia.dali.__version__
+DEFAULT_SHUFFLE_SEED = 42  # the datamodules' default ``seed``: no warning for it on DALI 1.34
+HAS_SHUFFLE_SEED: bool = backend.GetSchema("readers__COCO").HasArgument("shuffle_after_epoch_seed")
+HAS_EXEC_DYNAMIC: bool = "exec_dynamic" in inspect.signature(Pipeline.__init__).parameters
 
 
 @functools.cache
 def decoders_apply_exif_orientation() -> bool:
-    """Whether this DALI's image decoders turn images upright by their EXIF orientation.
-
-    True on the 2.x line (``adjust_orientation``, on by default, in the decoders' schema); False on 1.34,
-    whose decoders return the stored pixels. Detected from the schema, not the version number.
-    """
+    """Whether the image decoders turn images upright by EXIF (2.x: ``adjust_orientation`` on by default;
+    1.34 returns the stored pixels)."""
     schema = backend.GetSchema("decoders__Image")
     return schema.HasArgument("adjust_orientation") and (
         schema.GetArgumentDefaultValueString("adjust_orientation") == "True"
     )
-
-
-DEFAULT_SHUFFLE_SEED = 42  # the datamodules' default ``seed``: no warning for it on DALI 1.34
-
-HAS_SHUFFLE_SEED: bool = backend.GetSchema("readers__COCO").HasArgument("shuffle_after_epoch_seed")
-HAS_EXEC_DYNAMIC: bool = "exec_dynamic" in inspect.signature(Pipeline.__init__).parameters
 
 
 @functools.cache
@@ -76,18 +54,11 @@ def reader_shuffle_kwargs(seed: int) -> dict[str, Any]:
 
 
 def uses_fresh_outputs(pipe: Pipeline) -> bool:
-    """True when ``pipe`` allocates every iteration's outputs afresh (the dynamic executor), so a tensor
-    viewing them stays valid after later runs; False when DALI reuses its output buffers."""
+    """Whether ``pipe`` allocates every iteration's outputs afresh (dynamic executor), never reusing them."""
     return bool(getattr(pipe, "exec_dynamic", False))
 
 
 def run_pipeline(pipe: Pipeline, cuda_stream: Any = None) -> tuple:
-    """One iteration's outputs.
-
-    With the dynamic executor and a ``cuda_stream`` (torch's current stream), GPU outputs are bound to that
-    stream: work queued on it waits for DALI on the device, and the host does not wait at all, as with
-    DALI's own PyTorch iterator. Otherwise (CPU pipelines, DALI 1.34) the outputs are host-synchronous.
-    """
-    if cuda_stream is not None and uses_fresh_outputs(pipe):
-        return pipe.run(cuda_stream)
-    return pipe.run()
+    """One iteration's outputs: with the dynamic executor, GPU outputs bound to ``cuda_stream`` (torch's
+    current stream: the host does not wait), else host-synchronous (CPU pipelines, DALI 1.34)."""
+    return pipe.run(cuda_stream) if cuda_stream is not None and uses_fresh_outputs(pipe) else pipe.run()

@@ -2,49 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from nvidia.dali import types
 
 from ssd_lightning.data.coco_validation import find_undecodable_images
-from ssd_lightning.data.dali_iterator import Batch, DALILoader
-from ssd_lightning.data.dali_pipelines import dali_output_dtype
+from ssd_lightning.data.dali_iterator import DALILoader
 from ssd_lightning.errors import DataError
 
 __all__ = ["DALIDataModule", "rank_info", "pipeline_device", "decode_error_reporter"]
+
+_DALI_DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}  # see _loader
 
 
 def rank_info(module: pl.LightningDataModule) -> tuple[int, int]:
     """(global rank, world size) of the attached trainer; (0, 1) without one."""
     trainer = getattr(module, "trainer", None)
-    if trainer is None:
-        return 0, 1
-    return trainer.global_rank, trainer.world_size
+    return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
 
 
 def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, int | None]:
-    """(``"gpu"``, CUDA index) or (``"cpu"``, None): where this rank's DALI pipelines run.
-
-    ``device="auto"`` follows the attached trainer's device: a trainer on a CUDA device gets GPU pipelines on
-    that device, a CPU trainer gets CPU pipelines even on a GPU machine (``trainer=cpu``, ``ddp_cpu`` with
-    more ranks than GPUs). Without a trainer, CUDA availability decides. ``"gpu"`` needs CUDA and, with a
-    trainer, a trainer on a CUDA device.
-    """
+    """(``"gpu"``, CUDA index) or (``"cpu"``, None): where this rank's DALI pipelines run. ``"auto"``
+    follows the attached trainer's device (a CPU trainer gets CPU pipelines even on a GPU machine), else CUDA
+    availability; ``"gpu"`` needs CUDA and, with a trainer, a trainer on a CUDA device."""
     if device not in ("auto", "cpu", "gpu"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
-    trainer = getattr(module, "trainer", None)
-    root = getattr(getattr(trainer, "strategy", None), "root_device", None)
-    if root is not None and root.type == "cuda":
-        cuda_index = root.index if root.index is not None else torch.cuda.current_device()
-    elif root is None and torch.cuda.is_available():
-        cuda_index = torch.cuda.current_device()
-    else:
-        cuda_index = None
-    if device == "auto":
-        device = "cpu" if cuda_index is None else "gpu"
-    if device == "cpu":
+    root = getattr(getattr(getattr(module, "trainer", None), "strategy", None), "root_device", None)
+    if root is None:  # no trainer
+        root = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda_index = None
+    if root.type == "cuda":
+        cuda_index = torch.cuda.current_device() if root.index is None else root.index
+    if device == "cpu" or (device == "auto" and cuda_index is None):
         return "cpu", None
     if not torch.cuda.is_available():
         raise ValueError("data.device='gpu' needs CUDA, which is not available; use 'auto' or 'cpu'")
@@ -75,67 +66,69 @@ def decode_error_reporter(paths_fn, what: str):
 class DALIDataModule(pl.LightningDataModule):
     """Base of the DALI datamodules: one sharded :class:`DALILoader` per split and rank.
 
-    Subclasses call :meth:`_set_loader_args` in ``__init__`` and implement ``_split(split)`` (read and check
-    a split once; ``setup`` calls it) and ``make_loader(split, *, shard_id, num_shards)`` (through
-    :meth:`_loader`); the loaders are built when Lightning asks for them (after ``setup``), sharded by the
-    trainer's global rank and world size.
-    Testing runs on the validation split (COCO and ImageNet publish no test labels).
+    Subclasses implement ``_split(split)`` (read and check a split once; ``setup`` calls it) and
+    ``make_loader(split, *, shard_id, num_shards)`` (through :meth:`_loader`), which the hooks call with the
+    trainer's global rank and world size. Testing runs on the validation split (COCO and ImageNet publish no
+    test labels).
 
-    Resuming: :meth:`state_dict` is the training loader's stream state (see
-    :mod:`ssd_lightning.data.dali_iterator`), which Lightning writes into every checkpoint; after
-    ``trainer.fit(..., ckpt_path=...)`` restores it through :meth:`load_state_dict`, the next training loader
-    continues from it, so the resumed run sees exactly the batches of an uninterrupted one. This is the path
-    that also covers end-of-epoch checkpoints: Lightning hands loader states back to the loaders themselves
-    only when it restarts mid-epoch.
+    Arguments every DALI datamodule takes: ``image_size`` (square network input side); ``batch_size``:
+    training batch PER DEVICE (the reference's ``--bs``; the global batch is ``batch_size * world_size``);
+    ``eval_batch_size`` (default: ``batch_size``); ``num_threads``: DALI CPU threads per pipeline;
+    ``prefetch_queue_depth``: batches DALI prepares ahead; ``seed``: augmentation seed (offset by the global
+    rank) and global shuffle seed (same on all ranks); ``device``: ``"auto"`` (where the trainer runs:
+    :func:`pipeline_device`), ``"cpu"`` or ``"gpu"``; ``output_dtype``: ``"float32"``, ``"float16"`` or
+    ``"bfloat16"`` images.
+
+    Resuming: :meth:`state_dict` (the training loader's stream state) goes into every checkpoint, and the
+    next training loader continues from the state :meth:`load_state_dict` restores, so a resumed run sees the
+    batches of an uninterrupted one (Lightning hands loader states back to them only mid-epoch).
     """
 
     _train_loader: DALILoader | None = None
     _train_state: dict[str, Any] | None = None
 
-    def _set_loader_args(self, args: dict[str, Any]) -> None:
-        """Check (``ValueError``) and keep the arguments every DALI datamodule takes, read by name from
-        ``args`` (the subclass ``__init__``'s ``locals()``)."""
-        for name in ("batch_size", "eval_batch_size", "num_threads"):
-            value = (args[name] or 1) if name == "eval_batch_size" else args[name]
+    def __init__(
+        self,
+        *,
+        image_size: int,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_threads: int = 2,
+        prefetch_queue_depth: int = 2,
+        seed: int = 42,
+        device: str = "auto",
+        output_dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        positive = dict(batch_size=batch_size, eval_batch_size=eval_batch_size or 1, num_threads=num_threads)
+        for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if args["device"] not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {args['device']!r}")
-        self._dali_dtype, self._cast = dali_output_dtype(args["output_dtype"])
-        self.batch_size: int = args["batch_size"]
-        self.eval_batch_size: int = args["eval_batch_size"] or self.batch_size
-        self.num_threads: int = args["num_threads"]
-        self.prefetch_queue_depth: int = args["prefetch_queue_depth"]
-        self.seed: int = args["seed"]
-        self.device: str = args["device"]
-        self.output_dtype: str = args["output_dtype"]
-        self.image_size: int = args["image_size"]
+        if device not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+        if output_dtype not in _DALI_DTYPES:
+            raise ValueError(f"output_dtype must be one of {sorted(_DALI_DTYPES)}, got {output_dtype!r}")
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.num_threads, self.prefetch_queue_depth, self.seed = num_threads, prefetch_queue_depth, seed
+        self.device, self.output_dtype, self.image_size = device, output_dtype, image_size
 
     def _loader(
-        self,
-        split: str,
-        pipeline: Callable[..., Any],
-        names: list[str],
-        *,
-        shard_id: int,
-        num_shards: int,
-        postprocess: Callable[[Batch], Batch],
-        on_error: Callable[[Exception], Exception],
-        **graph_kwargs: Any,
+        self, split: str, pipeline, names, *, shard_id: int, num_shards: int, on_error, **graph_kwargs
     ) -> DALILoader:
-        """The :class:`DALILoader` of ``pipeline`` (a ``@pipeline_def``) for one split and shard: the
-        arguments every graph takes (augmentation seed offset per rank), then ``graph_kwargs``."""
+        """The :class:`DALILoader` (outputs ``names``, ``on_error``) of ``pipeline`` (a ``@pipeline_def``) for
+        one split and shard: the arguments every graph takes (augmentation seed offset per rank), then
+        ``graph_kwargs``."""
         device, cuda_index = pipeline_device(self, self.device)
+        shard = {"shard_id": shard_id, "num_shards": num_shards}
         kwargs = {
             "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
             "num_threads": self.num_threads,
             "device_id": cuda_index,
             "prefetch_queue_depth": self.prefetch_queue_depth,
             "seed": self.seed + 1009 * shard_id,  # different augmentation per rank
-            "shard_id": shard_id,
-            "num_shards": num_shards,
+            **shard,
             "device": device,
-            "dtype": self._dali_dtype,
+            "dtype": _DALI_DTYPES[self.output_dtype],
             "image_size": self.image_size,
             **graph_kwargs,
         }
@@ -143,19 +136,11 @@ class DALIDataModule(pl.LightningDataModule):
             lambda **pipeline_kwargs: pipeline(**kwargs, **pipeline_kwargs),
             names,
             mode="train" if split == "train" else "eval",
-            shard_id=shard_id,
-            num_shards=num_shards,
-            postprocess=postprocess,
+            **shard,
             on_error=on_error,
-            # images leave DALI as float32 when bfloat16 is asked for; the loader converts while copying
-            dtypes={} if self._cast is None else {"images": self._cast},
+            # DALI has no bfloat16: images leave it as float32 and the loader converts while copying
+            dtypes={"images": torch.bfloat16} if self.output_dtype == "bfloat16" else {},
         )
-
-    def _split(self, split: str) -> Any:
-        raise NotImplementedError
-
-    def make_loader(self, split: str, *, shard_id: int = 0, num_shards: int = 1) -> DALILoader:
-        raise NotImplementedError
 
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit"):
@@ -165,7 +150,6 @@ class DALIDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DALILoader:
         rank, world = rank_info(self)
-        # the loader state_dict() reports, continuing from a state restored earlier
         loader = self.make_loader("train", shard_id=rank, num_shards=world)
         if self._train_state:
             loader.load_state_dict(self._train_state)

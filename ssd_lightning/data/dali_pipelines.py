@@ -1,15 +1,12 @@
 """DALI pipeline graphs for SSD300 (COCO) and ImageFolder classification.
 
-Every graph exists once; ``device="gpu"`` only moves the decoder ("mixed") and the image operators ("gpu");
-box operators always run on the CPU. Readers are named ``"Reader"``, pad the last batch of a shard with
-copies of its last sample (``pad_last_batch``) and never change shard between epochs. Training loaders build
-them with ``enable_checkpointing=True`` for an exact resume. Reasons: docs/internals.md.
-
-Outputs (per sample):
+``device="gpu"`` only moves the decoder ("mixed") and the image operators ("gpu"); box operators run on the
+CPU. Readers are named ``"Reader"``, pad the last batch of a shard with copies of its last sample and never
+change shard between epochs (docs/internals.md). Outputs (per sample):
 
 * ``coco_train_pipeline``: image (3, S, S) float, boxes (8732, 4) float32 (cx, cy, w, h) in [0, 1] (unmatched
   default boxes carry themselves), labels (8732,) int32 contiguous (0 = background); optionally image id.
-* ``coco_val_pipeline``: image (3, S, S), image id (1,) int32, original shape (3,) int64 (H, W, C).
+* ``coco_val_pipeline``: image (3, S, S), image id (1,) int32, original (height, width) (2,) int64.
 * ``classification_*_pipeline``: image (3, S, S), label (1,) int32.
 """
 
@@ -17,33 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from ssd_lightning.data.dali_compat import reader_shuffle_kwargs
 from ssd_lightning.models.registry import IMAGENET_MEAN, IMAGENET_STD
-
-__all__ = [
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "dali_output_dtype",
-    "coco_train_pipeline",
-    "coco_val_pipeline",
-    "classification_train_pipeline",
-    "classification_val_pipeline",
-]
-
-_DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}
-
-
-def dali_output_dtype(output_dtype: str) -> tuple[types.DALIDataType, torch.dtype | None]:
-    """DALI image dtype and the torch dtype to cast to afterwards (None: no cast).
-
-    DALI has no bfloat16: it emits float32 and the iterator casts.
-    """
-    if output_dtype not in _DTYPES:
-        raise ValueError(f"output_dtype must be one of {sorted(_DTYPES)}, got {output_dtype!r}")
-    return _DTYPES[output_dtype], (torch.bfloat16 if output_dtype == "bfloat16" else None)
 
 
 def _devices(device: str) -> tuple[str, str]:
@@ -128,11 +102,9 @@ def coco_train_pipeline(
     include_crowd: bool = True,
     output_image_ids: bool = False,
 ):
-    """SSD300 training graph (NVIDIA reference augmentation); ``augment=False`` is decode + resize only.
-
-    ``anchors_ltrb``: the default boxes as a flat ltrb list (``dboxes300_coco().ltrb.flatten().tolist()``).
-    Images without boxes are skipped (``skip_empty``). Crowd boxes are kept as ordinary boxes, as in the
-    reference (``include_iscrowd`` defaults to True there).
+    """SSD300 training graph (NVIDIA reference augmentation; ``augment=False``: decode + resize only) over
+    the images with boxes. ``anchors_ltrb``: the default boxes, flat ltrb (``dboxes300_coco().ltrb``).
+    ``include_crowd``: crowd boxes as ordinary boxes, as in the reference (``include_iscrowd`` is True there).
     """
     decoder_device, image_device = _devices(device)
     jpegs, bboxes, labels, *image_ids = _reader(
@@ -188,9 +160,9 @@ def coco_val_pipeline(
     )
     # (H, W, C) of the original, read from the encoded header on the CPU: the shape of a GPU-decoded image
     # would be a GPU->CPU transition, which only DALI's dynamic executor (2.x) can build.
-    shapes = fn.peek_image_shape(jpegs, dtype=types.INT64)
+    sizes = fn.peek_image_shape(jpegs, dtype=types.INT64)[0:2]
     images = _decode_resize(jpegs, decoder_device, image_device, image_size)
-    return _normalize(images, dtype=dtype, device=image_device), image_ids, shapes
+    return _normalize(images, dtype=dtype, device=image_device), image_ids, sizes
 
 
 @pipeline_def

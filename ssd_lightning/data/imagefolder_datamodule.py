@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.data.coco_validation import check_image_headers
 from ssd_lightning.data.dali_datamodule import DALIDataModule, decode_error_reporter
-from ssd_lightning.data.dali_iterator import Batch, DALILoader
+from ssd_lightning.data.dali_iterator import DALILoader
 from ssd_lightning.data.dali_pipelines import classification_train_pipeline, classification_val_pipeline
 from ssd_lightning.errors import DataError, MissingDataError
 
@@ -18,14 +19,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
 
 def list_image_folder(directory: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    """(sorted class names, [(file, class index)]) of ``directory/<class>/<image>``.
-
-    Class index = position in the sorted folder names, as DALI's file reader assigns labels.
-
-    Raises:
-        FileNotFoundError: ``directory`` is missing.
-        ValueError: no class sub-directories, or no images in them.
-    """
+    """(sorted class names, [(file, class index)]) of ``directory/<class>/<image>``; class index = position in
+    the sorted folder names, as DALI's file reader assigns labels."""
     if not directory.is_dir():
         raise MissingDataError(
             f"image folder {directory} does not exist; expected <root>/train and <root>/val with one "
@@ -50,13 +45,9 @@ class ImageFolderDALIDataModule(DALIDataModule):
 
     Class index = position of the folder name in sorted order (``class_names``). Training: random-resized
     crop (area 0.08-1) to ``image_size``, horizontal flip p=0.5, ImageNet normalisation; validation: shorter
-    side resized to ``val_resize``, centre crop ``image_size``. Batches: ``{"images" (N, 3, S, S),
-    "labels" (N,) int64}``. Same iterator and last-batch policy as :class:`CocoDALIDataModule`
-    (training drops the incomplete last batch; validation sees every image exactly once).
-
-    Args:
-        batch_size: training batch size PER DEVICE; ``eval_batch_size`` defaults to it.
-        Other arguments as in :class:`~ssd_lightning.data.coco_datamodule.CocoDALIDataModule`.
+    side resized to ``val_resize``, centre crop ``image_size``. Batches: ``{"images" (N, 3, S, S), "labels"
+    (N,) int64}``; training drops the incomplete last batch, validation sees every image exactly once.
+    ``**kwargs`` (``batch_size`` per device, ...): see :class:`.dali_datamodule.DALIDataModule`.
     """
 
     def __init__(
@@ -65,28 +56,19 @@ class ImageFolderDALIDataModule(DALIDataModule):
         *,
         train_dir: str | os.PathLike | None = None,
         val_dir: str | os.PathLike | None = None,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_threads: int = 2,
-        prefetch_queue_depth: int = 2,
-        seed: int = 42,
-        device: str = "auto",
-        output_dtype: str = "float32",
         image_size: int = 224,
         val_resize: int = 256,
         shuffle: bool = True,
         check_files: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self._set_loader_args(locals())
+        super().__init__(image_size=image_size, **kwargs)
         if val_resize < image_size:
             raise ValueError(f"val_resize ({val_resize}) must be >= image_size ({image_size})")
         self.root = Path(root)
         self.train_dir = Path(train_dir) if train_dir else self.root / "train"
         self.val_dir = Path(val_dir) if val_dir else self.root / "val"
-        self.val_resize = val_resize
-        self.shuffle = shuffle
-        self.check_files = check_files
+        self.val_resize, self.shuffle, self.check_files = val_resize, shuffle, check_files
         self._listing: dict[str, tuple[list[str], list[tuple[Path, int]]]] = {}
 
     @property
@@ -127,18 +109,6 @@ class ImageFolderDALIDataModule(DALIDataModule):
             if split == "train"
             else (classification_val_pipeline, {"resize_size": self.val_resize})
         )
-        return self._loader(
-            split,
-            pipeline,
-            ["images", "labels"],
-            shard_id=shard_id,
-            num_shards=num_shards,
-            postprocess=self._postprocess,
-            on_error=decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}"),
-            file_root=str(directory),
-            **graph_kwargs,
-        )
-
-    @staticmethod
-    def _postprocess(batch: Batch) -> Batch:  # the loader made the labels int64
-        return {"images": batch["images"], "labels": batch["labels"].reshape(-1)}
+        on_error = decode_error_reporter(lambda: [p for p, _ in files], f"{split} images in {directory}")
+        kwargs = dict(shard_id=shard_id, num_shards=num_shards, on_error=on_error, file_root=str(directory))
+        return self._loader(split, pipeline, ["images", "labels"], **kwargs, **graph_kwargs)

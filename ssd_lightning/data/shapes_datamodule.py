@@ -19,17 +19,14 @@ from ssd_lightning.data.shapes import (
 
 
 class ShapesDataModule(CocoDALIDataModule):
-    """:class:`CocoDALIDataModule` reading ``root``, which is generated there if missing.
+    """:class:`CocoDALIDataModule` reading ``root``, which is generated there (in COCO's own layout, so
+    everything downstream is real COCO's code path) if missing, once, by Lightning's ``prepare_data``.
 
-    The dataset is written in COCO's own layout, so everything downstream (reader, category map, COCO
-    evaluation) is the code path real COCO takes. Generation is atomic and happens once, on the process
-    Lightning picks for ``prepare_data`` (local rank 0). ``min_scale``/``max_scale`` bound the shapes'
-    extent as fractions of the image's short side (see
-    :func:`~ssd_lightning.data.shapes.make_detection_dataset`). ``categories`` is the class set (names
-    from :data:`~ssd_lightning.data.shapes.SHAPE_CATALOGUE`; ``None``: the demo's four): another set
-    needs another ``root`` (by convention ``<data dir>/shapes_<names>``, e.g. ``shapes_cross_hexagon_arrow``)
-    and ``num_classes`` = its size + 1; a ``root`` holding another class set is an error, never reused.
-    ``max_objects_train`` (1-9) is the most shapes in a training image; the val split keeps 1-6.
+    ``min_scale``/``max_scale``: the shapes' extent as fractions of the image's short side. ``categories``:
+    names from :data:`~ssd_lightning.data.shapes.SHAPE_CATALOGUE` (``None``: the demo's four); another set
+    needs another ``root`` (by convention ``<data dir>/shapes_<names>``; one holding another set is an
+    error) and ``num_classes`` = its size + 1. ``max_objects_train`` (1-9): the most shapes in a training
+    image (the val split keeps 1-6).
     """
 
     def __init__(

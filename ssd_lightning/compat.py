@@ -1,9 +1,8 @@
 """Every private attribute of Lightning, Hydra and torch that ssd_lightning touches, behind named accessors.
 
-Each accessor looks its attribute up strictly: when an upgrade renamed one, it raises :class:`CompatError`,
-one line naming the attribute, the installed version and the supported range. :func:`check_installed`
-runs all those look-ups at once on a fresh Trainer (the train job calls it before ``fit``). Lightning,
-Hydra and torch are imported only by the accessors that need them (config composition stays light).
+Each accessor looks its attribute up strictly (:class:`CompatError` when an upgrade renamed it);
+:func:`check_installed` runs all those look-ups on a fresh Trainer before ``fit``. Lightning, Hydra and
+torch are imported only by the accessors that need them (config composition stays light).
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ _SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
 
 
 class CompatError(UserError, RuntimeError):
-    """The installed Lightning/Hydra/torch lacks a private attribute ssd_lightning relies on (another version
-    than the supported one). The message is one line: package, version, attribute, supported range."""
+    """An unsupported Lightning/Hydra/torch: one line naming package, version, attribute, supported range."""
 
 
 def _supported(package: str) -> str:
@@ -76,13 +74,9 @@ def _signal_connector(trainer: pl.Trainer) -> Any:
     return _attr(trainer, "_signal_connector", "Trainer")
 
 
-def sigterm_received(trainer: pl.Trainer) -> bool:
-    """Lightning's "stop after this step" flag (raises ``SIGTERMException`` at the step's end when set)."""
-    return bool(_attr(_signal_connector(trainer), "received_sigterm", "Trainer._signal_connector"))
-
-
 def set_sigterm_received(trainer: pl.Trainer, value: bool) -> None:
-    """Raise or lower Lightning's "stop after this step" flag."""
+    """Raise or lower Lightning's "stop after this step" flag (``SIGTERMException`` at the step's end; read
+    publicly as ``trainer.received_sigterm``)."""
     connector = _signal_connector(trainer)
     _attr(connector, "received_sigterm", "Trainer._signal_connector")
     connector.received_sigterm = bool(value)
@@ -92,12 +86,9 @@ def replace_signal_handlers(
     trainer: pl.Trainer, *, sigterm: SignalHandler, slurm_requeue: SignalHandler
 ) -> None:
     """Make Lightning register ``sigterm`` for SIGTERM and ``slurm_requeue`` for its SLURM auto-requeue signal
-    in place of its own handlers (call in ``on_fit_start``: Lightning registers them after that hook).
-
-    Lightning's SIGTERM notifier forwards the signal to the launcher's children and, under DDP, broadcasts
-    from inside the handler; its SIGUSR1 handler saves a checkpoint from inside the handler.
-    Undone by :func:`restore_signal_handling`.
-    """
+    in place of its own handlers, which broadcast (SIGTERM, under DDP) or save (SIGUSR1) from inside the
+    handler. Call in ``on_fit_start`` (Lightning registers them after it); undone by
+    :func:`restore_signal_handling`."""
     connector = _signal_connector(trainer)
     for name, handler in ((_SIGTERM_NOTIFIER, sigterm), (_SLURM_SIGUSR_HANDLER, slurm_requeue)):
         _attr(connector, name, "Trainer._signal_connector")
@@ -129,8 +120,7 @@ def _subprocess_script_launcher_class() -> type:
 
 
 def subprocess_script_launcher(trainer: pl.Trainer) -> Any | None:
-    """The trainer's launcher if it is Lightning's own (``python train.py`` starting the other ranks as
-    subprocesses of this one), else None."""
+    """The trainer's launcher if it is Lightning's own (starting the ranks as subprocesses), else None."""
     launcher = trainer.strategy.launcher
     return launcher if isinstance(launcher, _subprocess_script_launcher_class()) else None
 
@@ -161,8 +151,8 @@ def load_pending_loader_states(trainer: pl.Trainer) -> None:
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:
-    """Training batches that ended with an optimizer step, over the whole run: Lightning's logging step (the
-    ``step`` column of ``metrics.csv``); restored from checkpoints."""
+    """Training batches that ended with an optimizer step, over the whole run (restored from checkpoints):
+    Lightning's logging step, the ``step`` column of ``metrics.csv``."""
     return int(_attr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", "Trainer.fit_loop.epoch_loop"))
 
 
@@ -239,7 +229,7 @@ def job_return_value(job_return: Any) -> Any:
 # -- all at once ---------------------------------------------------------------------------------------------
 def check_installed(trainer: pl.Trainer) -> None:
     """Look up every private attribute the accessors touch, on ``trainer`` (before ``fit``) and the installed
-    classes; raise :class:`CompatError` for the first one missing."""
+    classes; :class:`CompatError` for the first one missing."""
     from hydra.core.utils import JobReturn
     from pytorch_lightning.loggers import CSVLogger
     from pytorch_lightning.loggers.csv_logs import ExperimentWriter

@@ -1,7 +1,7 @@
 """Errors that mean "the input is wrong", as opposed to a bug.
 
-``python train.py`` prints these as one message naming the config key or file and what to do, without a
-stack trace (the traceback still goes to the run's log file). See docs/reliability.md.
+``python train.py`` prints these as one message naming the config key or file and what to do, the traceback
+going to the run's log file only (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -12,17 +12,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-__all__ = [
-    "UserError",
-    "ConfigError",
-    "DataError",
-    "MissingDataError",
-    "CheckpointWriteError",
-    "DatasetConflictError",
-    "NonFiniteLossError",
-    "is_user_error",
-    "user_errors_as_messages",
-]
+__all__ = ["UserError", "ConfigError", "DataError", "MissingDataError", "CheckpointWriteError",
+           "DatasetConflictError", "NonFiniteLossError",
+           "is_user_error", "user_errors_as_messages"]  # fmt: skip
 
 
 class UserError(Exception):
@@ -55,13 +47,9 @@ class NonFiniteLossError(UserError, FloatingPointError):
 
 # -- how command-line entry points report them --------------------------------------------------------
 def is_user_error(error: BaseException) -> bool:
-    """Input errors, as opposed to bugs (which keep their full traceback).
-
-    Ours (:class:`UserError`), Lightning's ``MisconfigurationException`` (it names Trainer arguments), and
-    Hydra's ``InstantiationException`` when the constructor rejected an argument value (a ``ValueError``,
-    the convention of every constructor here, or one of ours: a refused checkpoint); a ``TypeError``
-    there is a bug or a wrong key and keeps its traceback.
-    """
+    """Input errors, as opposed to bugs: ours, Lightning's ``MisconfigurationException`` (it names Trainer
+    arguments), and Hydra's ``InstantiationException`` of a constructor that rejected a value (``ValueError``
+    or ours; a ``TypeError`` there is a bug or a wrong key)."""
     from hydra.errors import InstantiationException
     from lightning_fabric.utilities.exceptions import MisconfigurationException
 
@@ -91,12 +79,9 @@ def _peer_failed(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def user_errors_as_messages() -> Iterator[None]:
-    """Print user errors as one ``Error: ...`` message and exit 2 (config) or 1 (data, files, environment).
-
-    The traceback goes to the run's log file only (``HYDRA_FULL_ERROR=1`` re-raises it instead). Ctrl-C
-    outside training exits 130 with one line (inside ``fit``, Lightning turns a Ctrl-C it did not expect
-    into exit 1). Anything that is not :func:`is_user_error` is re-raised with its traceback.
-    """
+    """Print user errors as one ``Error: ...`` message, the traceback to the log files only
+    (``HYDRA_FULL_ERROR=1`` re-raises instead), and exit 2 (config) or 1 (data, files, environment); other
+    errors keep their traceback. Ctrl-C outside training exits 130 with one line."""
     try:
         yield
     except KeyboardInterrupt:

@@ -12,16 +12,10 @@ log = logging.getLogger(__name__)
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """Keeps one checkpoint, ``<dirpath>/best.ckpt``, of the validation with the best ``monitor`` value
-    (``val/mAP`` for detectors, ``val/acc1`` for classifiers), rewritten in place (atomically, through the
-    run's checkpoint IO) when a later evaluation beats it. It is saved after validation, so epochs that the
-    evaluation schedule skips never replace it; its score survives a resume (callback state).
-
-    A run whose validation does not log ``monitor`` (its callback disabled, e.g. ``~callbacks.coco_map``)
-    writes no ``best.ckpt`` and says so once, instead of failing the way ``ModelCheckpoint`` does.
-
-    ``filename`` is without ``.ckpt``; ``mode`` is ``"max"`` or ``"min"``.
-    """
+    """Keeps one checkpoint, ``<dirpath>/<filename>.ckpt``, of the validation with the best ``monitor`` value,
+    rewritten (atomically) when a later evaluation beats it; its score survives a resume. A validation that
+    does not log ``monitor`` (``~callbacks.coco_map``) writes none and says so once, where
+    ``ModelCheckpoint`` would fail."""
 
     def __init__(
         self, dirpath: str | os.PathLike, monitor: str, mode: str = "max", filename: str = "best"

@@ -9,18 +9,10 @@ __all__ = ["EarlyStopping"]
 
 
 class EarlyStopping(LightningEarlyStopping):
-    """Lightning's ``EarlyStopping``, checked after each validation only, and off when ``patience`` is None.
-
-    ``patience`` counts evaluations, not epochs: with an evaluation-epoch list (``EvalSchedule``) the epochs
-    without a validation are not checked, so they neither stop the run nor fail for lack of a value. The
-    decision is Lightning's (any rank stopping stops all; the COCO metrics are the same on every rank), and
-    its counters are saved in checkpoints, so a resumed run keeps counting.
-
-    Args:
-        monitor: the metric (``optimized_metric``), logged by the validation.
-        patience: evaluations without an improvement larger than ``min_delta`` before stopping; ``None``:
-            never stop.
-    """
+    """Lightning's ``EarlyStopping`` on ``monitor``, checked after each validation only, off when ``patience``
+    is None: ``patience`` counts evaluations without an improvement over ``min_delta``, not epochs (under
+    ``EvalSchedule`` epochs without validation are not checked). The decision is Lightning's; its counters
+    are saved in checkpoints, so a resumed run keeps counting."""
 
     def __init__(
         self, monitor: str, *, patience: int | None = None, min_delta: float = 0.0, mode: str = "max"

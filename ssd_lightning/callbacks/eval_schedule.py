@@ -18,19 +18,14 @@ _NEVER = sys.maxsize
 
 
 class EvalSchedule(Callback):
-    """Run the validation loop only after the listed 0-based epochs (and the last one, with ``always_last``).
+    """Run the validation loop only after the listed 0-based ``eval_epochs`` (strictly increasing) and, with
+    ``always_last``, the last one (of a finite ``max_epochs``).
 
     Before each epoch (and at ``on_train_start``, for a run resumed mid-epoch) it sets
-    ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and to a value no epoch reaches otherwise;
-    the decision depends only on ``trainer.current_epoch``, so a resumed run follows the same schedule. The
-    trainer's own value is restored at the end of ``fit``. ``val_check_interval < 1`` keeps working inside
-    scheduled epochs. Needs epoch-based validation (``check_val_every_n_epoch`` not None, no time-based
-    ``val_check_interval``). A ``ModelCheckpoint`` with ``save_on_train_epoch_end=None`` then saves only
-    after validated epochs; add one with ``save_on_train_epoch_end=True`` for a checkpoint every epoch.
-
-    Args:
-        eval_epochs: 0-based epochs after which to validate, strictly increasing and non-negative.
-        always_last: also validate after the last epoch (needs a finite ``max_epochs``).
+    ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and to a value no epoch reaches otherwise
+    (restored at the end of ``fit``): the schedule depends only on ``current_epoch``, so a resumed run keeps
+    it. ``val_check_interval < 1`` keeps working inside scheduled epochs; time-based validation is refused.
+    A ``ModelCheckpoint`` with ``save_on_train_epoch_end=None`` then saves only after validated epochs.
     """
 
     def __init__(self, eval_epochs: Iterable[int], *, always_last: bool = True) -> None:
@@ -53,9 +48,7 @@ class EvalSchedule(Callback):
 
     def should_validate(self, epoch: int, last_epoch: int | None = None) -> bool:
         """Whether validation runs after 0-based ``epoch`` (``last_epoch``: ``max_epochs - 1``, if known)."""
-        return epoch in self.eval_epochs or (
-            self.always_last and last_epoch is not None and epoch == last_epoch
-        )
+        return epoch in self.eval_epochs or (self.always_last and epoch == last_epoch)
 
     def _apply(self, trainer: pl.Trainer) -> None:
         validate = self.should_validate(trainer.current_epoch, self._last_epoch(trainer))

@@ -36,11 +36,9 @@ INTERRUPTED_FILE = "interrupted.json"
 
 
 def scheduler_job_id() -> str | None:
-    """The id a scheduler keeps when it restarts a job: submitit_local's job, SLURM's (array) job; else None.
-
-    ``scontrol requeue``, SLURM's preemption requeue and submitit's local retries start the same job id
-    again, a new submission (a new sweep) gets a new one.
-    """
+    """The id a scheduler keeps when it restarts a job (``scontrol requeue``, SLURM's preemption requeue,
+    submitit's local retries; a new submission gets a new one): submitit_local's, SLURM's (array) job; else
+    None."""
     if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
         return f"local_{os.environ['SUBMITIT_LOCAL_JOB_ID']}"
     return _slurm_job_id()
@@ -66,7 +64,7 @@ def read_interruption(checkpoint_dir: str | Path) -> dict | None:
         return None
 
 
-def _distributed(trainer: pl.Trainer) -> bool:
+def _distributed(trainer: pl.Trainer) -> bool:  # only then do the ranks agree through a collective
     return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
@@ -81,30 +79,21 @@ def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
 
 
 class InterruptCheckpoint(pl.Callback):
-    """Turn SIGTERM, SIGUSR1/SIGUSR2 and a first Ctrl-C into ``last.ckpt``, written at the same step on every
-    DDP rank; the caller then exits 143 (SIGTERM), 130 (Ctrl-C) or hands over to the scheduler's requeue.
+    """Turn SIGTERM, SIGUSR1/SIGUSR2 and a first Ctrl-C into ``<dirpath>/<filename>`` (default: the
+    ModelCheckpoint's ``last.ckpt``), written at the same step on every DDP rank; the caller then exits 143
+    (SIGTERM), 130 (Ctrl-C) or hands over to the scheduler's requeue.
 
-    * Signal handlers only set a flag (no collective, no I/O). The ranks agree at step boundaries through one
-      all-reduce (MAX of the flags), whichever ranks got the signal (torchrun and SLURM signal every worker,
-      ``kill <pid>`` of Lightning's launcher only rank 0): every ``check_every_n_steps`` optimizer steps or,
-      when that is None, about every ``check_every_seconds`` (computed from the reduced step time, so the
-      same on every rank). Lightning's per-step broadcast of its SIGTERM flag is switched off. One process:
-      the flag is read after every step.
+    * Handlers only set a flag (no collective, no I/O). The ranks agree at step boundaries through one
+      all-reduce (MAX of the flags), whichever ranks got the signal (``kill <pid>`` of Lightning's launcher
+      reaches only rank 0): every ``check_every_n_steps`` optimizer steps or, when that is None, about every
+      ``check_every_seconds`` (from the reduced step time, so the same on every rank; keep it well below the
+      launcher's wait before SIGKILL). Lightning's per-step broadcast of its SIGTERM flag is switched off.
     * Lightning's own path then raises ``SIGTERMException`` after that step on every rank;
-      :meth:`on_exception` calls ``Trainer.save_checkpoint`` on every rank (rank 0 writes, atomically) and
-      rank 0 writes ``interrupted.json`` (signal, epoch, step, :func:`scheduler_job_id`), from which a
-      requeued job continues.
-    * SIGUSR2 (submitit's time-limit signal) and SIGUSR1 (Lightning's SLURM auto-requeue signal) stop the
-      same way; after the save :meth:`hand_over` runs the handler installed before training (submitit's
-      requeue), or ``scontrol requeue`` under Lightning's SLURM auto-requeue.
+      :meth:`on_exception` saves on every rank and rank 0 writes ``interrupted.json`` (signal, epoch, step,
+      :func:`scheduler_job_id`), from which a requeued job continues.
+    * After a SIGUSR2 (submitit's time limit) or SIGUSR1 (Lightning's SLURM auto-requeue) stop,
+      :meth:`hand_over` runs the handler installed before training, or ``scontrol requeue``.
     * A second Ctrl-C aborts at once, without a checkpoint. A signal during validation takes effect after it.
-
-    Args:
-        dirpath: where to write; defaults to the ModelCheckpoint's directory (else ``<root>/checkpoints``).
-        filename: the file name; ``last.ckpt`` so that the usual resume command works.
-        check_every_n_steps: a fixed number of optimizer steps between two agreements of the DDP ranks.
-        check_every_seconds: with ``check_every_n_steps=None``, the target time between two agreements (the
-            delay from a signal to the save); keep it well below the launcher's wait before SIGKILL.
     """
 
     def __init__(
@@ -132,7 +121,6 @@ class InterruptCheckpoint(pl.Callback):
         self._trainer: pl.Trainer | None = None  # during fit, for the handlers
         self._reset_schedule(0)
 
-    # -- signals: handlers only set a flag ---------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stopped_by, self.saved_path, self._received, self._agreed = None, None, None, None
         self._trainer, self._rank = trainer, trainer.global_rank
@@ -141,24 +129,21 @@ class InterruptCheckpoint(pl.Callback):
         env = getattr(trainer.strategy, "cluster_environment", None)
         if env is None and SLURMEnvironment.detect():
             env = SLURMEnvironment()
-        slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
-        self._slurm_requeue = slurm
+        self._slurm_requeue = (
+            isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
+        )
         # Lightning's SIGTERM and SLURM SIGUSR1 handlers run a collective or save from inside the handler;
         # ours only take note (SIGUSR1/SIGUSR2 until on_train_start installs ours for good)
-        compat.replace_signal_handlers(
-            trainer, sigterm=self._on_sigterm, slurm_requeue=self._on_requeue_signal
-        )
+        compat.replace_signal_handlers(trainer, sigterm=self._on_signal, slurm_requeue=self._on_signal)
         compat.skip_per_step_sigterm_broadcast(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # SIGINT here, not in on_fit_start: Lightning records the handlers when it registers its own (after
-        # on_fit_start) and restores them in its teardown, which so also removes this one.
-        # SIGUSR1/SIGUSR2 likewise: ours replace Lightning's SLURM auto-requeue handler (which saves from
-        # inside the handler) and submitit's (which requeues and exits at once); hand_over() runs them later
+        # here, not in on_fit_start: Lightning records the handlers when it registers its own (after
+        # on_fit_start) and restores them in its teardown, which so also removes ours. Ours replace
+        # Lightning's SLURM handler (it saves from inside) and submitit's (it requeues and exits at once)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._on_sigint)
-            for signum in _REQUEUE_SIGNALS:
-                signal.signal(signum, self._on_requeue_signal)
+            for signum in (signal.SIGINT, *_REQUEUE_SIGNALS):
+                signal.signal(signum, self._on_signal)
         self._reset_schedule(trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -166,26 +151,17 @@ class InterruptCheckpoint(pl.Callback):
             compat.restore_signal_handling(trainer)
             self._trainer = None
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._take_note("SIGTERM")
-
-    def _on_requeue_signal(self, signum, frame) -> None:
-        self._take_note(signal.Signals(signum).name)
-
-    def _on_sigint(self, signum, frame) -> None:
-        if self._received == "SIGINT":  # second Ctrl-C: stop now, no checkpoint
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self._received == "SIGINT":  # second Ctrl-C: stop now, no checkpoint
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        self._take_note("SIGINT")
-
-    def _take_note(self, name: str) -> None:
         if self._received is not None:
             return
         self._received = name
         if self._rank == 0:
-            what, why = ("Ctrl-C", " (press Ctrl-C again to abort now)") if name == "SIGINT" else (name, "")
-            if name in ("SIGUSR1", "SIGUSR2"):
-                why = " (the scheduler's time-limit/requeue signal)"
+            why = " (the scheduler's time-limit/requeue signal)" if name in ("SIGUSR1", "SIGUSR2") else ""
+            what, why = ("Ctrl-C", " (press Ctrl-C again to abort now)") if name == "SIGINT" else (name, why)
             log.warning(f"{what}: stopping after this step and saving {self.filename}{why}")
         trainer = self._trainer
         # one process: nothing to agree on; the step in flight is the last one (Lightning's own path)
@@ -201,7 +177,6 @@ class InterruptCheckpoint(pl.Callback):
         # (after validation, if this step runs one) on every rank
         compat.set_sigterm_received(trainer, True)
 
-    # -- agreement at step boundaries ----------------------------------------------------------------
     def _reset_schedule(self, global_step: int) -> None:
         self._last_step = global_step
         self._next_check = global_step + (self.check_every_n_steps or 1)
@@ -260,7 +235,6 @@ class InterruptCheckpoint(pl.Callback):
         elif self._received is not None and not _distributed(trainer):  # arrived during validation
             self._stop(trainer, self._received)
 
-    # -- the checkpoint -----------------------------------------------------------------------------
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         if self.dirpath is not None:
             return Path(self.dirpath) / self.filename
@@ -286,8 +260,13 @@ class InterruptCheckpoint(pl.Callback):
         self.saved_path = path
         prefix = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
         epoch, step = trainer.current_epoch, trainer.global_step
-        if trainer.is_global_zero:
-            self._record(path, epoch, step)
+        if trainer.is_global_zero:  # what a requeued job checks before continuing
+            record = {"signal": self.stopped_by, "epoch": epoch, "step": step, "checkpoint": path.name}
+            file = path.parent / INTERRUPTED_FILE
+            try:
+                atomic_write_text(file, json.dumps({**record, "job_id": scheduler_job_id()}, indent=1) + "\n")
+            except OSError as error:
+                log.error(f"could not write {file}: {error}")
         run = Path(path).parent.parent  # <run>/checkpoints/last.ckpt
         how = f"resume={run} (or ckpt_path={path})" if (run / ".hydra").is_dir() else f"ckpt_path={path}"
         log.warning(
@@ -296,21 +275,11 @@ class InterruptCheckpoint(pl.Callback):
             + (" (a requeued job continues from it by itself)" if self._requeuer() else "")
         )
 
-    def _record(self, path: Path, epoch: int, step: int) -> None:
-        """``interrupted.json`` next to the checkpoint: what a requeued job checks before continuing."""
-        record = {"signal": self.stopped_by, "epoch": epoch, "step": step, "checkpoint": path.name}
-        record["job_id"] = scheduler_job_id()
-        try:
-            atomic_write_text(path.parent / INTERRUPTED_FILE, json.dumps(record, indent=1) + "\n")
-        except OSError as error:
-            log.error(f"could not write {path.parent / INTERRUPTED_FILE}: {error}")
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # training finished: nothing left for a requeued job of this run to continue
         if trainer.is_global_zero:
             (self.checkpoint_path(trainer).parent / INTERRUPTED_FILE).unlink(missing_ok=True)
 
-    # -- after the save: the scheduler's requeue ---------------------------------------------------
     def _requeuer(self):
         """What requeues the job after a SIGUSR1/SIGUSR2 stop: submitit's handler, "scontrol" or None."""
         if self._agreed not in ("SIGUSR1", "SIGUSR2"):
@@ -321,32 +290,29 @@ class InterruptCheckpoint(pl.Callback):
         return "scontrol" if self._slurm_requeue and self._agreed == "SIGUSR1" else None
 
     def hand_over(self) -> None:
-        """After a SIGUSR1/SIGUSR2 stop and its save (the process group released): requeue the job as the
-        signal's own handler would have, at once. submitit's handler requeues (rank 0) and exits with the
-        code submitit expects; with Lightning's SLURM auto-requeue, rank 0 runs ``scontrol requeue``.
-        Returns when there is nothing to hand over (the caller exits 128 + signal number)."""
+        """After a SIGUSR1/SIGUSR2 stop and its save (the process group released): requeue the job at once,
+        as the signal's own handler would have (submitit's requeues on rank 0 and exits; rank 0 runs
+        ``scontrol requeue`` under Lightning's SLURM auto-requeue). Returns when there is nothing to hand
+        over (the caller exits 128 + signal number)."""
         requeuer = self._requeuer()
         if requeuer is None or self.saved_path is None:
             return
         signum = signal.Signals[self._agreed]
-        if requeuer == "scontrol":
-            if self._rank == 0:
-                _scontrol_requeue()
+        if requeuer != "scontrol":
+            log.info(f"{signum.name}: {self.filename} saved; the scheduler's handler requeues the job now")
+            requeuer(int(signum), None)
             return
-        log.info(f"{signum.name}: {self.filename} saved; the scheduler's handler requeues the job now")
-        requeuer(int(signum), None)
-
-
-def _scontrol_requeue() -> None:
-    """``scontrol requeue <job>``: what Lightning's SLURM auto-requeue handler does after its own save."""
-    if not (job_id := _slurm_job_id()):
-        log.error("SIGUSR1: no SLURM_JOB_ID, the job is not requeued")
-        return
-    try:
-        result = subprocess.run(["scontrol", "requeue", job_id], timeout=60, check=False).returncode
-    except (OSError, subprocess.TimeoutExpired) as error:
-        result = error
-    if result == 0:
-        log.info(f"requeued SLURM job {job_id}; it continues from the checkpoint")
-    else:
-        log.error(f"scontrol requeue {job_id} failed ({result}); resume the run by hand")
+        if self._rank != 0:
+            return
+        # what Lightning's SLURM auto-requeue handler does after its own save
+        if not (job_id := _slurm_job_id()):
+            log.error("SIGUSR1: no SLURM_JOB_ID, the job is not requeued")
+            return
+        try:
+            result = subprocess.run(["scontrol", "requeue", job_id], timeout=60, check=False).returncode
+        except (OSError, subprocess.TimeoutExpired) as error:
+            result = error
+        if result == 0:
+            log.info(f"requeued SLURM job {job_id}; it continues from the checkpoint")
+        else:
+            log.error(f"scontrol requeue {job_id} failed ({result}); resume the run by hand")

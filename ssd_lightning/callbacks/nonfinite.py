@@ -18,23 +18,13 @@ __all__ = ["NonFiniteGuard"]
 class NonFiniteGuard(pl.Callback):
     """Stops a run that trains on NaN/inf, without a host-device sync per step.
 
-    Per step, on the device:
-
-    * gradients: if any is NaN/inf, all of them are zeroed before the optimizer step (so one bad batch
-      cannot turn the weights into NaN; momentum and weight decay still apply). With fp16 the GradScaler
-      skips such steps itself (its normal loss-scale search), so they are only counted.
-    * loss: non-finite losses are counted, with the (epoch, batch) of the first one.
-
-    Every ``check_every_n_steps`` steps (default: the Trainer's ``log_every_n_steps``) and at each epoch end,
-    the counters are read once: ``train/nonfinite_losses`` and ``train/nonfinite_grad_steps`` are logged, a
-    warning names the first bad (epoch, batch), and after ``patience`` consecutive non-finite losses the run
-    stops with :class:`NonFiniteLossError` on every rank (the decision is reduced across DDP ranks), before
-    a checkpoint of NaN weights is written.
-
-    Args:
-        patience: consecutive non-finite losses that end the run.
-        check_every_n_steps: how often the device counters are read; ``None`` = ``log_every_n_steps``.
-        zero_nonfinite_grads: zero all gradients of a step where any is non-finite.
+    On the device, per step: non-finite losses are counted (and the batch of the first one); when a gradient
+    is NaN/inf, all are zeroed before the optimizer step (``zero_nonfinite_grads``; one bad batch cannot make
+    the weights NaN; with fp16 the GradScaler skips such steps itself, so they are only counted). Every
+    ``check_every_n_steps`` steps (default: ``log_every_n_steps``) and at each epoch end the counters are read
+    once: ``train/nonfinite_losses`` and ``train/nonfinite_grad_steps`` are logged, a warning names the first
+    bad (epoch, batch), and after ``patience`` consecutive non-finite losses every rank raises
+    :class:`NonFiniteLossError` (reduced across ranks), before a checkpoint of NaN weights is written.
     """
 
     def __init__(

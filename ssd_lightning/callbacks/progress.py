@@ -9,12 +9,8 @@ __all__ = ["StepMetricsProgressBar"]
 
 
 class StepMetricsProgressBar(TQDMProgressBar):
-    """Lightning's TQDM bar plus the latest training loss, LR and images/s, read only when the bar redraws.
-
-    Logging a metric with ``prog_bar=True`` makes Lightning convert it to a Python number after every step,
-    which waits for the GPU; this bar reads ``train/loss_step`` from the logged tensors once every
-    ``refresh_rate`` steps instead.
-    """
+    """Lightning's TQDM bar plus the latest training loss, LR and images/s, read only when the bar redraws
+    (``prog_bar=True`` would read the loss back, waiting for the GPU, after every step)."""
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
         metrics = super().get_metrics(trainer, pl_module)

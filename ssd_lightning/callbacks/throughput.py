@@ -1,24 +1,16 @@
 """Images/s of training or inference iterations measured inside a Lightning run (the reference's benchmarks).
 
-Timing model
-------------
-* ``training``: an iteration is one training batch: forward, loss, backward and optimizer step, timed from
-  ``on_train_batch_start`` to ``on_train_batch_end``. Data loading and the host-to-device copy happen before
-  ``on_train_batch_start`` and are therefore excluded, as in the NVIDIA reference; with
-  ``include_data_loading=True`` an iteration is timed from one ``on_train_batch_end`` to the next instead.
-* ``inference``: an iteration is one validation (or predict) batch: forward + decode/NMS, same two choices.
-* The first ``warmup`` iterations are not timed; then ``iterations`` are, after which training is stopped
-  (``trainer.should_stop``). Evaluation loops are bounded by the caller (``limit_val_batches``).
-* On CUDA the device is synchronised right before each clock reading that closes or opens a timed region
-  (nothing else touches the host on the hot path: no ``.item()``); on CPU nothing is synchronised.
+Timing model: a ``training`` iteration is one training batch (forward, loss, backward, optimizer step), an
+``inference`` one a validation/predict batch (forward + decode/NMS), timed from batch start to batch end:
+data loading and the host-to-device copy are excluded, as in the NVIDIA reference; with
+``include_data_loading=True`` from one batch end to the next. The first ``warmup`` iterations are not timed,
+then ``iterations`` are, after which training stops (``trainer.should_stop``; evaluation loops are bounded
+by the caller's ``limit_val_batches``). On CUDA the device is synchronised right before each clock reading
+that opens or closes a timed region, and nowhere else; on CPU never.
 
-Aggregation over ranks
-----------------------
-Each rank records its per-iteration wall times ``t[r, i]`` and batch sizes ``b[r, i]``. The global rate of
-iteration ``i`` is ``sum_r b[r, i] / max_r t[r, i]`` (the slowest rank sets the pace; batches are summed once,
-not multiplied by the world size), and the overall rate is ``sum_{r,i} b[r, i] / max_r sum_i t[r, i]``.
-All ranks compute the same numbers (``trainer.strategy.all_gather``); rank 0 prints the table and writes
-``benchmark.json``.
+Over ranks, iteration ``i``'s rate is ``sum_r b[r, i] / max_r t[r, i]`` (the slowest rank sets the pace;
+batches summed once), the same on every rank (``all_gather``); rank 0 prints and writes ``benchmark.json``.
+:mod:`~ssd_lightning.callbacks.training_speed` shares the batch-size reader and the per-rank gathering.
 """
 
 from __future__ import annotations
@@ -61,19 +53,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[str, float]:
-    """Throughput and latency statistics of timed iterations over all ranks.
+    """Statistics (floats) of (R ranks, n iterations) seconds ``iteration_times`` and images ``batch_sizes``.
 
-    Args:
-        iteration_times: (R, n) seconds, iteration ``i`` on rank ``r`` (R ranks, n timed iterations).
-        batch_sizes: (R, n) images of iteration ``i`` on rank ``r`` (the per-device batch).
-
-    Returns (all floats):
-        ``images_per_second_{median,mean,min,max}`` over the n per-iteration global rates
-        ``sum_r b[r, i] / max_r t[r, i]``; ``images_per_second_p90``: the rate that 90 % of iterations reached
-        or beat (10th percentile of the rates, i.e. the rate at the 90th-percentile latency);
-        ``images_per_second_average``: all images / elapsed time of the slowest rank (the reference's
-        ``avg_img/sec``); ``latency_ms_{median,mean,p90,p95,p99}`` of the per-iteration max over ranks;
-        ``global_batch_size`` (median over iterations), ``iterations``, ``world_size``.
+    ``images_per_second_{median,mean,min,max}`` of the n global rates; ``_p90``: the rate 90 % of iterations
+    reached (10th percentile of the rates); ``_average``: all images / the slowest rank's elapsed time (the
+    reference's ``avg_img/sec``); ``latency_ms_{median,mean,p90,p95,p99}`` of the per-iteration max over
+    ranks; ``global_batch_size`` (median), ``iterations``, ``world_size``.
     """
     if iteration_times.dim() != 2 or iteration_times.shape != batch_sizes.shape:
         raise ValueError(
@@ -101,9 +86,7 @@ def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[
         "images_per_second_average": float(batches.sum()) / elapsed,
         "latency_ms_median": percentile(latency_ms, 50),
         "latency_ms_mean": sum(latency_ms) / n,
-        "latency_ms_p90": percentile(latency_ms, 90),
-        "latency_ms_p95": percentile(latency_ms, 95),
-        "latency_ms_p99": percentile(latency_ms, 99),
+        **{f"latency_ms_p{q}": percentile(latency_ms, q) for q in (90, 95, 99)},
         "global_batch_size": percentile(global_batch.tolist(), 50),
         "iterations": float(n),
         "world_size": float(world_size),
@@ -111,11 +94,8 @@ def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
-    """Peak memory in bytes and what it measures.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` (tensors allocated by PyTorch on ``device``); otherwise the
-    process's peak resident set size (``getrusage``; KiB on Linux, bytes on macOS), whole process lifetime.
-    """
+    """Peak memory in bytes and its kind: CUDA's ``max_memory_allocated``, else the process's peak RSS
+    (``getrusage``: KiB on Linux, bytes on macOS; the whole process lifetime)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -142,8 +122,7 @@ def dali_version() -> str | None:
 
 
 def format_table(results: Mapping[str, Any]) -> str:
-    """One benchmark result (the ``benchmark.json`` content): a line saying what ran, then a two-column
-    markdown table of its statistics (``.2f``), padded to read aligned in a terminal."""
+    """``benchmark.json`` content as a line saying what ran and a padded two-column table (``.2f``)."""
     s = results["statistics"]
     head = (
         f"{results['mode']} benchmark: {results.get('model')} ({results.get('backbone')}), "
@@ -166,11 +145,19 @@ def _batch_size(batch: Any) -> int:
     """Images in a batch: ``batch["images"]`` of a dict batch, else the first tensor's leading dimension."""
     if isinstance(batch, Mapping):
         batch = batch["images"] if "images" in batch else next(iter(batch.values()))
-    while isinstance(batch, (list, tuple)) and batch and not isinstance(batch, Tensor):
+    while isinstance(batch, (list, tuple)) and batch:
         batch = batch[0]
     if isinstance(batch, Tensor):
         return int(batch.shape[0])
     raise ValueError(f"cannot tell the batch size of a batch of type {type(batch).__name__}")
+
+
+def gather_rows(
+    trainer: pl.Trainer, values: Sequence[float], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """This rank's ``values`` -> (world size, len(values)) on every rank (one ``all_gather``)."""
+    gathered = trainer.strategy.all_gather(torch.tensor(values, dtype=dtype, device=device))
+    return gathered if gathered.dim() == 2 else gathered.unsqueeze(0)
 
 
 def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
@@ -186,24 +173,10 @@ def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
 
 
 class ThroughputBenchmark(pl.Callback):
-    """Measure images/s of ``warmup`` + ``iterations`` training or inference batches; stop; report.
-
-    Args:
-        mode: ``"training"`` (training batches) or ``"inference"`` (validation/predict batches).
-        warmup: iterations run first and not timed (reference: 100).
-        iterations: iterations timed (reference: 200). Training stops after ``warmup + iterations``.
-        include_data_loading: time batch end to batch end (loading + transfer included) instead of
-            batch start to batch end (excluded, the reference's way).
-        output_dir: where rank 0 writes ``benchmark.json`` (default: ``trainer.default_root_dir``).
-        config_summary: extra facts recorded in the results (``backbone``, ``compile``, experiment name...);
-            its ``backbone``/``channels_last`` win over what is read from the model (``compile`` is read from
-            the model: whether it really runs compiled).
-        clock: monotonic clock in seconds; injectable for tests.
-        print_table: print the results table on rank 0.
-
-    After the run, ``results`` holds the ``benchmark.json`` content (on every rank) and ``statistics`` the
-    flat float statistics of :func:`throughput_statistics` plus ``peak_memory_mib``.
-    """
+    """Measure images/s of ``warmup`` (untimed; reference: 100) + ``iterations`` (reference: 200) training
+    or inference batches (``mode``); stop; report to ``output_dir`` (default: ``trainer.default_root_dir``).
+    ``config_summary``'s ``backbone``/``channels_last`` win over the model's (``compile`` is what really ran).
+    After the run, ``results`` holds the ``benchmark.json`` content and ``statistics`` its statistics."""
 
     def __init__(
         self,
@@ -243,13 +216,11 @@ class ThroughputBenchmark(pl.Callback):
         """Seconds of each timed iteration on this rank (warm-up excluded), in order."""
         return list(self._times)
 
-    # -- state ------------------------------------------------------------------------------------------
     def _reset(self, *_: Any) -> None:
         self._seen = 0  # iterations finished (warm-up included)
         self._times: list[float] = []
         self._batches: list[int] = []
-        self._start: float | None = None
-        self._last_end: float | None = None
+        self._since: float | None = None  # the open timed region's start
         self._finished = False
 
     def _now(self, device: torch.device) -> float:
@@ -261,47 +232,37 @@ class ThroughputBenchmark(pl.Callback):
     def _timing(self) -> bool:
         return self.warmup <= self._seen < self.total_iterations
 
-    # -- the measured loop -----------------------------------------------------------------------------
     def _loop_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._seen == 0 and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)  # peak of this measured loop only
         if self.include_data_loading and self._seen < self.total_iterations:
-            self._last_end = self._now(pl_module.device)
+            self._since = self._now(pl_module.device)
 
     def _batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         if not self.include_data_loading and self._timing:
-            self._start = self._now(pl_module.device)
+            self._since = self._now(pl_module.device)
 
     def _batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *_: Any
     ) -> None:
-        """Record the finished iteration; once warm-up + iterations are done, stop training."""
         if self._seen < self.total_iterations:
             if self._timing or self.include_data_loading:
                 now = self._now(pl_module.device)
-                begin = self._last_end if self.include_data_loading else self._start
-                if self._timing and begin is not None:
-                    self._times.append(now - begin)
+                if self._timing and self._since is not None:
+                    self._times.append(now - self._since)
                     self._batches.append(_batch_size(batch))
-                self._last_end = now
+                self._since = now  # the next one's start, when data loading is timed
             self._seen += 1
         if self._seen >= self.total_iterations and self.mode == "training":
             trainer.should_stop = True
-
-    # -- aggregation and report -------------------------------------------------------------------------
-    def _gather(self, trainer: pl.Trainer, tensor: Tensor) -> Tensor:
-        """(k,) on this rank -> (world, k) on every rank."""
-        gathered = trainer.strategy.all_gather(tensor)
-        return gathered if gathered.dim() == tensor.dim() + 1 else gathered.unsqueeze(0)
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._finished:
             return
         self._finished = True
         device = pl_module.device
-        # Ranks agree on the number of timed iterations first: all_gather needs equal shapes.
-        counts = self._gather(trainer, torch.tensor([len(self._times)], dtype=torch.int64, device=device))
-        n = int(counts.min())
+        # ranks agree on the number of timed iterations first: all_gather needs equal shapes
+        n = int(gather_rows(trainer, [len(self._times)], torch.int64, device).min())
         if n < self.iterations:
             log.warning(
                 "throughput benchmark timed %d of %d iterations (the loop ended first: give it at least "
@@ -310,15 +271,12 @@ class ThroughputBenchmark(pl.Callback):
             )
         if n == 0:
             return
-        times = self._gather(trainer, torch.tensor(self._times[:n], dtype=torch.float64, device=device))
-        batches = self._gather(trainer, torch.tensor(self._batches[:n], dtype=torch.int64, device=device))
+        times = gather_rows(trainer, self._times[:n], torch.float64, device)
+        batches = gather_rows(trainer, self._batches[:n], torch.int64, device)
         memory, memory_kind = peak_memory(device)
-        memory = int(self._gather(trainer, torch.tensor([memory], dtype=torch.int64, device=device)).max())
-        statistics = throughput_statistics(times, batches)
-        statistics["peak_memory_mib"] = memory / 2**20
-        per_device = Counter(batches.flatten().tolist()).most_common(1)[0][0]
-        self.statistics = statistics
-        self.results = self._describe(trainer, pl_module, statistics, memory, memory_kind, int(per_device))
+        memory = int(gather_rows(trainer, [memory], torch.int64, device).max())  # the largest rank's
+        self.statistics = {**throughput_statistics(times, batches), "peak_memory_mib": memory / 2**20}
+        self.results = self._describe(trainer, pl_module, batches, (memory, memory_kind))
         if trainer.is_global_zero:
             out_dir = self.output_dir or Path(trainer.default_root_dir)
             self.results_path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
@@ -326,30 +284,26 @@ class ThroughputBenchmark(pl.Callback):
                 print(format_table(self.results) + f"\nwritten to {self.results_path}", flush=True)
 
     def _describe(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        statistics: dict[str, float],
-        memory: int,
-        memory_kind: str,
-        per_device_batch: int,
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: Tensor, memory: tuple[int, str]
     ) -> dict[str, Any]:
-        net = getattr(pl_module, "net", None)
+        net, statistics = getattr(pl_module, "net", None), self.statistics
         summary, device = self.config_summary, pl_module.device
-        backbone = summary.get("backbone", getattr(net, "backbone_name", None))
-        compiled = any(_is_compiled(m) for m in (pl_module, net) if m is not None)  # what ran, not the config
-        channels_last = summary.get("channels_last", getattr(pl_module, "channels_last", False))
+        # what ran, not the config: compiled in place (module.compile()) or wrapped (torch.compile(module))
+        modules = [m for m in (pl_module, net) if m is not None]
+        compiled = any(
+            compat.is_compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in modules
+        )
         return {
             "mode": self.mode,
             "model": type(pl_module).__name__,
             "net": type(net).__name__ if net is not None else None,
-            "backbone": backbone,
-            "batch_size_per_device": per_device_batch,
+            "backbone": summary.get("backbone", getattr(net, "backbone_name", None)),
+            "batch_size_per_device": int(Counter(batches.flatten().tolist()).most_common(1)[0][0]),
             "global_batch_size": statistics["global_batch_size"],
             "world_size": int(trainer.world_size),
             "precision": str(trainer.precision),
-            "channels_last": bool(channels_last),
-            "compile": bool(compiled),
+            "channels_last": bool(summary.get("channels_last", getattr(pl_module, "channels_last", False))),
+            "compile": compiled,
             "include_data_loading": self.include_data_loading,
             "warmup": self.warmup,
             "iterations": int(statistics["iterations"]),
@@ -357,8 +311,8 @@ class ThroughputBenchmark(pl.Callback):
             "device_name": device_name(device),
             "torch_version": torch.__version__,
             "dali_version": dali_version(),
-            "peak_memory_bytes": memory,
-            "peak_memory_kind": memory_kind,
+            "peak_memory_bytes": memory[0],
+            "peak_memory_kind": memory[1],
             "statistics": statistics,
             "config": {k: v for k, v in summary.items() if _is_jsonable(v)},
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -380,11 +334,6 @@ class ThroughputBenchmark(pl.Callback):
     on_predict_batch_start = _measuring("inference", _batch_start)
     on_predict_batch_end = _measuring("inference", _batch_end)
     on_predict_end = _measuring("inference", _finish)
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    """Compiled in place (``module.compile()``) or wrapped (``torch.compile(module)``)."""
-    return compat.is_compiled_in_place(module) or type(module).__name__ == "OptimizedModule"
 
 
 def _is_jsonable(value: Any) -> bool:

@@ -1,13 +1,10 @@
 """Training speed of a real run, logged at the logging interval: ``train/images_per_second`` and
 ``train/data_wait_fraction``.
 
-Every ``trainer.log_every_n_steps`` batches the interval since the previous logging step is closed and logged
-through ``LightningModule.log``: images (leading dimension of ``batch["images"]``, summed over the ranks) per
-second of host wall time spent in training batches (the longest over the ranks), and the fraction of that
-time spent in the training loader's ``__next__`` (Lightning's profiler action :data:`FETCH_ACTION`; the
-largest over the ranks). Validation, the time between epochs and the first ``warmup_steps`` batches of every
-``fit`` are left out; consecutive intervals tile the measured time. No device sync on ordinary steps; under
-DDP one all-gather of three numbers per logging step. What is measured and why: docs/internals.md.
+Every ``log_every_n_steps`` batches, over the interval since the previous logging step: images (all ranks)
+per second of host time in training batches (the slowest rank's), and the fraction of it in the training
+loader's ``__next__`` (the profiler action :data:`FETCH_ACTION`; the largest over the ranks). No device sync
+on ordinary steps. What is measured and why: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import pytorch_lightning as pl
 import torch
 
 from ssd_lightning import compat
-from ssd_lightning.callbacks.throughput import _batch_size
+from ssd_lightning.callbacks.throughput import _batch_size, gather_rows
 
 __all__ = ["FETCH_ACTION", "IntervalSpeed", "TrainingSpeed", "interval_speed"]
 
@@ -54,14 +51,9 @@ def interval_speed(per_rank: list[tuple[float, float, float]]) -> tuple[float, f
 
 
 class TrainingSpeed(pl.Callback):
-    """Log ``train/images_per_second`` and ``train/data_wait_fraction`` every logging interval (module doc).
-
-    Args:
-        warmup_steps: training batches left out after every start of ``fit`` (fresh or resumed).
-        clock: monotonic clock in seconds; injectable for tests.
-
-    ``last_interval`` holds the latest logged :class:`IntervalSpeed` (on every rank).
-    """
+    """Log ``train/images_per_second`` and ``train/data_wait_fraction`` every logging interval (module doc),
+    leaving out ``warmup_steps`` batches after every start of ``fit`` (fresh or resumed); ``clock``:
+    monotonic, in seconds. ``last_interval`` holds the latest logged :class:`IntervalSpeed` (every rank)."""
 
     def __init__(self, warmup_steps: int = 10, *, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__()
@@ -73,7 +65,6 @@ class TrainingSpeed(pl.Callback):
         self._profiler_patch: tuple[Any, dict[str, Any]] | None = None
         self._reset_run()
 
-    # -- state ---------------------------------------------------------------------------------------------
     def _reset_run(self) -> None:
         self._batches_seen = 0  # since this fit started: the warm-up counts these
         self._in_epoch = False
@@ -94,7 +85,7 @@ class TrainingSpeed(pl.Callback):
         if self._running_since is None:
             self._running_since = now
 
-    # -- the loader's __next__, seen through Lightning's profiler ------------------------------------------
+    # -- the loader's __next__, seen through Lightning's profiler (called through self: tests wrap them)
     def _fetch_start(self) -> None:
         measuring = self._batches_seen >= self.warmup_steps and self._running_since is not None
         self._fetch_started = self.clock() if measuring else None
@@ -104,9 +95,10 @@ class TrainingSpeed(pl.Callback):
             self._wait += self.clock() - self._fetch_started
             self._fetch_started = None
 
-    def _patch_profiler(self, trainer: pl.Trainer) -> None:
-        """Wrap ``trainer.profiler.start/stop`` (instance attributes) to time the ``train_dataloader_next``
-        action; everything is passed on to the profiler unchanged."""
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wrap ``trainer.profiler.start/stop`` (as instance attributes) to time :data:`FETCH_ACTION`;
+        everything is passed on to the profiler unchanged."""
+        compat.train_fetch_action(trainer)  # still the action Lightning times the fetch with
         if self._profiler_patch is not None:
             return
         profiler = trainer.profiler
@@ -126,24 +118,13 @@ class TrainingSpeed(pl.Callback):
         profiler.start, profiler.stop = timed_start, timed_stop
         self._profiler_patch = (profiler, saved)
 
-    def _unpatch_profiler(self) -> None:
-        if self._profiler_patch is None:
-            return
-        profiler, saved = self._profiler_patch
-        for name in ("start", "stop"):
-            if name in saved:
-                setattr(profiler, name, saved[name])
-            else:
-                vars(profiler).pop(name, None)
-        self._profiler_patch = None
-
-    # -- Lightning hooks -----------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        compat.train_fetch_action(trainer)  # still the action Lightning times the fetch with
-        self._patch_profiler(trainer)
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._unpatch_profiler()  # also after an exception
+        if self._profiler_patch is not None:  # the profiler as it was, also after an exception
+            profiler, saved = self._profiler_patch
+            for name in ("start", "stop"):
+                vars(profiler).pop(name, None)
+            vars(profiler).update(saved)
+            self._profiler_patch = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_run()
@@ -185,14 +166,10 @@ class TrainingSpeed(pl.Callback):
             self._reset_interval()
             self._resume(now)  # intervals tile the measured time
 
-    # -- closing an interval -------------------------------------------------------------------------------
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        mine = (float(self._images), self._elapsed, self._wait)
+        per_rank = [(float(self._images), self._elapsed, self._wait)]
         if trainer.world_size > 1:  # one collective per logging interval, on every rank at the same step
-            local = torch.tensor(mine, dtype=torch.float64, device=pl_module.device)
-            per_rank = [tuple(row) for row in trainer.strategy.all_gather(local).reshape(-1, 3).tolist()]
-        else:
-            per_rank = [mine]
+            per_rank = gather_rows(trainer, per_rank[0], torch.float64, pl_module.device).tolist()
         if any(elapsed <= 0 for _, elapsed, _ in per_rank):
             return  # a clock that did not move (cannot happen with perf_counter): nothing to report
         rate, wait_fraction = interval_speed(per_rank)

@@ -1,9 +1,6 @@
 """The ``benchmark_training`` / ``benchmark_inference`` tasks: drive a configured Trainer for a timed run.
 
-``train(cfg)`` hands trainer, model and datamodule (instantiated as for ``fit``) to
-:func:`run_benchmark_task`; :class:`~ssd_lightning.callbacks.throughput.ThroughputBenchmark` measures.
-``python -m ssd_lightning.cli.benchmark <run or multirun dir>`` prints one table row per ``benchmark.json``
-below the directory.
+``python -m ssd_lightning.cli.benchmark <run or multirun dir>`` prints one table row per ``benchmark.json``.
 """
 
 from __future__ import annotations
@@ -36,21 +33,13 @@ def run_benchmark_task(
     output_dir: str | os.PathLike,
     config_summary: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
-    """Run a throughput benchmark and return its statistics (floats; see ``throughput_statistics``).
+    """Run a throughput benchmark; return its statistics (floats; see ``throughput_statistics``).
 
-    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches
-    (``max_steps``; ``trainer.max_epochs`` epochs must hold that many), validation and checkpointing
-    switched off (checkpoint callbacks are removed from the trainer).
-    ``benchmark_inference``: ``trainer.validate`` on ``warmup + iterations`` validation batches
-    (``limit_val_batches``), i.e. the datamodule's ``eval_batch_size``; forward + decode/NMS per batch.
-
-    The trainer's :class:`ThroughputBenchmark` callback (``callbacks: benchmark``) does the measuring; if the
-    trainer has none, one with the reference's defaults (100 warm-up, 200 timed) is added. Its mode is set
-    from ``task``, its ``output_dir`` to ``output_dir`` and ``config_summary`` is merged into its record.
-    Rank 0 writes ``<output_dir>/benchmark.json``.
-
-    Raises:
-        ValueError: unknown ``task``, or a run that timed no iteration at all.
+    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches, without
+    validation and checkpoint callbacks; ``benchmark_inference``: ``trainer.validate`` on that many
+    validation batches (of ``eval_batch_size``). The trainer's :class:`ThroughputBenchmark` (one with the
+    reference's defaults if it has none) measures, set to ``task``'s mode, ``output_dir`` (rank 0 writes
+    ``benchmark.json`` there) and ``config_summary``. ValueError: unknown ``task``, no timed iteration.
     """
     if task not in TASK_MODES:
         raise ValueError(f"task={task!r} is not a benchmark task; expected one of {tuple(TASK_MODES)}")
@@ -60,10 +49,9 @@ def run_benchmark_task(
         raise ValueError(
             f"the trainer has {len(found)} ThroughputBenchmark callbacks; keep one (callbacks=benchmark)"
         )
-    callback = found[0] if found else None
-    if callback is None:
+    callback = found[0] if found else ThroughputBenchmark(mode)
+    if not found:
         log.info("no ThroughputBenchmark callback in the trainer: adding one with the default settings")
-        callback = ThroughputBenchmark(mode)
         trainer.callbacks.append(callback)
     if callback.mode != mode:
         log.info("ThroughputBenchmark mode %r -> %r (from task=%s)", callback.mode, mode, task)
@@ -119,11 +107,13 @@ def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(f"{root} does not exist; pass a run or multirun directory")
-    results = []
-    for path in sorted(root.rglob(RESULTS_FILENAME)):
-        results.append({**json.loads(path.read_text(encoding="utf-8")), "path": str(path)})
-    results.sort(key=lambda r: (r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"]))
-    return results
+    results = [
+        {**json.loads(p.read_text(encoding="utf-8")), "path": str(p)}
+        for p in sorted(root.rglob(RESULTS_FILENAME))
+    ]
+    return sorted(
+        results, key=lambda r: (r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"])
+    )
 
 
 SWEEP_COLUMNS = ("mode", "precision", "devices", "batch/device", "img/s median", "img/s mean", "img/s p90",

@@ -1,13 +1,8 @@
 """``validate_config``: the checks of a composed config that no single constructor can make.
 
-A value is checked where it is used: the constructor or function that takes it raises one message naming
-the config key (``model.optimizer.lr``: :class:`~ssd_lightning.modules.base.RecipeModule`;
-``model.net.backbone``: :func:`~ssd_lightning.models.ssd300`; ``data.num_threads``: the datamodules).
-What stays here spans config groups (devices x accelerator x machine, precision x accelerator, multirun x
-launcher, model x data, model x task), is read by this run orchestration itself (``task``, ``seed``), or
-must fail before anything is built (a weight file read at fit start); each says why in one line. Hydra
-already rejects unknown groups/options and misspelled keys (struct mode). Problems are reported together
-in one :class:`~ssd_lightning.errors.ConfigError`, each naming the key, the value and what is accepted.
+A value is checked where it is used; what stays here spans config groups (devices x accelerator, multirun
+x launcher, model x data, ...), is read by the run orchestration itself (``task``, ``seed``), or must fail
+before anything is built. Problems are reported together in one :class:`~ssd_lightning.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -35,23 +30,22 @@ def _select(cfg: DictConfig, key: str):
     return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
 
 
-class _Problems:
-    """Collects ``key=value: what is accepted`` lines."""
+class _Problems(list):
+    """``key=value: what is accepted`` lines of ``cfg``."""
 
     def __init__(self, cfg: DictConfig) -> None:
+        super().__init__()
         self.cfg = cfg
-        self.lines: list[str] = []
 
     def check(self, key: str, ok: Callable[[object], bool], accepted: str) -> None:
-        """Add a problem when ``key`` is set and ``ok(value)`` is false (unset keys are not checked)."""
+        """A problem when ``key`` is set and ``ok(value)`` is false."""
         value = _select(self.cfg, key)
         if value is not None and not ok(value):
             self.add(key, value, accepted)
 
     def add(self, key: str, value, accepted: str) -> None:
-        if OmegaConf.is_config(value):
-            value = OmegaConf.to_container(value)
-        self.lines.append(f"{key}={value!r}: {accepted}")
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        self.append(f"{key}={value!r}: {accepted}")
 
 
 def _check_values(p: _Problems) -> None:
@@ -77,15 +71,6 @@ def _check_values(p: _Problems) -> None:
     # model x trainer: the model's weight files and the Trainer's checkpoint IO (ckpt_path) both read it,
     # and cli/train.py passes it to the latter as bool(value), which makes "no" true
     p.check("model.trust_checkpoint", lambda v: isinstance(v, bool), "must be true or false")
-
-
-def _check_init_from_file(cfg: DictConfig) -> None:
-    """``model.init_from`` is read at fit start, after the data is prepared: a missing file fails now, with
-    the error :func:`~ssd_lightning.io.weights.read_checkpoint` would raise then. Not when resuming
-    (``ckpt_path``): the file is not read."""
-    init_from = _select(cfg, "model.init_from")
-    if init_from is not None and not _select(cfg, "ckpt_path"):
-        check_checkpoint_file(init_from, what="model.init_from", expected=INIT_FROM_FILES)
 
 
 def _check_devices(p: _Problems, cuda_device_count: int) -> None:
@@ -119,27 +104,25 @@ def _check_multirun_launch(p: _Problems, cuda_device_count: int, hydra_cfg: Dict
 def validate_config(
     cfg: DictConfig, *, cuda_device_count: int | None = None, hydra_cfg: DictConfig | None = None
 ) -> list[str]:
-    """Raise :class:`ConfigError` listing every problem, then
-    :class:`~ssd_lightning.io.weights.CheckpointNotFoundError` for a missing ``model.init_from`` file; return
-    warnings (strings) for odd but valid settings.
-
-    ``cuda_device_count`` defaults to ``torch.cuda.device_count()``; ``hydra_cfg`` (the job's ``hydra`` node,
-    for the multirun checks) to ``HydraConfig.get()`` when Hydra runs the job.
-    """
+    """Raise :class:`ConfigError` listing every problem, then ``CheckpointNotFoundError`` for a missing
+    ``model.init_from`` file; return warnings for odd but valid settings. ``cuda_device_count`` defaults to
+    the machine's, ``hydra_cfg`` (the job's ``hydra`` node) to ``HydraConfig.get()`` under Hydra."""
     if cuda_device_count is None:
         cuda_device_count = torch.cuda.device_count()
     problems = _Problems(cfg)
     _check_values(problems)
     _check_devices(problems, cuda_device_count)
     _check_multirun_launch(problems, cuda_device_count, hydra_cfg)
-    if problems.lines:
-        count = len(problems.lines)
+    if problems:
         raise ConfigError(
-            f"{count} config problem{'s' if count > 1 else ''}:\n  "
-            + "\n  ".join(problems.lines)
+            f"{len(problems)} config problem{'s' if len(problems) > 1 else ''}:\n  "
+            + "\n  ".join(problems)
             + "\n(show the composed config with: python train.py <your overrides> --cfg job)"
         )
-    _check_init_from_file(cfg)
+    # read at fit start (not when resuming): a missing file fails now, as it would then
+    init_from = _select(cfg, "model.init_from")
+    if init_from is not None and not _select(cfg, "ckpt_path"):
+        check_checkpoint_file(init_from, what="model.init_from", expected=INIT_FROM_FILES)
     warnings = []
     accelerator = str(_select(cfg, "trainer.accelerator") or "auto")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and cuda_device_count == 0)

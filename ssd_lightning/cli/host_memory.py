@@ -1,24 +1,17 @@
 """Host memory reused from step to step: big CPU tensors without the kernel zeroing fresh pages each time.
 
-A CPU training step allocates and frees dozens of activations and gradients of a few MiB each
-(SSD300-MobileNetV2 at batch 8: up to 35 MiB). By default glibc's ``malloc`` serves the largest with a fresh
-``mmap`` and unmaps them on ``free``, and hands the free top of its heap back to the kernel; torch asks for
-no huge pages. So every step the kernel maps and zeroes the same memory again, one 4 KiB page fault at a
-time: ~10 % of the demo's step on a 2-core box (docs/benchmarks.md, "Host memory"). Two process-wide
-settings, together, let an allocation reuse the pages a freed one left (a training step's faults: ~25,000
--> ~130):
+By default glibc's ``malloc`` serves a CPU step's big activations and gradients (up to 35 MiB) with fresh
+mappings it unmaps on ``free``, so every step the kernel maps and zeroes the same memory again, a 4 KiB
+page fault at a time: ~10 % of the demo's step on a 2-core box (docs/benchmarks.md, "Host memory"). Two
+process-wide settings let an allocation reuse a freed one's pages (a step's faults: ~25,000 -> ~130):
 
-- ``THP_MEM_ALLOC_ENABLE=1``, torch's own switch: blocks of 2 MiB and more are advised onto transparent
-  huge pages (page-aligned, not 2 MiB-aligned, in torch 2.14). torch reads it once, at its first CPU
-  allocation, so it must be in the environment before torch runs (``train.py`` calls
-  :func:`reuse_host_memory` before importing torch; processes it starts, DDP ranks included, inherit it).
-- glibc's ``mallopt``: every block from the heap (no ``mmap``), and freed memory kept for the next one.
-  A freed block serves a later request that fits in it; a request of exactly its size may not fit (the
-  aligned allocation's small leftover tail can sit between the block and the heap's top, depending on the
-  heap's earlier history), so such a request can still take fresh pages.
+- ``THP_MEM_ALLOC_ENABLE=1``, torch's switch for transparent huge pages on blocks of 2 MiB and more, read
+  at torch's first CPU allocation: ``train.py`` calls :func:`reuse_host_memory` before importing torch
+  (DDP ranks inherit the environment).
+- glibc's ``mallopt``: every block from the heap, and freed memory kept (a request of exactly a freed
+  block's size may still take fresh pages: the aligned allocation's leftover tail may not fit).
 
-The resident size then stays near its peak instead of shrinking between steps. Linux only; the
-``mallopt`` part needs glibc (not musl), elsewhere only what applies is set.
+The resident size then stays near its peak. Linux only; ``mallopt`` needs glibc.
 """
 
 from __future__ import annotations
@@ -40,11 +33,8 @@ NEVER_TRIM = 2**31 - 1  # mallopt takes an int: only a free top above 2 GiB woul
 
 
 def reuse_host_memory() -> list[str]:
-    """Apply both settings where the platform has them (a user's own ``THP_MEM_ALLOC_ENABLE`` wins).
-
-    Returns:
-        what was applied, in words, for the log (empty off Linux).
-    """
+    """Apply both settings where the platform has them (a user's own ``THP_MEM_ALLOC_ENABLE`` wins); return
+    what was applied, in words (empty off Linux)."""
     if platform.system() != "Linux":
         return []
     applied = []

@@ -1,7 +1,4 @@
-"""The multirun launch check: a sweep job must not start its ranks with Lightning's own launcher.
-
-``validate_config`` calls :func:`multirun_launch_problem` with the job's Hydra config.
-"""
+"""The multirun launch check: a sweep job must not start its ranks with Lightning's own launcher."""
 
 from __future__ import annotations
 
@@ -42,15 +39,11 @@ def _strategy_name(strategy: Any) -> tuple[str, bool]:
 def multirun_launch_problem(
     cfg: DictConfig, hydra_cfg: DictConfig, *, cuda_device_count: int = 0
 ) -> tuple[str, Any, str] | None:
-    """``(key, value, what to do)`` when a multirun job would start its ranks with Lightning's launcher.
-
-    Lightning's default DDP launcher re-runs the command line (``-m`` and the sweep included) for ranks
-    1..G-1, so every extra rank runs the whole sweep itself. Fine: a plain run; one process per job;
-    ``ddp_spawn`` (workers spawned per job from the sweep's process); ``hydra/launcher=slurm``
-    (``submitit_slurm``: ``srun`` starts one task per device, Lightning reads ``SLURM_*`` and launches
-    nothing), whose ``tasks_per_node``/``nodes`` must then match ``trainer.devices``/``trainer.num_nodes``.
-    ``hydra_cfg`` is the job's ``hydra`` node (``HydraConfig.get()``).
-    """
+    """``(key, value, what to do)`` when a multirun job would start its ranks with Lightning's launcher (it
+    re-runs the command line, ``-m`` included, for every extra rank), else None. Fine: a plain run, one
+    process per job, ``ddp_spawn``, or ``hydra/launcher=slurm`` (``srun`` starts the ranks) with
+    ``tasks_per_node``/``nodes`` matching ``trainer.devices``/``trainer.num_nodes``. ``hydra_cfg``: the
+    job's ``hydra`` node."""
     if hydra_cfg.get("mode") != RunMode.MULTIRUN:
         return None
     trainer = cfg.get("trainer") or {}

@@ -1,11 +1,8 @@
 """OmegaConf resolvers that ``configs/`` uses, registered without importing torch or Lightning.
 
-``${if:cond,a,b}`` (``save_top_k`` from ``save``: OmegaConf interpolations have no conditional),
-``${eval_resize:weights,default}`` (the resize torchvision evaluates MobileNetV2 weights with, read from
-torchvision's weight metadata), and the run directories of ``resume=``/``run_dir=``:
-``${run_output_dir:...}``, ``${hydra_subdir:...}``, ``${log_name:...}`` (:mod:`ssd_lightning.cli.run_dir`).
-Every resolver stays registered while run directories written earlier hold it in ``.hydra/config.yaml``.
-Light on purpose: ``train.py --cfg job`` and ``--help`` compose configs without loading the training stack.
+``${if:cond,a,b}``, ``${eval_resize:weights,default}`` and the run directories of ``resume=``/``run_dir=``
+(:mod:`ssd_lightning.cli.run_dir`). Every resolver stays registered while earlier run directories hold it in
+``.hydra/config.yaml``. Light so that ``train.py --cfg job`` and ``--help`` do not load the training stack.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """A run directory as the unit users continue and evaluate: ``resume=<run dir>`` and ``run_dir=<run dir>``.
 
-A run directory is what ``train.py`` writes: ``.hydra/config.yaml`` (the composed config),
-``checkpoints/last.ckpt`` and ``checkpoints/best.ckpt``, ``csv/``, ``tensorboard/``, ``<task_name>.log``.
-
-* ``resume=<dir>`` continues that run in place: the config it last ran with, this command line's
-  ``key=value`` overrides on top (group choices it already had, as in "the same command plus resume=",
-  are accepted), from its ``last.ckpt``, writing into the same directory (Hydra's run dir is set to it by
-  ``configs/hydra/default.yaml``). The config that runs is kept in ``.hydra/resume_<time>/run_config.yaml``
-  for the next resume; the run's ``.hydra/config.yaml`` stays as it was.
-* ``run_dir=<dir>`` (with ``task=validate``) evaluates that run with its own config and its best
-  checkpoint (``best.ckpt``, else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
-
-``ckpt_path=<file>`` on the command line wins over the checkpoint either would pick.
-
-A job that a scheduler restarts (SLURM requeue after a time limit or a preemption, submitit's retries) runs
-with the same overrides in the same directory: :func:`requeued_run` finds the ``checkpoints/last.ckpt`` its
-interrupted start left there (``checkpoints/interrupted.json`` names the same scheduler job id) and the
-job continues as ``resume=<that dir>`` would.
+* ``resume=<dir>`` continues that run in place, from its ``last.ckpt``: the config it last ran with and
+  this command line's ``key=value`` overrides on top (group choices it already had are accepted), kept in
+  ``.hydra/resume_<time>/run_config.yaml`` for the next resume (``.hydra/config.yaml`` stays as it was).
+* ``run_dir=<dir>`` (with ``task=validate``) evaluates that run with its own config and ``best.ckpt``
+  (else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
+* ``ckpt_path=<file>`` on the command line wins over the checkpoint either would pick.
+* A job a scheduler restarts (SLURM requeue, submitit's retries) continues as ``resume=`` would when
+  ``checkpoints/interrupted.json`` names its scheduler job id (:func:`requeued_run`).
 """
 
 from __future__ import annotations
@@ -51,8 +42,8 @@ def _invocation_time() -> str:
 
 
 def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: str) -> str:
-    """Hydra's run directory: the resumed run's, ``<run_dir>/<task>/<time>`` for an evaluation of a run,
-    else ``default`` (``outputs/<task_name>/<time>``). Used by ``configs/hydra/default.yaml``."""
+    """Hydra's run directory (``configs/hydra/default.yaml``): the resumed run's, ``<run_dir>/<task>/<time>``
+    for an evaluation of a run, else ``default``."""
     if resume:
         return str(Path(str(resume)).expanduser())
     if run_dir:
@@ -61,8 +52,8 @@ def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: 
 
 
 def hydra_subdir_for(resume: str | None) -> str:
-    """Where Hydra saves this invocation's config: ``.hydra``, or ``.hydra/resume_<time>`` when resuming
-    (the run's own ``.hydra/config.yaml`` is what a resume reads, so it is never overwritten)."""
+    """Where Hydra saves this invocation's config: ``.hydra``, or ``.hydra/resume_<time>`` when resuming (a
+    resume reads the run's own ``.hydra/config.yaml``: never overwritten)."""
     return f".hydra/resume_{_invocation_time()}" if resume else ".hydra"
 
 
@@ -75,8 +66,8 @@ def log_name_for(resume: str | None, task_name: str) -> str:
 
 
 def latest_config_file(run: Path) -> Path:
-    """The config the run last ran with: the newest ``.hydra/resume_<time>/run_config.yaml`` (written by
-    :func:`save_run_config` when it was resumed), else ``.hydra/config.yaml`` (its first start)."""
+    """The config the run last ran with: the newest ``.hydra/resume_<time>/run_config.yaml``, else
+    ``.hydra/config.yaml`` (its first start)."""
     resumed = sorted((run / ".hydra").glob(f"resume_*/{RUN_CONFIG}"))
     return resumed[-1] if resumed else run / ".hydra" / "config.yaml"
 
@@ -90,8 +81,7 @@ def stored_config(run: Path, key: str) -> DictConfig:
             "(it holds .hydra/ and checkpoints/), e.g. outputs/demo/<date>_<time>"
         )
     cfg = OmegaConf.load(file)
-    moved = update_moved_targets(cfg)
-    if moved:
+    if moved := update_moved_targets(cfg):
         log.info(
             "%s: %s point(s) at classes that have moved since the run was written: %s",
             file,
@@ -104,20 +94,16 @@ def stored_config(run: Path, key: str) -> DictConfig:
 def _group_choices(run: Path) -> dict[str, str]:
     """The config group choices the run was composed with (``experiment: demo``, ``trainer: cpu``)."""
     file = run / ".hydra" / "hydra.yaml"
-    if not file.is_file():
-        return {}
-    return dict(OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {})
+    return (
+        dict(OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {}) if file.is_file() else {}
+    )
 
 
 def apply_overrides(
     cfg: DictConfig, overrides: list[str], key: str, choices: dict[str, str] | None = None
 ) -> DictConfig:
     """Apply this command line's ``key=value`` / ``+key=value`` / ``~key`` overrides to a stored config.
-
-    Config group choices cannot be re-applied to a composed config: one the run already had (the same
-    command plus ``resume=``: ``experiment=demo``) is skipped, another one (``trainer=ddp``) is refused
-    with a message naming the keys to set instead.
-    """
+    A config group choice the run already had (``experiment=demo``) is skipped, another is refused."""
     choices = choices or {}
     own = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _INVOCATION_KEYS]
     own = [o for o in own if not o.lstrip("+~").startswith("hydra.")]
@@ -156,17 +142,10 @@ def _checkpoint(run: Path, names: tuple[str, ...], key: str) -> Path:
 
 
 def requeued_run(cfg: DictConfig) -> Path | None:
-    """This job's run directory when the job is a restart of an interrupted one, else None.
-
-    A restart is recognised by ``<paths.output_dir>/checkpoints/interrupted.json`` (written by
-    :class:`~ssd_lightning.callbacks.InterruptCheckpoint` next to the ``last.ckpt`` it saved) naming this
-    process's scheduler job id (:func:`~ssd_lightning.callbacks.interrupt.scheduler_job_id`): SLURM and
-    submitit keep it across a requeue, a new submission gets another one, and a run outside a scheduler
-    has none, so a fresh run never continues from a checkpoint it did not make. Only for ``task=fit``
-    without ``resume=``/``run_dir=``/``ckpt_path=``.
-    """
-    # Lightning comes with the callback module: imported here, so that the config resolvers (which import
-    # this module) stay light
+    """This job's run directory when the job restarts an interrupted one (``task=fit`` without ``resume=``/
+    ``run_dir=``/``ckpt_path=``), else None: when ``checkpoints/interrupted.json`` there names this process's
+    scheduler job id, which a requeue keeps, a new submission changes, and a run outside a scheduler lacks."""
+    # imported here: the config resolvers import this module without Lightning
     from ssd_lightning.callbacks.interrupt import read_interruption, scheduler_job_id
 
     if cfg.get("task") != "fit" or cfg.get("resume") or cfg.get("run_dir") or cfg.get("ckpt_path"):
@@ -226,18 +205,15 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 
 def save_run_config(cfg: DictConfig, folder: Path) -> None:
-    """Keep the config a resumed run runs with as ``<folder>/run_config.yaml`` (``folder``: this
-    invocation's ``.hydra/resume_<time>/``), where the next ``resume=`` of the run finds it. Rank 0 only."""
+    """Keep the config a resumed run runs with as ``<folder>/run_config.yaml``, for the next resume."""
     if launcher_rank() == 0:
         atomic_write_text(folder / RUN_CONFIG, OmegaConf.to_yaml(cfg))
 
 
 def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
-    """Write values decided at run time (``model.net.num_classes`` read from the data, the network a
-    ``ckpt_path`` records) into the config file this invocation saved (``<output_dir>/.hydra/config.yaml``,
-    or ``.hydra/resume_<time>/run_config.yaml``): Hydra saves it before the job runs, and whoever reads it
-    (a person, ``resume=``, ``run_dir=``) must see what the model was built with. Rank 0 only; nothing
-    without a saved config (in-process ``train()``, DDP children)."""
+    """Write values decided at run time (``model.net.num_classes`` from the data, the network a ``ckpt_path``
+    records) into the config this invocation saved before the job ran, so that its readers see what the
+    model was built with. Rank 0 only; nothing without a saved config (in-process ``train()``, DDP ranks)."""
     if not values or launcher_rank() != 0 or not HydraConfig.initialized():
         return
     subdir = HydraConfig.get().output_subdir

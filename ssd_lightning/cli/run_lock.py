@@ -1,10 +1,7 @@
 """One owner per run directory: ``train.py`` refuses a folder that a live process is training in.
 
-Rank 0 of a job holds an exclusive ``flock`` on ``<run dir>/.owner.lock`` while it runs (one lock per run,
-whatever the number of ranks); the file says who holds it. The kernel drops the lock when its process ends,
-however it ends (``kill -9`` included), so what a dead process left never blocks the next resume; on a
-shared filesystem the server drops the lock of a lost node when the node's lease expires. A filesystem
-without locks (some FUSE or parallel-filesystem mounts) gets a warning and no lock.
+Rank 0 holds an exclusive ``flock`` on ``<run dir>/.owner.lock`` (naming the holder), which the kernel
+drops however the process ends (``kill -9`` too): a dead one never blocks the next resume.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``summary.csv`` and ``summary.md`` of a Hydra multirun: one row per job, its overrides and final metrics.
 
-Registered in ``configs/hydra/default.yaml`` under ``hydra.callbacks``. ``on_job_end`` (where the job ran,
-rank 0 only) writes ``<job dir>/.hydra/job_summary.json`` (job number, overrides, status and error, the
-returned ``optimized_metric``, the last value of each selected metric of ``csv/metrics.csv``) and refreshes
-the sweep's tables, so a sweep stopped by a failed job still has them; ``on_multirun_end`` writes the
-final ones from every ``job_summary.json`` under the sweep directory. Any launcher gives the same table.
-Imports only the standard library, Hydra, OmegaConf and the package's stdlib-only leaves.
+Registered in ``configs/hydra/default.yaml``. Each job (rank 0, where it ran) writes
+``<job dir>/.hydra/job_summary.json`` (number, overrides, status, error, the returned ``optimized_metric``,
+the last values of ``csv/metrics.csv``) and refreshes the tables, so a sweep stopped by a failed job still
+has them; ``on_multirun_end`` writes the final ones. Any launcher gives the same table. Imports only the
+standard library, Hydra, OmegaConf and the package's stdlib-only leaves.
 """
 
 from __future__ import annotations
@@ -43,12 +42,8 @@ def _to_float(value: Any) -> float | None:
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (``RANK``, ``SLURM_PROCID``, ``LOCAL_RANK``,
-    ``SUBMITIT_LOCAL_GLOBALID``); 0 if unset.
-
-    Lightning's DDP launcher re-invokes ``train.py`` (with all its arguments) for ranks 1..G-1; under a
-    multirun those children run the sweep too, so only rank 0 may write the summary. Under the submitit
-    launchers every task of a job runs the Hydra job (and its callbacks): only task 0 writes.
-    """
+    ``SUBMITIT_LOCAL_GLOBALID``), else 0. Lightning's DDP launcher re-runs ``train.py`` (a multirun too) for
+    the other ranks, and every submitit task runs the Hydra job's callbacks: only rank 0 may write."""
     for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SUBMITIT_LOCAL_GLOBALID"):
         value = os.environ.get(var, "")
         if value.strip().isdigit():
@@ -79,11 +74,7 @@ def _varying_overrides(jobs: Sequence[dict]) -> tuple[list[list[str]], list[str]
 
 
 def _fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 TABLE_METRICS = ("val/mAP", "val/mAP_50", "val/mAP_best", "val/acc1", "val/acc5", "val/acc1_best",
@@ -93,13 +84,12 @@ TABLE_METRICS = ("val/mAP", "val/mAP_50", "val/mAP_best", "val/acc1", "val/acc5"
 def write_summary(
     sweep_dir: str | Path, jobs: Sequence[dict] | None = None, table_metrics: Iterable[str] = TABLE_METRICS
 ) -> tuple[Path, Path]:
-    """Write ``summary.csv`` (every metric, full precision) and ``summary.md`` (readable) in ``sweep_dir``.
+    """Write ``summary.csv`` (every metric, full precision) and ``summary.md`` in ``sweep_dir``; return them.
 
-    CSV columns: ``job``, ``overrides`` (the ones that vary across jobs, space-separated), ``status``, every
-    metric any job reported (sorted, the returned ``optimized_metric`` first), ``output_dir``. The markdown
-    table has the returned metric and those matching ``table_metrics`` (``fnmatch`` patterns), 4 significant
-    digits, and lists the overrides shared by all jobs and the errors of failed jobs. ``jobs`` defaults to
-    :func:`collect_jobs` of ``sweep_dir``. Returns the two paths.
+    CSV columns: ``job``, ``overrides`` (those that vary across jobs), ``status``, every metric (sorted, the
+    returned ``optimized_metric`` first), ``output_dir``. The markdown table has the returned metric and
+    those matching ``table_metrics`` (``fnmatch``), 4 significant digits, the shared overrides and the errors
+    of failed jobs. ``jobs`` defaults to :func:`collect_jobs` of ``sweep_dir``.
     """
     sweep_dir = Path(sweep_dir)
     jobs = collect_jobs(sweep_dir) if jobs is None else list(jobs)
@@ -135,14 +125,9 @@ def write_summary(
 
 
 class SweepSummary(Callback):
-    """Hydra callback writing ``summary.csv``/``summary.md`` in the sweep directory of a multirun.
-
-    Args:
-        metrics: ``fnmatch`` patterns of the logged metrics to report (the returned ``optimized_metric``
-            is always reported).
-        metrics_file: the job's CSV log, relative to its output directory (``configs/logger``'s CSVLogger).
-        table_metrics: ``fnmatch`` patterns of the metrics shown in ``summary.md`` (the CSV has all).
-    """
+    """Hydra callback writing ``summary.csv``/``summary.md`` in the sweep directory of a multirun: the
+    ``metrics`` (``fnmatch`` patterns; the returned ``optimized_metric`` always) of each job's
+    ``metrics_file`` (relative to its output directory), those of ``table_metrics`` in ``summary.md``."""
 
     def __init__(
         self,
@@ -184,7 +169,5 @@ class SweepSummary(Callback):
         write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if launcher_rank() != 0:
-            return
-        if Path(config.hydra.sweep.dir).is_dir():
+        if launcher_rank() == 0 and Path(config.hydra.sweep.dir).is_dir():
             write_summary(config.hydra.sweep.dir, table_metrics=self.table_metrics)

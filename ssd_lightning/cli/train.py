@@ -1,7 +1,6 @@
 """``train(cfg)``: everything ``python train.py ...`` does, as a plain function returning metrics.
 
-The root ``train.py`` is only the ``@hydra.main`` wrapper; tests call :func:`train` in-process with configs
-composed by Hydra's compose API.
+The root ``train.py`` is only the ``@hydra.main`` wrapper; tests call :func:`train` with composed configs.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ log = logging.getLogger(__name__)
 register_resolvers()  # tests and scripts call train() without train.py
 
 
-def _no_litlogger_tip(record: logging.LogRecord) -> bool:
-    """Drops the advertisement for a hosted logger that every Trainer prints."""
+def _no_litlogger_tip(record: logging.LogRecord) -> bool:  # the ad for a hosted logger every Trainer prints
     return "litlogger" not in record.getMessage()
 
 
@@ -72,10 +70,8 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run ``cfg.task`` (fit, validate or a benchmark) and return the final metrics as plain floats.
-
-    ``resume=<run dir>`` / ``run_dir=<run dir>`` replace ``cfg`` by that run's config (see
-    :mod:`ssd_lightning.cli.run_dir`), with the command line's overrides on top."""
+    """Run ``cfg.task`` and return the final metrics as plain floats. ``resume=``/``run_dir=`` replace ``cfg``
+    by that run's config with the command line's overrides on top (:mod:`ssd_lightning.cli.run_dir`)."""
     _silence_known_harmless_warnings()
     requeued = requeued_run(cfg)  # a scheduler restarted this job after a signal: continue in place
     if requeued is not None:
@@ -174,19 +170,16 @@ def _run_job(
         release_run_dirs()  # the requeued job may start before this process ends
         if interrupt is not None:
             interrupt.hand_over()  # SIGUSR1/SIGUSR2: the scheduler's requeue (submitit's handler exits here)
-        stopped_by = interrupt.stopped_by if interrupt is not None else None
         # as shells report it: 130 after Ctrl-C, 143 after SIGTERM, 138/140 after SIGUSR1/SIGUSR2
-        raise SystemExit(128 + int(getattr(signal.Signals, stopped_by or "SIGTERM"))) from None
+        raise SystemExit(128 + signal.Signals[getattr(interrupt, "stopped_by", None) or "SIGTERM"]) from None
     except Exception:
         _stop_other_ranks(trainer)
         raise
 
 
 def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
-    """bf16 asked for (``precision=bf16``, or fp16, which Lightning runs as bf16 on a CPU) on a CPU without
-    native bf16 kernels (:func:`ssd_lightning.models.cpu_bf16.cpu_has_native_bf16`): run float32 instead,
-    faster by 10-15x there, unless ``cpu_bf16=always``. Returns the keys set (``trainer.precision``,
-    ``data.output_dtype``)."""
+    """bf16 (or fp16, run as bf16 on a CPU) on a CPU without native bf16 kernels: float32 instead, 10-15x
+    faster there, unless ``cpu_bf16=always``. Returns the keys set."""
     precision = str(OmegaConf.select(cfg, "trainer.precision", default=""))
     accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="auto"))
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -209,8 +202,8 @@ def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
 
 
 def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[str, int]:
-    """``model.net.num_classes=null``: the data's class count (annotation categories + background, or the
-    image folders), read before the network is built. Returns ``{key: value}`` of what it set."""
+    """``model.net.num_classes=null``: the data's class count, read before the network is built. Returns
+    the keys set."""
     if OmegaConf.select(cfg, "model.net.num_classes", default=0) is not None:
         return {}
     cfg.model.net.num_classes = int(datamodule.num_classes)  # the key exists: no struct flag in the way
@@ -226,10 +219,9 @@ _MODULE_OF_KIND = {
 
 
 def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
-    """``ckpt_path=<file>``: build the network the file records (its model record), whatever the config
-    says, so that ``task=validate ckpt_path=<file>`` needs nothing but the file and the data. Also takes
-    the file's EMA setting (its weights may be the EMA ones) and fills unset decoder keys with the ones
-    the model was validated with. Returns the keys set. A file without a record changes nothing."""
+    """``ckpt_path=<file>``: the network its model record names whatever the config says (so that
+    ``task=validate ckpt_path=<file>`` needs only the file and the data), its EMA setting, and the decoder
+    keys it was validated with where unset. Returns the keys changed; a file without a record changes none."""
     path = cfg.get("ckpt_path")
     if not path or "://" in str(path) or not Path(str(path)).expanduser().is_file():
         return {}  # "last"/"best" (Lightning's own), a URL, or a missing file: Lightning's to resolve
@@ -270,8 +262,8 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
 
 
 def _other_complete_checkpoints(path: Path) -> str:
-    """For the message about an unreadable ``path``: the other checkpoints in its folder whose zip directory
-    is complete (a file cut short has none), newest first, and the override that uses one; else ``""``."""
+    """For the message about an unreadable ``path``: the other complete checkpoints beside it (a file cut
+    short has no zip directory), newest first, and the override that uses one; else ``""``."""
     others = sorted(path.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     complete = [p for p in others if p.resolve() != path.resolve() and zipfile.is_zipfile(p)]
     if not complete:
@@ -281,11 +273,8 @@ def _other_complete_checkpoints(path: Path) -> str:
 
 
 def _stop_other_ranks(trainer: pl.Trainer) -> None:
-    """This process failed: end the ranks Lightning started for it (they would wait in a collective).
-
-    Only the main process of Lightning's own launcher has children; torchrun and SLURM end the other
-    workers of a failed job themselves.
-    """
+    """This process failed: end the ranks Lightning's launcher started from it (they would wait in a
+    collective); torchrun and SLURM end the other workers of a failed job themselves."""
     for proc in compat.take_launched_processes(trainer):  # out of the observer's list before they die
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -293,13 +282,9 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
 
 
 def _release_process_group() -> None:
-    """Destroy this rank's process group once its task has finished.
-
-    Lightning destroys it only for NCCL. A gloo group still alive while the interpreter shuts down keeps its
-    C++ threads running, and one touching Python state then aborts the process ("terminate called without
-    an active exception", SIGABRT) after a run that succeeded. Not done after failures, where a peer may
-    still be waiting in a collective.
-    """
+    """Destroy this rank's process group once its task has finished (not after failures: a peer may still
+    wait in a collective). Lightning does only for NCCL; a live gloo group's threads abort the interpreter's
+    shutdown ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -1,7 +1,4 @@
-"""Optimisation rules shared by every LightningModule: LR scaling, parameter groups, LR schedules.
-
-One place for each rule, so the SSD300 and MobileNetV2 recipes can never drift apart.
-"""
+"""Optimisation rules shared by every LightningModule: LR scaling, parameter groups, LR schedules."""
 
 from __future__ import annotations
 
@@ -30,12 +27,9 @@ def scale_lr(
     batch_size: int,
     reference_batch_size: int = 32,
 ) -> float:
-    """Scale a base learning rate to the global batch actually used.
-
-    ``linear`` is the NVIDIA SSD300 rule: ``lr = base_lr * world_size * batch_size / reference_batch_size``
-    (``batch_size`` is per device, as the reference's ``--bs``). ``sqrt`` takes the square root of that
-    ratio; ``none`` returns ``base_lr`` unchanged.
-    """
+    """Scale a base learning rate to the global batch actually used: ``linear`` is the NVIDIA SSD300 rule
+    ``lr = base_lr * world_size * batch_size / reference_batch_size`` (``batch_size`` per device, as the
+    reference's ``--bs``), ``sqrt`` takes the square root of that ratio, ``none`` returns ``base_lr``."""
     if rule not in LR_SCALING_RULES:
         raise ConfigError(f"lr_scaling.rule must be one of {LR_SCALING_RULES}, got {rule!r}")
     if batch_size <= 0 or world_size <= 0 or reference_batch_size <= 0:
@@ -44,11 +38,7 @@ def scale_lr(
             f"batch_size={batch_size}, world_size={world_size}, reference_batch_size={reference_batch_size}"
         )
     ratio = world_size * batch_size / reference_batch_size
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    return base_lr
+    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1}[rule]
 
 
 def scale_ema_decay(
@@ -60,14 +50,11 @@ def scale_ema_decay(
     every_n_steps: int = 1,
     epochs: int,
 ) -> float:
-    """The EMA decay actually applied per EMA update, from the configured one.
-
-    ``torchvision`` is its classification reference's rule (``--model-ema-decay``): the averaging weight
-    ``1 - decay`` is multiplied by ``world_size * batch_size * every_n_steps / epochs`` (capped at 1), so the
-    averaging horizon follows the global batch, the update interval and the schedule's length; e.g. 0.99998
-    on 8 x 32 images, every 32 steps, 300 epochs gives 1 - 2e-5 * 27.3 = 0.999454. ``none`` applies
-    ``decay`` as given.
-    """
+    """The EMA decay applied per EMA update. ``torchvision`` is its classification reference's rule
+    (``--model-ema-decay``): ``1 - decay`` is multiplied by ``world_size * batch_size * every_n_steps /
+    epochs`` (capped at 1), so the averaging horizon follows the global batch, the update interval and the
+    schedule's length; e.g. 0.99998 on 8 x 32 images, every 32 steps, 300 epochs gives 1 - 2e-5 * 27.3 =
+    0.999454. ``none`` applies ``decay`` as given."""
     if scaling not in EMA_DECAY_SCALINGS:
         raise ConfigError(f"ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {scaling!r}")
     if scaling == "none":
@@ -82,10 +69,6 @@ def scale_ema_decay(
     return 1.0 - alpha
 
 
-def _is_depthwise(module: nn.Module) -> bool:
-    return isinstance(module, nn.Conv2d) and module.groups > 1 and module.groups == module.in_channels
-
-
 def param_groups(
     model: nn.Module,
     weight_decay: float,
@@ -94,14 +77,10 @@ def param_groups(
     bias_weight_decay: float | None = 0.0,
     depthwise_weight_decay: float | None = None,
 ) -> list[dict]:
-    """Split parameters into weight-decay groups.
-
-    Every parameter of a normalisation layer (BatchNorm, GroupNorm, LayerNorm, ...) gets
-    ``norm_weight_decay``, every bias gets ``bias_weight_decay``, depthwise-convolution weights get
-    ``depthwise_weight_decay``; ``None`` for any of these means "same as ``weight_decay``". The NVIDIA
-    SSD300 recipe is ``weight_decay=5e-4`` with 0 on BatchNorm and biases. Frozen parameters are left out.
-    Empty groups are dropped.
-    """
+    """Weight-decay groups (named ``norm``, ``bias``, ``depthwise``, ``other``; empty ones dropped, frozen
+    parameters left out): parameters of normalisation layers (BatchNorm, GroupNorm, LayerNorm, ...), other
+    biases, depthwise-convolution weights; ``None`` means "same as ``weight_decay``". The NVIDIA SSD300
+    recipe is ``weight_decay=5e-4`` with 0 on BatchNorm and biases."""
     norm_types = (compat.norm_base_class(), nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
     decays = {
         "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
@@ -116,15 +95,11 @@ def param_groups(
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
+            depthwise = isinstance(module, nn.Conv2d) and module.groups == module.in_channels > 1
             if isinstance(module, norm_types):
-                kind = "norm"
-            elif name == "bias":
-                kind = "bias"
-            elif _is_depthwise(module):
-                kind = "depthwise"
+                buckets["norm"].append(param)
             else:
-                kind = "other"
-            buckets[kind].append(param)
+                buckets["bias" if name == "bias" else "depthwise" if depthwise else "other"].append(param)
     return [
         {"params": params, "weight_decay": decays[kind], "name": kind}
         for kind, params in buckets.items()
@@ -138,26 +113,16 @@ def build_optimizer(
     *,
     lr: float,
     weight_decay: float,
-    norm_weight_decay: float | None = 0.0,
-    bias_weight_decay: float | None = 0.0,
-    depthwise_weight_decay: float | None = None,
+    **group_decays: float | None,
 ) -> torch.optim.Optimizer:
-    """Instantiate a (partial) optimizer on :func:`param_groups` of ``model`` with the effective ``lr``."""
-    groups = param_groups(
-        model,
-        weight_decay,
-        norm_weight_decay=norm_weight_decay,
-        bias_weight_decay=bias_weight_decay,
-        depthwise_weight_decay=depthwise_weight_decay,
-    )
-    return optimizer(groups, lr=lr)
+    """Instantiate a (partial) optimizer on :func:`param_groups` of ``model`` (``group_decays``: its
+    ``norm_weight_decay``, ``bias_weight_decay``, ``depthwise_weight_decay``) with the effective ``lr``."""
+    return optimizer(param_groups(model, weight_decay, **group_decays), lr=lr)
 
 
 def partial_kwarg(optimizer: Callable, key: str, default: float | None = None) -> float | None:
     """Read a keyword (``lr``, ``weight_decay``) stored in a ``functools.partial`` optimizer from config."""
-    if isinstance(optimizer, functools.partial):
-        return optimizer.keywords.get(key, default)
-    return default
+    return optimizer.keywords.get(key, default) if isinstance(optimizer, functools.partial) else default
 
 
 def _is_number(value: object) -> bool:
@@ -179,9 +144,8 @@ def increasing_epochs(value: object) -> bool:
 
 
 def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.optimizer") -> None:
-    """Raise :class:`ConfigError` naming ``{key}.lr``/``{key}.weight_decay`` unless the base ``lr`` and
-    ``weight_decay`` are numbers >= 0, as torch's optimizers take them (``lr=0`` evaluates fixed weights;
-    ``None``: not set, checked where it is needed)."""
+    """Raise :class:`ConfigError` naming ``{key}.lr``/``{key}.weight_decay`` unless each is ``None`` (not set)
+    or a number >= 0, as torch's optimizers take them (``lr=0`` evaluates fixed weights)."""
     if lr is not None and not (_is_number(lr) and lr >= 0):
         raise ConfigError(f"{key}.lr={lr!r}: must be a number >= 0 (the base LR before scaling)")
     if weight_decay is not None and not (_is_number(weight_decay) and weight_decay >= 0):
@@ -190,8 +154,8 @@ def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.
 
 def check_scheduler_args(scheduler: Mapping, *, key: str = "model.scheduler") -> None:
     """Raise :class:`ConfigError` naming ``{key}.<name>`` for a ``warmup_steps`` that is no integer >= 0, a
-    ``gamma`` outside (0, 1] or ``milestones`` that are not strictly increasing non-negative epochs (the
-    keys of :func:`build_scheduler`; absent or ``None`` ones are not checked)."""
+    ``gamma`` outside (0, 1] or ``milestones`` that are not strictly increasing non-negative epochs (absent
+    or ``None`` ones are not checked)."""
     warmup, gamma, milestones = (scheduler.get(k) for k in ("warmup_steps", "gamma", "milestones"))
     if warmup is not None and not (is_int(warmup) and warmup >= 0):
         raise ConfigError(f"{key}.warmup_steps={warmup!r}: must be an integer >= 0 (optimizer steps)")
@@ -215,15 +179,10 @@ def lr_factor(
     step_size: int = 1,
     min_factor: float = 0.0,
 ) -> float:
-    """Multiplier of the peak LR at optimizer ``step`` (0-based), evaluated per iteration.
-
-    - linear warm-up over the first ``warmup_steps`` iterations, as the NVIDIA reference does
-      (``lr = peak * step / warmup_steps``, so the very first step has LR 0 when warm-up is on);
-    - then ``multistep`` (× ``gamma`` at each epoch in ``milestones``), ``step`` (× ``gamma`` every
-      ``step_size`` epochs, torchvision's MobileNetV2 recipe), ``cosine`` (to ``min_factor`` at
-      ``total_steps``, measured after warm-up) or ``constant``.
-    Epoch boundaries come from ``steps_per_epoch``; the schedule never depends on wall-clock or sync.
-    """
+    """Multiplier of the peak LR at optimizer ``step`` (0-based): linear warm-up over the first
+    ``warmup_steps`` as the NVIDIA reference (``step / warmup_steps``: the first step has LR 0), then
+    ``multistep`` (× ``gamma`` at each epoch in ``milestones``), ``step`` (× ``gamma`` every ``step_size``
+    epochs), ``cosine`` (to ``min_factor`` at ``total_steps``, measured after warm-up) or ``constant``."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"scheduler.name must be one of {SCHEDULES}, got {schedule!r}")
     warm = step / warmup_steps if warmup_steps > 0 and step < warmup_steps else 1.0
@@ -242,9 +201,8 @@ def lr_factor(
 
 
 def warmup_iterations(steps_per_epoch: int, warmup_steps: int = 0, warmup_epochs: float = 0.0) -> int:
-    """The LR warm-up in optimizer steps: ``warmup_steps`` plus ``warmup_epochs`` (SSD300 recipes count it in
-    iterations, MobileNetV2 recipes in epochs, which may be fractional) of ``steps_per_epoch``, rounded. The
-    one conversion: the schedule, the EMA's restarts and the log line all use it."""
+    """The LR warm-up in optimizer steps: ``warmup_steps`` plus ``warmup_epochs`` (may be fractional) of
+    ``steps_per_epoch``, rounded; the schedule, the EMA's restarts and the log line all use it."""
     return int(warmup_steps or 0) + round(float(warmup_epochs or 0.0) * steps_per_epoch)
 
 
@@ -261,17 +219,14 @@ def build_scheduler(
     step_size: int = 1,
     min_factor: float = 0.0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-iteration ``LambdaLR`` implementing :func:`lr_factor`.
-
-    ``warmup_epochs`` (MobileNetV2 recipes) is converted to iterations and added to ``warmup_steps``
-    (SSD300 recipes count warm-up in iterations).
-    """
+    """A per-iteration ``LambdaLR`` implementing :func:`lr_factor`, warm-up from :func:`warmup_iterations`."""
+    warmup = warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs)
     fn = functools.partial(
         lr_factor,
         schedule=schedule,
         steps_per_epoch=steps_per_epoch,
+        warmup_steps=warmup,
         total_steps=steps_per_epoch * max_epochs,
-        warmup_steps=warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs),
         milestones=tuple(milestones),
         gamma=gamma,
         step_size=step_size,

@@ -1,9 +1,8 @@
 """Files that appear whole or not at all: written to a temporary file in the same folder, then renamed.
 
 A reader sees the previous version or the new one, never a half-written file; a crash leaves at most a
-``.<name>.<random>.tmp`` beside it. Temporary names are unique per call, so ranks or jobs on other hosts
-writing the same file on a shared file system do not collide; the last rename wins. (Checkpoints go through
-:mod:`ssd_lightning.io.checkpoint_io`, which also fsyncs.)
+``.<name>.<random>.tmp`` beside it. Temporary names are unique per call, so writers on other hosts do not
+collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.io.checkpoint_io`.)
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ os.umask(_UMASK)
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary: bool = False) -> Path:
     """Create or replace ``path`` with what ``write`` writes to an open text file (UTF-8, no newline
-    translation, so :mod:`csv` writers work too), or binary file. The file gets the mode a plain ``open``
-    gives (``0o666`` less the umask), not ``mkstemp``'s owner-only one."""
+    translation, so :mod:`csv` writers work too), or binary file, with the mode a plain ``open`` gives."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

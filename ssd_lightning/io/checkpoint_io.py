@@ -24,20 +24,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<dir>/.<name>.<pid>.tmp``, fsyncs it, renames it over ``<dir>/<name>``, fsyncs ``<dir>``.
 
     A run killed during a save, or a disk that fills up, leaves the previous checkpoint of that name intact
-    and no temporary file behind (a kill -9 can leave a ``.tmp``, never a truncated ``.ckpt``). Write errors
-    become :class:`CheckpointWriteError` naming the file and what to do. Remote URLs (``s3://`` ...) go
-    through Lightning's own fsspec writer.
+    (a kill -9 can leave a ``.tmp``, never a truncated ``.ckpt``). Write errors become
+    :class:`CheckpointWriteError` naming the file and what to do. Remote URLs (``s3://`` ...) go through
+    Lightning's own fsspec writer.
 
-    Reading (``ckpt_path=`` resume / validate) uses ``torch.load(weights_only=True)``: this project's
-    checkpoints hold tensors and plain values only (mid-epoch loader states included), so nothing else is
-    ever unpickled; a file that needs more is refused with
-    :class:`~ssd_lightning.io.weights.UntrustedCheckpointError` before any of its code runs, unless
-    ``trust_checkpoint=True`` (``model.trust_checkpoint=true``). Lightning itself leaves ``weights_only``
-    to torch's default, which an environment variable can turn off, and turns it off for http URLs.
-
-    Args:
-        trust_checkpoint: unpickle checkpoints fully when the caller does not choose (``weights_only=None``);
-            an explicit ``weights_only`` of the caller is honoured.
+    Reading (``ckpt_path=``) uses ``torch.load(weights_only=True)`` unless the caller chooses or
+    ``trust_checkpoint=True``: this project's checkpoints hold tensors and plain values only, so a file that
+    needs more is refused with :class:`~ssd_lightning.io.weights.UntrustedCheckpointError` before any of its
+    code runs. (Lightning leaves ``weights_only`` to torch's default, which an environment variable can turn
+    off, and turns it off for http URLs.)
     """
 
     def __init__(self, trust_checkpoint: bool = False) -> None:
@@ -50,8 +45,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if weights_only is None:
-            weights_only = not self.trust_checkpoint
+        weights_only = not self.trust_checkpoint if weights_only is None else weights_only
         try:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         except pickle.UnpicklingError as e:

@@ -52,9 +52,8 @@ class _ContinuingWriter(ExperimentWriter):
 
 
 class ContinuingCSVLogger(CSVLogger):
-    """:class:`~pytorch_lightning.loggers.CSVLogger` that appends to the ``metrics.csv`` of a resumed run
-    (``resume=<run dir>``) rather than deleting it, dropping the rows logged after the checkpoint it resumed
-    from; in a fresh directory it writes a fresh file, as Lightning's does."""
+    """``CSVLogger`` that appends to the ``metrics.csv`` of a resumed run (``resume=<run dir>``) rather than
+    deleting it, dropping the rows logged after the checkpoint it resumed from."""
 
     @property
     @rank_zero_experiment
@@ -86,24 +85,21 @@ def _stored_run_id(run_dir: str | os.PathLike, name: str) -> str | None:
 
 def _keep_run_id(run_dir: str | os.PathLike, name: str, run_id: str) -> None:
     if _stored_run_id(run_dir, name) != run_id:
-        os.makedirs(run_dir, exist_ok=True)
         atomic_write_text(Path(run_dir) / name, run_id + "\n")
 
 
 def _checkpoint_paths(callback: ModelCheckpoint) -> dict[str, str]:
-    """The absolute paths a ``ModelCheckpoint`` callback has just saved to: ``checkpoint/last`` (its
-    ``last.ckpt``) and ``checkpoint/best`` (the file of a callback with a ``monitor``, e.g. ``best.ckpt``)."""
+    """``checkpoint/last`` and ``checkpoint/best`` (a callback with a ``monitor``): absolute paths."""
     best = callback.best_model_path if callback.monitor is not None else ""
     paths = {"checkpoint/last": callback.last_model_path, "checkpoint/best": best}
     return {key: os.path.abspath(path) for key, path in paths.items() if path}
 
 
 class ResumableWandbLogger(WandbLogger):
-    """Lightning's :class:`~pytorch_lightning.loggers.WandbLogger` writing under ``save_dir`` (the run
-    directory), one W&B run per run directory: its id is kept in ``<save_dir>/wandb_run_id`` and a run
-    started again in that directory (``resume=<run dir>``) continues the same W&B run (``resume="allow"``).
-    The checkpoint paths go to the run's summary (``checkpoint/last``, ``checkpoint/best``) after every save.
-    Offline: ``offline=True`` or ``WANDB_MODE=offline`` (upload later with ``wandb sync``)."""
+    """``WandbLogger`` writing under ``save_dir`` (the run directory), one W&B run per run directory: its
+    id is kept in ``<save_dir>/wandb_run_id``, so ``resume=<run dir>`` continues the same W&B run. The
+    checkpoint paths go to the run's summary after every save. Offline: ``offline=True`` or
+    ``WANDB_MODE=offline`` (upload later with ``wandb sync``)."""
 
     def __init__(self, save_dir: str | os.PathLike, **kwargs: Any) -> None:
         _require("wandb", "logger=wandb")
@@ -123,8 +119,8 @@ class ResumableWandbLogger(WandbLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        """Finishes the W&B run at the end of ``fit``/``validate``, so that its files are complete and its id
-        is free when the process exits (a resume that follows at once would find it "in use")."""
+        """Finish the W&B run at the end of ``fit``/``validate``: its files complete, its id free for a
+        resume that follows at once."""
         super().finalize(status)
         if self._run is not None:
             self._run.finish(exit_code=0 if status in ("success", "finished") else 1)
@@ -153,15 +149,13 @@ def _flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
-    """Lightning's :class:`~pytorch_lightning.loggers.MLFlowLogger`, one MLflow run per run directory: its id
-    is kept in ``<run_dir>/mlflow_run_id`` and a run started again in that directory (``resume=<run dir>``)
-    logs into the same MLflow run. The checkpoint paths are the run's tags ``checkpoint/last`` and
-    ``checkpoint/best``, updated after every save.
+    """``MLFlowLogger``, one MLflow run per run directory: its id is kept in ``<run_dir>/mlflow_run_id``,
+    so ``resume=<run dir>`` logs into the same MLflow run. The checkpoint paths are the run's tags
+    ``checkpoint/last`` and ``checkpoint/best``, updated after every save.
 
-    The store: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else an SQLite database (MLflow's default
-    store) in the run directory, ``sqlite:///<run_dir>/mlflow.db``, artifacts in ``<run_dir>/mlartifacts``.
-    MLflow parameters cannot change: a resumed run logs the parameters it did not have, and a changed value
-    (an override given with ``resume=``) as the tag ``resumed/<key>``. Pictures: :meth:`log_image`.
+    The store: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<run_dir>/mlflow.db``
+    with artifacts in ``<run_dir>/mlartifacts``. MLflow parameters cannot change: a resumed run logs the
+    parameters it did not have, and a changed value as the tag ``resumed/<key>``.
     """
 
     def __init__(
@@ -220,8 +214,8 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def log_image(self, key: str, images: list[str | os.PathLike], step: int | None = None) -> None:
-        """Store the image files ``images`` as artifacts under ``<key>/step_<step>/`` (``<key>/`` without a
-        step): the call ``WandbLogger.log_image`` takes for files."""
+        """Store the image files as artifacts under ``<key>/step_<step>/`` (``<key>/`` without a step), as
+        ``WandbLogger.log_image`` takes files."""
         artifact_path = key if step is None else f"{key}/step_{step}"
         for image in images:
             self.experiment.log_artifact(self.run_id, os.fspath(image), artifact_path)
@@ -237,8 +231,7 @@ class _OtherRank(DummyLogger):
 
 def mlflow_logger(**kwargs: Any) -> ResumableMLFlowLogger | DummyLogger:
     """``logger=mlflow``: a :class:`ResumableMLFlowLogger` on global rank 0 and a do-nothing logger on the
-    other ranks, which so never open the store (an MLflow client creates its SQLite database, tables and
-    all, when constructed). ``kwargs``: :class:`ResumableMLFlowLogger`'s."""
+    other ranks, which so never open the store (an MLflow client creates its SQLite database when built)."""
     if getattr(rank_zero_only, "rank", 0) != 0:
         _require("mlflow", "logger=mlflow")
         return _OtherRank()

@@ -76,11 +76,8 @@ def make_model_record(
 
 def read_model_record(checkpoint: object, *, source: str) -> dict[str, Any] | None:
     """The model record of a loaded checkpoint; ``None`` for a checkpoint written before records existed.
-
-    Raises:
-        CheckpointReadError: ``source`` (how the caller names the file) is not a checkpoint dict, or its
-            record is of a newer format or incomplete (the message says what to do).
-    """
+    CheckpointReadError when ``source`` (how the caller names the file) is not a checkpoint dict, or its
+    record is of a newer format or incomplete."""
     if not isinstance(checkpoint, Mapping):
         raise CheckpointReadError(f"{source} is not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
     record = checkpoint.get(MODEL_KEY)
@@ -103,11 +100,8 @@ def read_model_record(checkpoint: object, *, source: str) -> dict[str, Any] | No
 
 
 def model_weights(checkpoint: Mapping[str, Any], prefix: str, *, source: str) -> dict[str, Tensor]:
-    """The tensors of ``checkpoint["state_dict"]`` under ``prefix`` (``net.``/``ema.module.``), unprefixed.
-
-    Raises:
-        CheckpointReadError: no ``state_dict``, or nothing under ``prefix``.
-    """
+    """The tensors of ``checkpoint["state_dict"]`` under ``prefix`` (``net.``/``ema.module.``), unprefixed;
+    CheckpointReadError when there is no ``state_dict`` or nothing under ``prefix``."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, Mapping):
         raise CheckpointReadError(

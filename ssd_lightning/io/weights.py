@@ -4,10 +4,8 @@ Every file this package reads weights from (``model.init_from``, ``model.nvidia_
 ``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints; ``ckpt_path`` through
 :class:`~ssd_lightning.io.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
 ``torch.load(weights_only=True)`` plus the allow-list :data:`SAFE_GLOBALS`; anything else is refused with
-:class:`UntrustedCheckpointError` before any of its code runs, unless ``trust_checkpoint=True``.
-Layouts understood: Lightning checkpoints of this project (``state_dict``, ``net.`` keys), NVIDIA SSD300
-checkpoints (``model``, ``module.``/``module.1.`` keys) and plain state dicts. Nothing here knows a network
-class: checking a state dict against one is :mod:`ssd_lightning.models`' job.
+:class:`UntrustedCheckpointError` before any of its code runs, unless ``trust_checkpoint=True``. Nothing
+here knows a network class: checking a state dict against one is :mod:`ssd_lightning.models`' job.
 """
 
 from __future__ import annotations
@@ -29,10 +27,9 @@ from ssd_lightning.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
-#: Classes ``torch.load(weights_only=True)`` may rebuild beyond tensors and plain containers. The NVIDIA
-#: reference's ``main.py`` can keep its ``argparse.Namespace`` of command-line arguments in a checkpoint;
-#: a Namespace is rebuilt by setting attributes, never by calling anything the file names. Its
-#: ``MultiStepLR`` state (``collections.Counter`` milestones) is in torch's own allow-list.
+#: Classes ``torch.load(weights_only=True)`` may rebuild beyond tensors and plain containers: the NVIDIA
+#: reference's ``main.py`` can keep its ``argparse.Namespace`` of arguments in a checkpoint (rebuilt by
+#: setting attributes, never by calling anything the file names).
 SAFE_GLOBALS: list[type] = [argparse.Namespace]
 
 #: Wrappers' key prefixes: DDP (``module.``), LightningModules (``net.``, ``model.``), torch.compile.
@@ -72,11 +69,8 @@ INIT_FROM_FILES = (
 
 
 def check_checkpoint_file(path: str | os.PathLike, *, what: str, expected: str = "") -> Path:
-    """``path`` expanded, or :class:`CheckpointNotFoundError` naming ``what`` when it is no file.
-
-    :func:`read_checkpoint` runs it; a caller that reads the file much later (``model.init_from``, at fit
-    start) runs it first too, so the same error comes before anything is built. ``expected`` says what the
-    file should be."""
+    """``path`` expanded, or :class:`CheckpointNotFoundError` naming ``what`` (and ``expected``, what the
+    file should be) when it is no file; also run early by callers that read the file much later."""
     path = Path(path).expanduser()
     if not path.is_file():
         hint = f"; point {what} at {expected}" if expected else ""
@@ -87,20 +81,12 @@ def check_checkpoint_file(path: str | os.PathLike, *, what: str, expected: str =
 def read_checkpoint(
     path: str | os.PathLike, *, trust_checkpoint: bool = False, what: str = "checkpoint", expected: str = ""
 ) -> Any:
-    """Load ``path`` on the CPU with ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS`.
+    """Load the local file ``path`` on the CPU with ``torch.load(weights_only=True)`` and
+    :data:`SAFE_GLOBALS`, or fully unpickled with ``trust_checkpoint`` (which can run code the file names).
 
-    Args:
-        path: a local file.
-        trust_checkpoint: unpickle the file fully instead (``weights_only=False``): only for files from a
-            source you trust, since unpickling can run code the file names.
-        what: how the caller names the file in messages (the config key, e.g. ``"model.init_from"``).
-        expected: what the file should be, for the message when it does not exist.
-
-    Raises:
-        CheckpointNotFoundError: no such file (:func:`check_checkpoint_file`).
-        UntrustedCheckpointError: the file holds objects ``weights_only`` refuses (the message says how to
-            trust it); nothing of the file has run.
-        CheckpointReadError: not a file ``torch.load`` can read (truncated, not a checkpoint).
+    ``what`` is how the caller names the file in messages (the config key, e.g. ``"model.init_from"``).
+    Raises :class:`CheckpointNotFoundError` (:func:`check_checkpoint_file`), :class:`UntrustedCheckpointError`
+    (objects ``weights_only`` refuses; nothing of the file has run) or :class:`CheckpointReadError`.
     """
     path = check_checkpoint_file(path, what=what, expected=expected)
     try:
@@ -109,36 +95,24 @@ def read_checkpoint(
             return torch.load(path, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trust_checkpoint and "GLOBAL" in str(e):  # the file names a class or function to call
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        # "GLOBAL": the file names a class or function to call
+        if isinstance(e, pickle.UnpicklingError) and not trust_checkpoint and "GLOBAL" in str(e):
             raise UntrustedCheckpointError(untrusted_message(what, path, e)) from None
-        raise CheckpointReadError(_unreadable_message(what, path, e)) from e
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CheckpointReadError(_unreadable_message(what, path, e)) from e
-
-
-def _unreadable_message(what: str, path: Path, error: BaseException) -> str:
-    text = str(error)
-    found = re.search(r"WeightsUnpickler error: \s*([^\n]{1,120})", text)
-    first_sentence = text.splitlines()[0].split(". ")[0][:200] if text else type(error).__name__
-    detail = found.group(1) if found else first_sentence
-    return (
-        f"{what}={path} is not a checkpoint torch.load can read ({type(error).__name__}: {detail}); is it "
-        "truncated, or another kind of file?"
-    )
+        text = str(e)
+        found = re.search(r"WeightsUnpickler error: \s*([^\n]{1,120})", text)
+        first_sentence = text.splitlines()[0].split(". ")[0][:200] if text else type(e).__name__
+        raise CheckpointReadError(
+            f"{what}={path} is not a checkpoint torch.load can read ({type(e).__name__}: "
+            f"{found.group(1) if found else first_sentence}); is it truncated, or another kind of file?"
+        ) from e
 
 
 # --------------------------------------------------------------------------- layouts
-_DISTRIBUTED_PREFIXES = ("module.1.", "module.")
-
-
 def unwrap_distributed_key(key: str) -> str:
     """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the NVIDIA reference's
     ``unwrap_distributed``, one key at a time)."""
-    for prefix in _DISTRIBUTED_PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix) :]
-    return key
+    return re.sub(r"^module\.(1\.)?", "", key)
 
 
 def read_nvidia_state_dict(
@@ -148,13 +122,9 @@ def read_nvidia_state_dict(
     what: str = "nvidia_checkpoint",
 ) -> dict[str, Tensor]:
     """The tensors of an NVIDIA SSD300 checkpoint (``main.py --save``, torch.hub ``nvidia_ssd``: the state
-    dict under ``model``) or of a bare state dict, a file or already loaded, DDP prefixes removed
-    (:func:`unwrap_distributed_key`). :func:`ssd_lightning.models.nvidia_state_dict` checks the result.
-
-    Raises:
-        CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see :func:`read_checkpoint`.
-        ValueError: not a dict of tensors or a checkpoint dict.
-    """
+    dict under ``model``) or of a bare state dict, a file (:func:`read_checkpoint`) or already loaded, DDP
+    prefixes removed; ValueError for anything else. :func:`ssd_lightning.models.nvidia_state_dict` checks
+    the result."""
     checkpoint = path_or_checkpoint
     if isinstance(path_or_checkpoint, (str, os.PathLike)):
         checkpoint = read_checkpoint(path_or_checkpoint, trust_checkpoint=trust_checkpoint, what=what)
@@ -167,16 +137,11 @@ def read_nvidia_state_dict(
 
 
 def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Tensor], list[str]]:
-    """The network's tensors in a checkpoint, wrapper prefixes removed, and the keys left out.
+    """The network's tensors in a checkpoint, wrapper prefixes removed, and the keys left out (non-tensors,
+    and entries outside ``net.*``/``model.*``, e.g. an EMA copy); CheckpointReadError when there are none.
 
-    Layouts: a Lightning checkpoint (``checkpoint["state_dict"]``; of its ``net.*``/``model.*`` entries,
-    the others, e.g. an EMA copy or metric states, are left out), an NVIDIA SSD300 checkpoint
-    (``checkpoint["model"]``, ``module.``/``module.1.`` removed as the reference's
-    ``unwrap_distributed`` does; also torchvision's reference scripts), or a plain state dict. Non-tensor
-    entries are left out.
-
-    Raises:
-        CheckpointReadError: no tensors found.
+    Layouts: a Lightning checkpoint (``state_dict``), an NVIDIA SSD300 or torchvision reference checkpoint
+    (``model``, :func:`unwrap_distributed_key`), or a plain state dict.
     """
     container = checkpoint
     nvidia_layout = False
@@ -194,15 +159,10 @@ def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Te
     left_out = [str(k) for k, v in container.items() if not isinstance(v, Tensor)]
     if nvidia_layout:
         state = {unwrap_distributed_key(k): v for k, v in state.items()}
-    stripped = True
-    while stripped:  # "net._orig_mod.features.0" -> "features.0"
-        stripped = False
-        for prefix in _WRAPPER_PREFIXES:
-            inside = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-            if inside:
-                left_out += [k for k in state if not k.startswith(prefix)]
-                state, stripped = inside, True
-                break
+    # the first wrapper prefix any key has, again and again: "net._orig_mod.features.0" -> "features.0"
+    while prefix := next((p for p in _WRAPPER_PREFIXES if any(k.startswith(p) for k in state)), None):
+        left_out += [k for k in state if not k.startswith(prefix)]
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not state:
         raise CheckpointReadError(
             f"{source} holds no state dict: expected a dict of tensors, a Lightning checkpoint "
@@ -221,7 +181,7 @@ def _preview(keys: list[str], n: int = 3) -> str:
 
 @dataclass
 class InitReport:
-    """What :func:`load_matching` did, key by key (model-side names)."""
+    """What :func:`init_from_checkpoint` did, key by key (model-side names)."""
 
     source: str
     loaded: list[str] = field(default_factory=list)  # copied from the file
@@ -243,33 +203,6 @@ class InitReport:
         )
 
 
-@torch.no_grad()
-def load_matching(
-    net: nn.Module, state: Mapping[str, Tensor], *, source: str, left_out: list[str] | None = None
-) -> InitReport:
-    """Copy every tensor of ``state`` whose name and shape match ``net``'s; the rest stays as it is.
-
-    Tensors that differ in shape (e.g. class heads for another class count) or that the file lacks keep
-    ``net``'s current values: for a network just built, its own initialisation (the reference init).
-    """
-    own = net.state_dict()
-    report = InitReport(source=source, left_out=list(left_out or []))
-    matched = {}
-    for key, value in own.items():
-        if key not in state:
-            report.absent.append(key)
-        elif tuple(state[key].shape) != tuple(value.shape):
-            report.other_shape.append(key)
-        else:
-            matched[key] = state[key]
-            report.loaded.append(key)
-    report.unused = sorted(set(state) - set(own))
-    net.load_state_dict(matched, strict=False)  # copies into the existing tensors (dtype, device kept)
-    elements = sum(v.numel() for v in own.values())
-    report.loaded_fraction = sum(own[k].numel() for k in matched) / max(elements, 1)
-    return report
-
-
 def init_from_checkpoint(
     net: nn.Module,
     path: str | os.PathLike,
@@ -278,17 +211,26 @@ def init_from_checkpoint(
     what: str = "model.init_from",
     log_summary: bool = True,
 ) -> InitReport:
-    """Load the matching weights of the file at ``path`` into ``net`` and log one line saying what happened
-    (``log_summary``); ``what`` names the file's config key in messages.
-
-    Raises:
-        ConfigError: not a single parameter of ``net`` matches the file (another architecture).
-        CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see :func:`read_checkpoint`.
-    """
+    """Copy every tensor of the file at ``path`` (:func:`read_checkpoint`) whose name and shape match
+    ``net``'s (the others, e.g. class heads for another class count, keep ``net``'s values) and log one line
+    saying what happened (``log_summary``); ConfigError when not a single parameter of ``net`` matches
+    (another architecture). ``what`` names the file's config key in messages."""
     source = f"{what}={path}"
     checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what=what, expected=INIT_FROM_FILES)
     state, left_out = network_state_dict(checkpoint, source=source)
-    report = load_matching(net, state, source=source, left_out=left_out)
+    own = net.state_dict()
+    report = InitReport(source=source, left_out=left_out)
+    for key, value in own.items():
+        if key not in state:
+            report.absent.append(key)
+        elif tuple(state[key].shape) != tuple(value.shape):
+            report.other_shape.append(key)
+        else:
+            report.loaded.append(key)
+    report.unused = sorted(set(state) - set(own))
+    net.load_state_dict({k: state[k] for k in report.loaded}, strict=False)  # into the existing tensors
+    elements = sum(v.numel() for v in own.values())
+    report.loaded_fraction = sum(own[k].numel() for k in report.loaded) / max(elements, 1)
     parameters = {name for name, _ in net.named_parameters()}
     if not parameters & set(report.loaded):
         raise ConfigError(

@@ -17,20 +17,11 @@ def _listed(label: str, items: list[str]) -> str:
 
 
 def check_state_dict(
-    expected: Mapping[str, Tensor],
-    state: Mapping[str, Tensor],
-    *,
-    source: str,
-    target: str,
-    hint: str = "",
+    expected: Mapping[str, Tensor], state: Mapping[str, Tensor], *, source: str, target: str, hint: str = ""
 ) -> None:
-    """Raise unless ``state`` has exactly the keys of ``expected``, each with the same shape.
-
-    Raises:
-        ValueError: ``<source> does not fit <target>: missing (n): [...]; unexpected (n): [...]; shape
-            mismatch (n): ['key: checkpoint (..) vs model (..)', ...]. <hint>``; at most 10 keys are listed
-            per part.
-    """
+    """Raise ValueError (``<source> does not fit <target>: missing (n): [...]; unexpected (n): [...]; shape
+    mismatch (n): [...]. <hint>``, 10 keys at most per part) unless ``state`` has exactly the keys of
+    ``expected``, each with the same shape."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = sorted(
@@ -39,14 +30,11 @@ def check_state_dict(
         if k in state and tuple(state[k].shape) != tuple(v.shape)
     )
     if missing or unexpected or mismatched:
-        parts = [
-            _listed("missing", missing),
-            _listed("unexpected", unexpected),
-            _listed("shape mismatch", mismatched),
-        ]
-        raise ValueError(
-            f"{source} does not fit {target}: " + "; ".join(parts) + (f". {hint}" if hint else "")
+        parts = zip(
+            ("missing", "unexpected", "shape mismatch"), (missing, unexpected, mismatched), strict=True
         )
+        listed = "; ".join(_listed(label, items) for label, items in parts)
+        raise ValueError(f"{source} does not fit {target}: {listed}" + (f". {hint}" if hint else ""))
 
 
 def load_state_dict_strict(
@@ -58,10 +46,8 @@ def load_state_dict_strict(
     hint: str = "",
     skip: Collection[str] = (),
 ) -> None:
-    """:func:`check_state_dict` against ``model.state_dict()``, then copy ``state`` into ``model``.
-
-    Keys in ``skip`` are left out on both sides (they keep the model's values).
-    """
+    """:func:`check_state_dict` against ``model.state_dict()``, then copy ``state`` into ``model``; keys in
+    ``skip`` are left out on both sides (they keep the model's values)."""
     own = {k: v for k, v in model.state_dict().items() if k not in skip}
     state = {k: v for k, v in state.items() if k not in skip}
     check_state_dict(own, state, source=source, target=target, hint=hint)

@@ -26,15 +26,12 @@ class SSDBackbone:
     """What ``ssd300()`` needs to know about a backbone.
 
     Attributes:
-        build: ``build(weights=..., width_mult=...)`` -> the backbone module (torchvision weights name or
-            ``None``).
+        build: ``build(weights=<torchvision weights name or None>, width_mult=...)`` -> the backbone module.
         level_channels: channels of the six SSD levels; the first ``len(module.out_channels)`` come from
             the backbone, the others from extra blocks of these widths.
         zero_init: zeroes the last normalisation of every residual branch of the module and returns how
-            many (``model.net.zero_init_residual``); ``None``: the backbone has no residual branches to
-            start as the identity, and asking for it is an error.
-        width: whether ``width_mult`` changes the backbone; for one without, another value is built at
-            full width with a warning.
+            many (``model.net.zero_init_residual``); ``None``: the backbone has none, asking is an error.
+        width: whether ``width_mult`` changes the backbone; one without is built at full width, warned.
     """
 
     build: Callable[..., nn.Module]
@@ -65,18 +62,16 @@ RESNET_NAMES: dict[str, tuple[int, ...]] = {
 
 
 class ResNetBackbone(nn.Module):
-    """ResNet stem + conv2_x..conv4_x with the first conv4_x block at stride 1.
+    """ResNet stem + conv2_x..conv4_x with the first conv4_x block at stride 1: (N, 3, 300, 300) -> one
+    (N, C, 38, 38) map, C = 256 (ResNet-18/34) or 1024 (ResNet-50/101/152).
 
-    A (N, 3, 300, 300) input gives one (N, C, 38, 38) feature map, C = 256 (ResNet-18/34) or 1024
-    (ResNet-50/101/152). The module keeps the NVIDIA reference name ``feature_extractor`` (an
-    ``nn.Sequential`` of the torchvision children ``conv1, bn1, relu, maxpool, layer1..layer3``) so
-    reference checkpoints map onto it key for key.
+    It keeps the NVIDIA reference name ``feature_extractor`` (an ``nn.Sequential`` of the torchvision
+    children ``conv1, bn1, relu, maxpool, layer1..layer3``) so reference checkpoints map onto it key for key.
     """
 
     def __init__(self, net: resnet.ResNet) -> None:
         super().__init__()
-        children = list(net.children())[:7]  # conv1, bn1, relu, maxpool, layer1, layer2, layer3
-        self.feature_extractor = nn.Sequential(*children)
+        self.feature_extractor = nn.Sequential(*list(net.children())[:7])
         first_block = self.feature_extractor[-1][0]
         # BasicBlock strides in conv1, Bottleneck (torchvision >= 0.5, "ResNet v1.5") in conv2.
         for conv in (first_block.conv1, first_block.conv2, first_block.downsample[0]):
@@ -84,26 +79,18 @@ class ResNetBackbone(nn.Module):
         self.out_channels: list[int] = [first_block.downsample[0].out_channels]
 
     def forward(self, images: Tensor) -> list[Tensor]:
-        """(N, 3, H, W) -> [(N, C, H/8, W/8)]."""
         return [self.feature_extractor(images)]
 
     def stages(self) -> list[list[nn.Module]]:
-        """The parts in forward order, for freezing the first ones: the stem (conv1, bn1), conv2_x (layer1),
-        conv3_x (layer2), conv4_x (layer3)."""
+        """For freezing the first ones: the stem (conv1, bn1), conv2_x, conv3_x, conv4_x."""
         conv1, bn1, _relu, _maxpool, layer1, layer2, layer3 = self.feature_extractor
         return [[conv1, bn1], [layer1], [layer2], [layer3]]
 
 
 def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
-    """Build a :class:`ResNetBackbone` from torchvision.
-
-    Args:
-        name: one of ``resnet18, resnet34, resnet50, resnet101, resnet152``.
-        weights: a torchvision weights enum member name for that network, e.g. ``"IMAGENET1K_V2"``
-            (downloaded by torchvision on first use), or ``None`` for random initialisation.
-    """
-    if name not in RESNET_NAMES:
-        raise ValueError(f"unknown ResNet backbone {name!r}; expected one of {sorted(RESNET_NAMES)}")
+    """A :class:`ResNetBackbone` of torchvision's ``name`` (a key of :data:`RESNET_NAMES`), with the
+    torchvision weights enum member ``weights`` (e.g. ``"IMAGENET1K_V2"``, downloaded on first use) or
+    random initialisation."""
     builder = getattr(resnet, name)
     if weights is not None:
         enum = get_model_weights(builder)

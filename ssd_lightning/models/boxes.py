@@ -1,12 +1,8 @@
 """Default boxes (anchors) of SSD300 v1.1 and the box coder that maps ground truth onto them.
 
-Box formats used throughout:
-
-* ``cxcywh``: (cx, cy, w, h), relative to the image size, so in [0, 1] for boxes inside the image;
-* ``ltrb``: (left, top, right, bottom), same units (torchvision's ``xyxy``).
-
-``xywh`` is COCO's (left, top, w, h) in pixels wherever this package uses the name (evaluation, error
-analysis, annotation files); the NVIDIA reference calls the centre form ``xywh`` too.
+Box formats: ``cxcywh`` (cx, cy, w, h) and ``ltrb`` (left, top, right, bottom; torchvision's ``xyxy``), both
+relative to the image size. ``xywh`` is COCO's (left, top, w, h) in pixels wherever this package uses the
+name; the NVIDIA reference calls the centre form ``xywh`` too.
 
 The default-box order is the NVIDIA reference order: per feature map (38, 19, 10, 5, 3, 1), per box
 size, per location (row-major). The SSD300 heads produce their outputs in exactly this order.
@@ -17,30 +13,19 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "BoxCoder",
-    "DecoderSettings",
-    "DefaultBoxes",
-    "box_iou",
-    "dboxes300_coco",
-    "ltrb_to_cxcywh",
-    "match_boxes",
-    "scale_to_pixels",
-    "cxcywh_to_ltrb",
-]
+__all__ = ["BoxCoder", "DecoderSettings", "DefaultBoxes", "box_iou", "dboxes300_coco", "ltrb_to_cxcywh",
+           "match_boxes", "scale_to_pixels", "cxcywh_to_ltrb"]  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
 class DecoderSettings(Mapping):
-    """Post-processing settings of :meth:`BoxCoder.decode`; the one place their defaults are written.
-
-    A read-only mapping, so ``coder.decode(locs, logits, **settings)`` works and it compares equal to a
-    dict with the same items.
+    """Post-processing settings of :meth:`BoxCoder.decode`; the one place their defaults are written. A
+    read-only mapping: ``coder.decode(locs, logits, **settings)`` works, and it equals a dict of its items.
 
     Attributes:
         score_thresh: keep class scores (softmax) strictly greater than this.
@@ -63,68 +48,47 @@ class DecoderSettings(Mapping):
 
     @classmethod
     def from_mapping(cls, overrides: Mapping | None = None, base: Mapping | None = None) -> DecoderSettings:
-        """``base`` (default: the defaults) updated with ``overrides``; ``None`` values keep the base value.
-
-        Raises:
-            ValueError: a key that is not a setting (the message lists the accepted ones).
-        """
-        values = dict(base or cls())
+        """``base`` (default: the defaults) updated with ``overrides``; ``None`` values keep the base value,
+        an unknown key is a ValueError."""
+        v = dict(base or cls())
         for key, value in dict(overrides or {}).items():
-            if key not in values:
-                raise ValueError(f"unknown decoder setting {key!r}; accepted: {sorted(values)}")
+            if key not in v:
+                raise ValueError(f"unknown decoder setting {key!r}; accepted: {sorted(v)}")
             if value is not None:
-                values[key] = value
+                v[key] = value
         return cls(
-            score_thresh=float(values["score_thresh"]),
-            nms_iou=float(values["nms_iou"]),
-            topk_per_class=int(values["topk_per_class"]),
-            max_detections=int(values["max_detections"]),
+            float(v["score_thresh"]), float(v["nms_iou"]), int(v["topk_per_class"]), int(v["max_detections"])
         )
 
     def __getitem__(self, key: str) -> float:
-        if key not in self._keys():
-            raise KeyError(key)
-        return getattr(self, key)
+        return asdict(self)[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._keys())
+        return (f.name for f in fields(self))
 
     def __len__(self) -> int:
-        return len(self._keys())
-
-    @classmethod
-    def _keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return len(fields(self))
 
 
 def scale_to_pixels(
     detections: Sequence[dict[str, Tensor]], image_sizes: Tensor | Sequence[Sequence[int]]
 ) -> list[dict[str, Tensor]]:
-    """Relative ltrb boxes -> pixels of each image: ``boxes * (width, height, width, height)`` in float32.
-
-    Args:
-        detections: per image ``boxes`` (k, 4) ltrb in [0, 1] units, ``scores``, ``labels``.
-        image_sizes: (N, 2) ``(height, width)`` per image.
-
-    Returns:
-        the same dicts (``scores``, ``labels`` untouched) with boxes in pixels, not clipped.
-    """
+    """Per image ``boxes`` (k, 4) relative ltrb -> float32 pixels (not clipped) of its ``image_sizes`` (N, 2)
+    ``(height, width)``; ``scores`` and ``labels`` untouched."""
     device = detections[0]["boxes"].device if len(detections) else torch.device("cpu")
     sizes = torch.as_tensor(image_sizes).to(device, torch.float32).reshape(-1, 2)
-    scale = torch.stack([sizes[:, 1], sizes[:, 0], sizes[:, 1], sizes[:, 0]], dim=1)  # (N, 4)
+    scale = sizes[:, [1, 0, 1, 0]]  # (N, 4) width, height, width, height
     if len(scale) != len(detections):
         raise ValueError(f"{len(detections)} images of detections but {len(scale)} image sizes")
     return [{**det, "boxes": det["boxes"] * scale[i]} for i, det in enumerate(detections)]
 
 
 def cxcywh_to_ltrb(boxes: Tensor) -> Tensor:
-    """(..., 4) (cx, cy, w, h) -> (..., 4) (l, t, r, b)."""
     cxcy, wh = boxes[..., :2], boxes[..., 2:]
     return torch.cat([cxcy - 0.5 * wh, cxcy + 0.5 * wh], dim=-1)
 
 
 def ltrb_to_cxcywh(boxes: Tensor) -> Tensor:
-    """(..., 4) (l, t, r, b) -> (..., 4) (cx, cy, w, h)."""
     lt, rb = boxes[..., :2], boxes[..., 2:]
     return torch.cat([0.5 * (lt + rb), rb - lt], dim=-1)
 
@@ -132,9 +96,9 @@ def ltrb_to_cxcywh(boxes: Tensor) -> Tensor:
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
     """IoU of every pair: (..., M, 4) ltrb x (..., K, 4) ltrb -> (..., M, K), leading dims broadcast.
 
-    The package's one IoU (the model's matcher and NMS, data inspection). Same arithmetic as the
-    reference ``calc_iou_tensor`` and ``torchvision.ops.box_iou`` (intersection clamped at 0, no epsilon),
-    so decisions match both bit for bit; torchvision's takes no batch dimensions.
+    The package's one IoU (matcher, NMS, data inspection): the arithmetic of the reference's
+    ``calc_iou_tensor`` and ``torchvision.ops.box_iou`` (intersection clamped at 0, no epsilon), so
+    decisions match both bit for bit; torchvision's takes no batch dimensions.
     """
     lt = torch.maximum(boxes1[..., :, None, :2], boxes2[..., None, :, :2])
     rb = torch.minimum(boxes1[..., :, None, 2:], boxes2[..., None, :, 2:])
@@ -175,23 +139,14 @@ def _max(values: Tensor, dim: int, last: bool) -> tuple[Tensor, Tensor]:
 
 
 class DefaultBoxes:
-    """The SSD default boxes for one input size.
+    """The SSD default boxes for one square input of ``fig_size`` pixels.
 
-    Args:
-        fig_size: input image side in pixels (square input), e.g. 300.
-        feat_size: side of each feature map, e.g. ``[38, 19, 10, 5, 3, 1]``.
-        steps: pixel stride of each feature map; the box centres are at ``(j + 0.5) * step / fig_size``.
-        scales: box sizes in pixels, one more than feature maps (the last is only used for the
-            ``sqrt(s_k * s_{k+1})`` box of the last map).
-        aspect_ratios: per feature map, the extra ratios; each ratio ``a`` adds the boxes
-            ``(s*sqrt(a), s/sqrt(a))`` and ``(s/sqrt(a), s*sqrt(a))``.
-        scale_xy: variance of the centre offsets (0.1 in SSD).
-        scale_wh: variance of the log size offsets (0.2 in SSD).
-
-    Attributes:
-        cxcywh: (B, 4) float32 (cx, cy, w, h), clamped to [0, 1] as the reference does.
-        ltrb: (B, 4) float32 (l, t, r, b) computed from the clamped ``cxcywh`` (so it may leave [0, 1]
-            slightly for boxes at the border, exactly like the reference).
+    Per feature map (side ``feat_size``, pixel stride ``steps``: centres at ``(j + 0.5) * step / fig_size``)
+    the sizes ``s_k`` and ``sqrt(s_k * s_{k+1})`` of ``scales`` (pixels, one more than maps), and for each
+    extra ratio ``a`` of ``aspect_ratios`` the boxes ``(s*sqrt(a), s/sqrt(a))``, ``(s/sqrt(a), s*sqrt(a))``.
+    ``scale_xy``, ``scale_wh``: variances of the centre and log size offsets (0.1 and 0.2 in SSD).
+    ``cxcywh`` (B, 4) float32 is clamped to [0, 1] as the reference does, and ``ltrb`` computed from it
+    (so it may leave [0, 1] slightly at the border, exactly like the reference).
     """
 
     def __init__(
@@ -212,21 +167,15 @@ class DefaultBoxes:
             )
         if len(scales) != n + 1:
             raise ValueError(f"scales needs len(feat_size) + 1 = {n + 1} entries, got {len(scales)}")
-        self.fig_size = fig_size
-        self.feat_size = list(feat_size)
-        self.steps = list(steps)
-        self.scales = list(scales)
-        self.aspect_ratios = [list(a) for a in aspect_ratios]
-        self.scale_xy = float(scale_xy)
-        self.scale_wh = float(scale_wh)
-
+        self.fig_size, self.feat_size, self.steps = fig_size, list(feat_size), list(steps)
+        self.scales, self.aspect_ratios = list(scales), [list(a) for a in aspect_ratios]
+        self.scale_xy, self.scale_wh = float(scale_xy), float(scale_wh)
         boxes: list[tuple[float, float, float, float]] = []
         self.num_boxes_per_location: list[int] = []
         for idx, sfeat in enumerate(self.feat_size):
             fk = fig_size / self.steps[idx]
             sk1 = self.scales[idx] / fig_size
-            sk2 = self.scales[idx + 1] / fig_size
-            sk3 = math.sqrt(sk1 * sk2)
+            sk3 = math.sqrt(sk1 * (self.scales[idx + 1] / fig_size))
             sizes = [(sk1, sk1), (sk3, sk3)]
             for alpha in self.aspect_ratios[idx]:
                 w, h = sk1 * math.sqrt(alpha), sk1 / math.sqrt(alpha)
@@ -250,13 +199,9 @@ class DefaultBoxes:
 
 def dboxes300_coco() -> DefaultBoxes:
     """The 8732 default boxes of SSD300 v1.1 (NVIDIA reference ``dboxes300_coco``)."""
-    return DefaultBoxes(
-        fig_size=300,
-        feat_size=[38, 19, 10, 5, 3, 1],
-        steps=[8, 16, 32, 64, 100, 300],
-        scales=[21, 45, 99, 153, 207, 261, 315],
-        aspect_ratios=[[2], [2, 3], [2, 3], [2, 3], [2], [2]],
-    )
+    return DefaultBoxes(fig_size=300, feat_size=[38, 19, 10, 5, 3, 1], steps=[8, 16, 32, 64, 100, 300],
+                        scales=[21, 45, 99, 153, 207, 261, 315],
+                        aspect_ratios=[[2], [2, 3], [2, 3], [2, 3], [2], [2]])  # fmt: skip
 
 
 class BoxCoder:
@@ -270,9 +215,6 @@ class BoxCoder:
     candidate with the larger default-box index ranks first inside a class, and in the final per-image
     cut the one from the larger class (then the later NMS pick) ranks first. The reference calls an
     unstable sort, so its own tie order is implementation-defined.
-
-    Args:
-        default_boxes: the :class:`DefaultBoxes` the network was built for.
     """
 
     def __init__(self, default_boxes: DefaultBoxes) -> None:
@@ -288,27 +230,13 @@ class BoxCoder:
     def _dboxes(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(ltrb (B, 4), cxcywh (B, 4)) float32 on ``device``."""
         if device not in self._cache:
-            self._cache[device] = (
-                self.default_boxes.ltrb.to(device),
-                self.default_boxes.cxcywh.to(device),
-            )
+            self._cache[device] = (self.default_boxes.ltrb.to(device), self.default_boxes.cxcywh.to(device))
         return self._cache[device]
 
-    # ------------------------------------------------------------------ encode
     def encode(self, boxes_ltrb: Tensor, labels: Tensor, iou_threshold: float = 0.5) -> tuple[Tensor, Tensor]:
-        """Match ground truth to default boxes.
-
-        Args:
-            boxes_ltrb: (M, 4) float ground-truth boxes, ltrb relative to the image (in [0, 1]).
-            labels: (M,) integer labels (1..K; 0 is background).
-            iou_threshold: a default box takes its best ground truth when their IoU is > this.
-
-        Returns:
-            ``boxes_cxcywh`` (B, 4) float32: per default box its matched ground truth as (cx, cy, w, h), or
-            the default box itself when unmatched; ``labels`` (B,) int64, 0 where unmatched.
-
-        The rule is :func:`match_boxes` with the reference's tie order.
-        """
+        """Match ground truth ``boxes_ltrb`` (M, 4) in [0, 1] with ``labels`` (M,) (1..K) to the default
+        boxes (:func:`match_boxes`, the reference's tie order) -> per default box its matched ground truth,
+        or itself when unmatched, (B, 4) float32 cxcywh, and its label (B,) int64, 0 where unmatched."""
         if boxes_ltrb.ndim != 2 or boxes_ltrb.shape[-1] != 4:
             raise ValueError(f"boxes_ltrb must have shape (M, 4), got {tuple(boxes_ltrb.shape)}")
         if labels.shape != boxes_ltrb.shape[:1]:
@@ -327,12 +255,9 @@ class BoxCoder:
             out_boxes[positive] = boxes_ltrb[matched_gt]
         return ltrb_to_cxcywh(out_boxes), out_labels
 
-    # ------------------------------------------------------------------ decode
     def decode_boxes(self, locs: Tensor) -> Tensor:
-        """Offsets (N, 4, B) -> boxes (N, B, 4) float32 ltrb (not clamped).
-
-        Same float32 operations, in the same order, as the reference ``scale_back_batch``.
-        """
+        """Offsets (N, 4, B) -> boxes (N, B, 4) float32 ltrb (not clamped), with the float32 operations of
+        the reference ``scale_back_batch``, in its order."""
         _, dboxes_cxcywh = self._dboxes(locs.device)
         dboxes_cxcywh = dboxes_cxcywh.unsqueeze(0)
         boxes = locs.float().clone().permute(0, 2, 1)  # (N, B, 4)
@@ -340,16 +265,11 @@ class BoxCoder:
         boxes[:, :, 2:] = self.scale_wh * boxes[:, :, 2:]
         boxes[:, :, :2] = boxes[:, :, :2] * dboxes_cxcywh[:, :, 2:] + dboxes_cxcywh[:, :, :2]
         boxes[:, :, 2:] = boxes[:, :, 2:].exp() * dboxes_cxcywh[:, :, 2:]
-        left = boxes[:, :, 0] - 0.5 * boxes[:, :, 2]
-        top = boxes[:, :, 1] - 0.5 * boxes[:, :, 3]
-        right = boxes[:, :, 0] + 0.5 * boxes[:, :, 2]
-        bottom = boxes[:, :, 1] + 0.5 * boxes[:, :, 3]
-        return torch.stack([left, top, right, bottom], dim=2)
+        return cxcywh_to_ltrb(boxes)
 
     @staticmethod
     def foreground_scores(logits: Tensor) -> Tensor:
-        """Logits (N, C, B) -> softmax scores (N, C - 1, B) float32 of the foreground classes 1..C-1 (the
-        softmax over classes computed as the reference does)."""
+        """Logits (N, C, B) -> softmax scores (N, C - 1, B) float32 of classes 1..C-1 (as the reference)."""
         probs = torch.softmax(logits.float().permute(0, 2, 1), dim=-1)  # (N, B, C)
         return probs[:, :, 1:].permute(0, 2, 1)
 
@@ -362,8 +282,7 @@ class BoxCoder:
         settings: Mapping | None = None,
     ) -> list[dict[str, Tensor]]:
         """:meth:`decode` with ``settings`` (default :class:`DecoderSettings`), boxes in pixels of each
-        image (:func:`scale_to_pixels`, ``image_sizes`` (N, 2) as ``(height, width)``): the detection path
-        of validation, predict and the ONNX check."""
+        image (:func:`scale_to_pixels`): the detection path of validation, predict and the ONNX check."""
         detections = self.decode(locs.float(), logits.float(), **(settings or DecoderSettings()))
         return scale_to_pixels(detections, image_sizes)
 
@@ -377,16 +296,10 @@ class BoxCoder:
         topk_per_class: int = DecoderSettings.topk_per_class,
         max_detections: int = DecoderSettings.max_detections,
     ) -> list[dict[str, Tensor]]:
-        """Network outputs -> detections per image.
-
-        Args:
-            locs: (N, 4, B) box offsets.
-            logits: (N, C, B) class logits, class 0 = background.
-            score_thresh, nms_iou, topk_per_class, max_detections: see :class:`DecoderSettings`.
-
-        Returns:
-            one dict per image: ``boxes`` (k, 4) float32 ltrb relative to the image (not clamped),
-            ``scores`` (k,) float32, ``labels`` (k,) int64 in 1..C-1; sorted by descending score.
+        """Box offsets ``locs`` (N, 4, B) and class ``logits`` (N, C, B) (class 0 = background) ->
+        detections per image, sorted by descending score: ``boxes`` (k, 4) float32 ltrb relative to the
+        image (not clamped), ``scores`` (k,) float32, ``labels`` (k,) int64 in 1..C-1. The settings: see
+        :class:`DecoderSettings`.
         """
         if locs.ndim != 3 or locs.shape[1] != 4 or locs.shape[2] != self.num_boxes:
             raise ValueError(f"locs must have shape (N, 4, {self.num_boxes}), got {tuple(locs.shape)}")
@@ -405,7 +318,11 @@ class BoxCoder:
         candidate = rows > score_thresh
         k = min(topk_per_class, int(candidate.sum(dim=1).max())) if rows.numel() else 0
         if k == 0:
-            return [_empty_detections(device) for _ in range(n_img)]
+            none = torch.zeros(0, dtype=torch.int64, device=device)
+            return [
+                {"boxes": boxes.new_zeros(0, 4), "scores": boxes.new_zeros(0), "labels": none}
+                for _ in range(n_img)
+            ]
         rows = rows.masked_fill_(~candidate, -math.inf)
         scores, box_idx = _topk_rows(rows, k)  # (G, k) each, best first
         valid = scores > -math.inf
@@ -429,26 +346,12 @@ class BoxCoder:
         ]
 
 
-def _empty_detections(device: torch.device) -> dict[str, Tensor]:
-    return {
-        "boxes": torch.zeros(0, 4, device=device),
-        "scores": torch.zeros(0, device=device),
-        "labels": torch.zeros(0, dtype=torch.int64, device=device),
-    }
-
-
 def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per row the ``k`` largest values, best first; among equal values the larger column first.
 
-    That tie order is what a stable ascending sort read from the end gives (the reference's
-    ``sort()`` then ``[-k:]``). ``-inf`` marks absent entries; they come last.
-
-    Args:
-        values: (R, L) float.
-        k: entries to keep per row (clipped to L).
-
-    Returns:
-        (values (R, k), column indices (R, k) int64).
+    ``values`` (R, L) -> (values (R, k), column indices (R, k) int64), k clipped to L. That tie order is
+    what a stable ascending sort read from the end gives (the reference's ``sort()`` then ``[-k:]``).
+    ``-inf`` marks absent entries; they come last.
     """
     length = values.shape[1]
     k = min(k, length)
@@ -456,10 +359,7 @@ def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     vals, idx = values.topk(kk, dim=1)  # sorted, but tie order unspecified
     present = vals > -math.inf
     tie_inside = ((vals[:, 1:] == vals[:, :-1]) & present[:, 1:]).any(dim=1)
-    if kk > k:
-        tie_at_cut = (vals[:, k - 1] == vals[:, k]) & present[:, k]
-    else:
-        tie_at_cut = torch.zeros_like(tie_inside)
+    tie_at_cut = (vals[:, k - 1] == vals[:, k]) & present[:, k] if kk > k else torch.zeros_like(tie_inside)
     # Rows with a tie across the cut: which of the equal entries make it depends on columns outside
     # the selection, so sort the whole row (stable, on the reversed row: later column first).
     full = tie_at_cut.nonzero().squeeze(1)
@@ -477,25 +377,16 @@ def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return vals[:, :k], idx[:, :k]
 
 
-# Box pairs whose IoU is computed at once (bounds the memory of one step).
-_PAIRS_PER_CHUNK = 1 << 21
+_PAIRS_PER_CHUNK = 1 << 21  # box pairs whose IoU is computed at once (bounds the memory of one step)
 
 
 def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS inside every row, all rows at once, with the reference's arithmetic and rule.
+    """Greedy NMS inside every row, all rows at once, with the reference's arithmetic (:func:`box_iou`)
+    and rule: (G, K, 4) ltrb ``boxes`` in score order, (G, K) ``valid`` (False for padding) -> (G, K) kept.
 
-    Args:
-        boxes: (G, K, 4) float32 ltrb, each row in processing (score) order.
-        valid: (G, K) bool, False for padding.
-        iou_threshold: a box is suppressed by an earlier kept box of its row when their IoU is not
-            ``< iou_threshold`` (so IoU >= threshold, or NaN), exactly the reference's keep rule.
-
-    Returns:
-        (G, K) bool, True for kept boxes.
-
-    IoU is :func:`box_iou`, the reference's arithmetic, so decisions match it bit for bit. Rows of
-    finite boxes with positive area and a positive threshold look only at pairs that overlap enough
-    along x (:func:`_sweep_pairs`); other rows at all K^2 pairs.
+    A box is suppressed by an earlier kept box of its row when their IoU is not ``< iou_threshold`` (so
+    IoU >= threshold, or NaN). Rows of finite boxes with positive area and a positive threshold look only
+    at pairs that overlap enough along x (:func:`_sweep_pairs`); other rows at all K^2 pairs.
     """
     width = valid.shape[1]
     if width < 2:

@@ -3,11 +3,10 @@
 :func:`cpu_has_native_bf16` is the one rule training (``cpu_bf16=auto``) and predict (``dtype=auto``)
 use to choose bf16 or float32.
 
-On CPUs, oneDNN's bfloat16 kernels for stride-2 depthwise convolutions (MobileNetV2 has four, three in the
-SSD backbone) are much slower than its float32 ones, backward above all: 2-6x for one layer alone,
-about 10 % of a whole SSD300-MobileNetV2 training step (docs/benchmarks.md). Everything else keeps running
-in bf16. The swap changes the class of the layers only: parameters, state_dict keys and checkpoints stay
-as they are.
+On CPUs, oneDNN's bfloat16 kernels for stride-2 depthwise convolutions (MobileNetV2 has four) are much
+slower than its float32 ones, backward above all: 2-6x for one layer, about 10 % of a whole SSD300-MobileNetV2
+training step (docs/benchmarks.md). The swap changes the class of the layers only: parameters, state_dict
+keys and checkpoints stay as they are.
 """
 
 from __future__ import annotations
@@ -27,22 +26,14 @@ class Float32Conv2d(nn.Conv2d):
             return super().forward(input.to(self.weight.dtype))
 
 
-def _is_strided_depthwise(module: nn.Module) -> bool:
-    return (
-        type(module) is nn.Conv2d
-        and module.groups > 1
-        and module.groups == module.in_channels
-        and max(module.stride) > 1
-    )
-
-
 def run_strided_depthwise_in_float32(net: nn.Module) -> int:
-    """Make every strided depthwise ``nn.Conv2d`` of ``net`` a :class:`Float32Conv2d` (in place).
-
-    Returns:
-        how many layers were changed (0 for networks without them, e.g. ResNets).
-    """
-    layers = [m for m in net.modules() if _is_strided_depthwise(m)]
+    """Make every strided depthwise ``nn.Conv2d`` of ``net`` a :class:`Float32Conv2d` (in place); returns
+    how many (0 for networks without them, e.g. ResNets)."""
+    layers = [
+        m
+        for m in net.modules()
+        if type(m) is nn.Conv2d and m.groups == m.in_channels > 1 and max(m.stride) > 1
+    ]
     for layer in layers:
         layer.__class__ = Float32Conv2d
     return len(layers)
@@ -52,9 +43,7 @@ def cpu_has_native_bf16() -> bool:
     """Whether oneDNN runs bf16 convolutions on this CPU with its own kernels: AVX-512 and up on x86 (AVX512 /
     AVX512-BF16 / AMX), SVE on Arm.
 
-    Without them (AVX2-only CPUs) it falls back to reference kernels: bf16 autocast measured 10-15x slower
-    than float32 there. The public CPU capability decides; on x86 it says AVX512 exactly when torch's private
-    ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` says yes (both need avx512bw/vl/dq; tests/test_predict.py
-    compares them).
+    Without them (AVX2-only CPUs) bf16 autocast measured 10-15x slower than float32. On x86 this public
+    capability agrees with torch's private ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` (tests compare).
     """
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "SVE"))

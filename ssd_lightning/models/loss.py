@@ -16,13 +16,9 @@ class SSDLoss(nn.Module):
 
     Per image: Smooth-L1 (beta 1, summed over the 4 offsets) on positive default boxes against the
     encoded ground truth ``[(g_xy - d_xy) / d_wh / scale_xy, log(g_wh / d_wh) / scale_wh]``, plus
-    cross-entropy on the positives and on the ``min(3 * num_pos, B)`` negatives with the largest
-    cross-entropy; divided by the image's number of positives (images without positives count 0);
+    cross-entropy on the positives and on the ``min(neg_pos_ratio * num_pos, B)`` negatives with the
+    largest cross-entropy; divided by the image's number of positives (images without positives count 0);
     then the mean over the batch.
-
-    Args:
-        default_boxes: the default boxes the targets were encoded against (gives ``scale_xy``/``scale_wh``).
-        neg_pos_ratio: hard negatives per positive (3 in SSD).
     """
 
     def __init__(self, default_boxes: DefaultBoxes, neg_pos_ratio: int = 3) -> None:
@@ -33,23 +29,10 @@ class SSDLoss(nn.Module):
         # (1, 4, B) (cx, cy, w, h); a buffer so it follows .to(device) but is not saved in checkpoints.
         self.register_buffer("dboxes", default_boxes.cxcywh.t().unsqueeze(0).contiguous(), persistent=False)
 
-    def _encode_targets(self, gt_boxes_cxcywh: Tensor) -> Tensor:
-        """(N, 4, B) ground-truth (cx, cy, w, h) -> (N, 4, B) regression targets."""
-        d = self.dboxes
-        gxy = self.scale_xy * (gt_boxes_cxcywh[:, :2, :] - d[:, :2, :]) / d[:, 2:, :]
-        gwh = self.scale_wh * (gt_boxes_cxcywh[:, 2:, :] / d[:, 2:, :]).log()
-        return torch.cat((gxy, gwh), dim=1)
-
     def forward(self, locs: Tensor, logits: Tensor, gt_boxes_cxcywh: Tensor, gt_labels: Tensor) -> Tensor:
-        """Scalar float32 loss.
-
-        Args:
-            locs: (N, 4, B) predicted offsets.
-            logits: (N, C, B) class logits.
-            gt_boxes_cxcywh: (N, 4, B) matched ground truth per default box as (cx, cy, w, h) in [0, 1]
-                (the batches' ``boxes`` are (N, B, 4): transpose them).
-            gt_labels: (N, B) int64 labels, 0 = background.
-        """
+        """Offsets ``locs`` (N, 4, B), ``logits`` (N, C, B), the matched ground truth per default box
+        ``gt_boxes_cxcywh`` (N, 4, B) (the batches' ``boxes`` are (N, B, 4): transpose them) and
+        ``gt_labels`` (N, B) (0 = background) -> scalar float32 loss."""
         num_boxes = self.dboxes.shape[-1]
         n = locs.shape[0]
         for name, t, shape in (
@@ -68,7 +51,10 @@ class SSDLoss(nn.Module):
             positive = gt_labels > 0  # (N, B)
             num_pos = positive.sum(dim=1)  # (N,)
 
-            targets = self._encode_targets(gt_boxes_cxcywh)
+            d = self.dboxes
+            gxy = self.scale_xy * (gt_boxes_cxcywh[:, :2, :] - d[:, :2, :]) / d[:, 2:, :]
+            gwh = self.scale_wh * (gt_boxes_cxcywh[:, 2:, :] / d[:, 2:, :]).log()
+            targets = torch.cat((gxy, gwh), dim=1)
             sl1 = F.smooth_l1_loss(locs, targets, reduction="none").sum(dim=1)  # (N, B)
             loc_loss = torch.where(positive, sl1, torch.zeros_like(sl1)).sum(dim=1)
 

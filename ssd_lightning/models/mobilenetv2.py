@@ -25,51 +25,42 @@ log = logging.getLogger(__name__)
 #: The paper's inverted residual table, one row per stage: expansion t, output channels c, repeats n,
 #: stride s of the first block. Channels are multiplied by ``width_mult`` and rounded to ``round_nearest``.
 DEFAULT_INVERTED_RESIDUAL_SETTING: list[list[int]] = [
-    # t, c, n, s
-    [1, 16, 1, 1],
-    [6, 24, 2, 2],
-    [6, 32, 3, 2],
-    [6, 64, 4, 2],
-    [6, 96, 3, 1],
-    [6, 160, 3, 2],
-    [6, 320, 1, 1],
-]
+    [1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1],
+]  # fmt: skip
 
 _CLASSIFIER_KEYS = ("classifier.1.weight", "classifier.1.bias")
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
 def _validate_setting(setting: object) -> list[list[int]]:
     """Check an inverted residual table and return it as a list of 4-int lists."""
     name = "inverted_residual_setting"
-    if isinstance(setting, str | bytes | Mapping) or not isinstance(setting, Sequence):
+    if not _is_list(setting):
         raise ValueError(f"{name} must be a list of [t, c, n, s] rows, got {type(setting).__name__}")
-    rows = list(setting)
-    if not rows:
+    if not setting:
         raise ValueError(f"{name} must not be empty; give at least one [t, c, n, s] row")
-    out: list[list[int]] = []
-    for i, row in enumerate(rows):
-        if isinstance(row, str | bytes | Mapping) or not isinstance(row, Sequence):
-            raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {row!r}")
-        values = list(row)
-        if len(values) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    rows = [list(row) if _is_list(row) else row for row in setting]
+    for i, values in enumerate(rows):
+        ints = isinstance(values, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values
+        )
+        if not ints or len(values) != 4:
             raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {values!r}")
-        t, c, n, s = values
-        if min(t, c, n) < 1:
+        if min(values[:3]) < 1:
             raise ValueError(
                 f"{name}[{i}] = {values}: expansion t, channels c and repeats n must be positive"
             )
-        if s not in (1, 2):
-            raise ValueError(f"{name}[{i}] = {values}: stride s must be 1 or 2, got {s}")
-        out.append(values)
-    return out
+        if values[3] not in (1, 2):
+            raise ValueError(f"{name}[{i}] = {values}: stride s must be 1 or 2, got {values[3]}")
+    return rows
 
 
 def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_Weights | None:
     """Map a torchvision weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``, ``"DEFAULT"``, or the
-    ``"MobileNet_V2_Weights.<NAME>"`` spelling) to its enum member; ``None`` stays ``None``.
-
-    Nothing is downloaded here.
-    """
+    ``"MobileNet_V2_Weights.<NAME>"`` spelling) to its enum member; ``None`` stays ``None``. No download."""
     if weights is None or isinstance(weights, MobileNet_V2_Weights):
         return weights
     try:
@@ -85,12 +76,8 @@ def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_
 def load_mobilenet_v2_state_dict(
     model: MobileNetV2, state_dict: Mapping[str, Tensor], *, source: str = "state dict"
 ) -> None:
-    """Load ``state_dict`` into ``model`` strictly, except for the classifier when class counts differ
-    (it keeps its initialisation; logged).
-
-    Raises:
-        ValueError: keys or shapes differ (:func:`ssd_lightning.models._loading.check_state_dict`).
-    """
+    """Load ``state_dict`` into ``model`` strictly (ValueError: :func:`check_state_dict`), except for the
+    classifier when class counts differ (it keeps its initialisation)."""
     own = model.state_dict()[_CLASSIFIER_KEYS[0]]
     head_w = state_dict.get(_CLASSIFIER_KEYS[0])
     skip: tuple[str, ...] = ()
@@ -100,14 +87,8 @@ def load_mobilenet_v2_state_dict(
             source, head_w.shape[0], own.shape[0],
         )  # fmt: skip
         skip = _CLASSIFIER_KEYS
-    load_state_dict_strict(
-        model,
-        state_dict,
-        source=source,
-        target="this MobileNetV2",
-        hint="Check width_mult / inverted_residual_setting",
-        skip=skip,
-    )
+    hint = "Check width_mult / inverted_residual_setting"
+    load_state_dict_strict(model, state_dict, source=source, target="this MobileNetV2", hint=hint, skip=skip)
 
 
 def mobilenet_v2(
@@ -119,21 +100,14 @@ def mobilenet_v2(
     dropout: float = 0.2,
     weights: str | MobileNet_V2_Weights | None = None,
 ) -> MobileNetV2:
-    """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init).
+    """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init): (N, 3, H, W)
+    ImageNet-normalised images -> (N, num_classes) logits. Parameters with 1000 classes: 3,504,872 (width
+    1.0), 2,636,424 (0.75), 1,968,680 (0.5), 6,108,776 (1.4).
 
-    Maps (N, 3, H, W) float images, ImageNet-normalised, to (N, num_classes) logits.
-    Parameters with 1000 classes: 3,504,872 (width 1.0), 2,636,424 (0.75), 1,968,680 (0.5),
-    6,108,776 (1.4).
-
-    Args:
-        num_classes: size of the classifier output.
-        width_mult: channel multiplier of every layer (the last layer is never made thinner than 1280).
-        inverted_residual_setting: ``[t, c, n, s]`` rows; ``None`` is the paper's table
-            (:data:`DEFAULT_INVERTED_RESIDUAL_SETTING`).
-        round_nearest: channel counts are rounded to a multiple of this (1 turns rounding off).
-        dropout: dropout probability before the classifier.
-        weights: torchvision ImageNet weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``),
-            downloaded by torchvision on first use; needs width 1.0 and the default table.
+    ``width_mult`` multiplies every layer's channels (the last layer is never thinner than 1280), rounded to
+    a multiple of ``round_nearest``; ``inverted_residual_setting``: ``[t, c, n, s]`` rows (``None``: the
+    paper's table); ``weights``: torchvision ImageNet weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``,
+    downloaded on first use; width 1.0 and the default table only).
     """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
@@ -145,37 +119,26 @@ def mobilenet_v2(
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     setting = None if inverted_residual_setting is None else _validate_setting(inverted_residual_setting)
     resolved = resolve_weights(weights)
-    if resolved is not None and (
-        width_mult != 1.0
-        or round_nearest != 8
-        or (setting is not None and setting != DEFAULT_INVERTED_RESIDUAL_SETTING)
-    ):
+    default = (
+        width_mult == 1.0 and round_nearest == 8 and setting in (None, DEFAULT_INVERTED_RESIDUAL_SETTING)
+    )
+    if resolved is not None and not default:
         raise ValueError(
             f"weights={resolved.name} exist only for width_mult=1.0, round_nearest=8 and the default "
             f"inverted_residual_setting (got width_mult={width_mult}, round_nearest={round_nearest})"
         )
-
-    model = MobileNetV2(
-        num_classes=num_classes,
-        width_mult=width_mult,
-        inverted_residual_setting=setting,
-        round_nearest=round_nearest,
-        dropout=dropout,
-    )
+    args = {
+        "num_classes": int(num_classes),
+        "width_mult": float(width_mult),
+        "inverted_residual_setting": setting,
+        "round_nearest": int(round_nearest),
+        "dropout": float(dropout),
+    }
+    model = MobileNetV2(num_classes, width_mult, setting, round_nearest, dropout=dropout)
     if resolved is not None:
         state = resolved.get_state_dict(progress=True, check_hash=True)
         load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")
-    # what rebuilds it (models/registry.py); `weights` only initialises them
-    model.architecture = {
-        "builder": "mobilenet_v2",
-        "args": {
-            "num_classes": int(num_classes),
-            "width_mult": float(width_mult),
-            "inverted_residual_setting": setting,
-            "round_nearest": int(round_nearest),
-            "dropout": float(dropout),
-        },
-    }
+    model.architecture = {"builder": "mobilenet_v2", "args": args}  # rebuilds it (models/registry.py)
     return model
 
 
@@ -183,22 +146,14 @@ class MobileNetV2SSDBackbone(nn.Module):
     """MobileNetV2 features as an SSD300 backbone with two taps at strides 8 and 16.
 
     Both taps are expansion layers (1×1 conv + BN + ReLU6) of the first block of a stride-2 stage, the
-    richest maps at their resolution (the placement torchvision's SSDLite uses for its 19×19 tap):
+    richest maps at their resolution (as torchvision's SSDLite's 19×19 tap): ``stage1`` is ``features[0:7]``
+    + the expansion of ``features[7]`` (192 channels at 38×38 for a 300×300 input and width 1.0),
+    ``stage2`` the rest of ``features[7]``, ``features[8:14]`` and the expansion of ``features[14]`` (576
+    channels at 19×19).
 
-    - ``stage1``: ``features[0:7]`` + the expansion of ``features[7]``: (N, 6·c32, H/8, W/8),
-      192 channels at 38×38 for a 300×300 input and width 1.0;
-    - ``stage2``: the rest of ``features[7]`` (depthwise stride 2 + projection), ``features[8:14]`` and
-      the expansion of ``features[14]``: (N, 6·c96, H/16, W/16), 576 channels at 19×19.
-
-    Layers after the second tap (``features[14]``'s depthwise onwards and the 1280-channel head) are
-    dropped; SSD300's extra layers take over from 19×19. Weights are loaded into the whole classifier before
-    it is cut, so torchvision checkpoints apply unchanged.
-
-    Args:
-        width_mult: as in :func:`mobilenet_v2`.
-        weights: torchvision ImageNet weights name (width 1.0 only), or ``None``.
-        classifier: cut this MobileNetV2 (e.g. one with weights from a file) instead of building one;
-            ``width_mult`` and ``weights`` are then unused.
+    Later layers are dropped; SSD300's extra layers take over from 19×19. Weights are loaded into the whole
+    classifier before it is cut, so torchvision checkpoints apply unchanged. ``classifier``: cut this
+    MobileNetV2 (e.g. one with weights from a file) instead of building one with ``width_mult``/``weights``.
     """
 
     def __init__(
@@ -219,14 +174,13 @@ class MobileNetV2SSDBackbone(nn.Module):
         self.out_channels: list[int] = [tap1.conv[0].out_channels, tap2.conv[0].out_channels]
 
     def forward(self, images: Tensor) -> list[Tensor]:
-        """(N, 3, H, W) -> [(N, C1, ⌈H/8⌉, ⌈W/8⌉), (N, C2, ⌈H/16⌉, ⌈W/16⌉)]; 38×38 and 19×19 at 300×300."""
+        """(N, 3, H, W) -> [(N, C1, ⌈H/8⌉, ⌈W/8⌉), (N, C2, ⌈H/16⌉, ⌈W/16⌉)]."""
         x1 = self.stage1(images)
         return [x1, self.stage2(x1)]
 
     def stages(self) -> list[list[nn.Module]]:
-        """The parts in forward order by output resolution, for freezing the first ones: the stem and first
-        block (stride 2), the stride-4 blocks, the stride-8 blocks with the first tap, the rest (stride 16).
-        """
+        """For freezing the first ones: the stem and first block (stride 2), the stride-4 blocks, the
+        stride-8 blocks with the first tap, the rest (stride 16)."""
         first = list(self.stage1)
         return [first[:2], first[2:4], first[4:], list(self.stage2)]
 
@@ -243,9 +197,7 @@ def zero_init_inverted_residuals(module: nn.Module) -> int:
 register_backbone(
     "mobilenet_v2",
     SSDBackbone(
-        build=lambda weights=None, width_mult=1.0: MobileNetV2SSDBackbone(
-            width_mult=width_mult, weights=weights
-        ),
+        build=MobileNetV2SSDBackbone,  # (weights=, width_mult=)
         level_channels=(-1, -1, 512, 256, 256, 256),  # levels 0-1 come from the backbone
         zero_init=zero_init_inverted_residuals,
         width=True,

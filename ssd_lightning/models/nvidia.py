@@ -1,9 +1,7 @@
 """NVIDIA DeepLearningExamples SSD300 v1.1 weights -> a state dict of :func:`ssd300`.
 
-:class:`SSD300` keeps the reference module names (``feature_extractor.feature_extractor.*``,
-``additional_blocks.*``, ``loc.*``, ``conf.*``), so the reference's keys, once free of their
-DistributedDataParallel prefixes (:func:`ssd_lightning.io.weights.read_nvidia_state_dict` removes them),
-map one to one.
+:class:`SSD300` keeps the reference module names, so the reference's keys, once free of their DDP prefixes
+(:func:`ssd_lightning.io.weights.read_nvidia_state_dict` removes them), map one to one.
 """
 
 from __future__ import annotations
@@ -27,18 +25,12 @@ def nvidia_state_dict(
     source: str = "checkpoint",
 ) -> dict[str, Tensor]:
     """Check that ``state`` (reference keys, no ``module.`` prefixes) fits ``ssd300(backbone, num_classes)``
-    and return it in the model's key order, dtypes kept: ``model.load_state_dict(result, strict=True)``.
-
-    Raises:
-        ValueError: keys or shapes differ (:func:`ssd_lightning.models._loading.check_state_dict`).
-    """
+    (ValueError: :func:`~ssd_lightning.models._loading.check_state_dict`) and return it in the model's key
+    order, dtypes kept: ``model.load_state_dict(result, strict=True)``."""
     with torch.device("meta"):
         expected = ssd300(backbone=backbone, num_classes=num_classes).state_dict()
+    target = f"ssd300(backbone={backbone!r}, num_classes={num_classes})"
     check_state_dict(
-        expected,
-        state,
-        source=source,
-        target=f"ssd300(backbone={backbone!r}, num_classes={num_classes})",
-        hint="Check the backbone and num_classes arguments",
+        expected, state, source=source, target=target, hint="Check the backbone and num_classes arguments"
     )
     return {k: state[k] for k in expected}

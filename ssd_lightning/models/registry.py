@@ -1,10 +1,9 @@
 """Networks by name, so a checkpoint can say how to rebuild its network with plain values.
 
 Each builder of :data:`NETWORK_BUILDERS` records what it built as ``net.architecture``
-(``{"builder": name, "args": {...}}``): the arguments that decide the network's shape, with values as
-resolved (``num_classes`` as a number, never ``None``). Arguments that only decide the initial weights
-(``weights_backbone``, ``background_prior``, ``zero_init_residual``) are left out: a rebuilt network gets
-its weights from the checkpoint. :func:`build_network` turns such a record back into the network.
+(``{"builder": name, "args": {...}}``): the arguments that decide the network's shape, as resolved; those
+that only decide the initial weights are left out (a rebuilt network gets its weights from the checkpoint).
+:func:`build_network` turns such a record back into the network.
 """
 
 from __future__ import annotations
@@ -29,11 +28,8 @@ NETWORK_BUILDERS: dict[str, Callable[..., nn.Module]] = {"ssd300": ssd300, "mobi
 
 
 def build_network(architecture: Mapping[str, Any]) -> nn.Module:
-    """The network a ``net.architecture`` record describes, randomly initialised (nothing downloaded).
-
-    Raises:
-        ValueError: the record names no known builder, or arguments the builder rejects.
-    """
+    """The network a ``net.architecture`` record describes, randomly initialised (nothing downloaded);
+    ValueError for a record that names no known builder or arguments the builder rejects."""
     name = architecture.get("builder") if isinstance(architecture, Mapping) else None
     if name not in NETWORK_BUILDERS:
         raise ValueError(f"unknown network builder {name!r}; known: {sorted(NETWORK_BUILDERS)}")

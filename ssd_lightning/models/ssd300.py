@@ -15,14 +15,12 @@ from torch import Tensor, nn
 
 from ssd_lightning.models.backbones import SSD_BACKBONES
 
-__all__ = ["SSD300", "ssd300", "EXTRA_MID_CHANNELS", "NUM_DEFAULTS", "FEATURE_SIZES"]
+__all__ = ["SSD300", "ssd300", "EXTRA_MID_CHANNELS", "NUM_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
 #: Default boxes per location on each of the six levels.
 NUM_DEFAULTS: tuple[int, ...] = (4, 6, 6, 6, 4, 4)
-#: Feature map sides for a 300x300 input.
-FEATURE_SIZES: tuple[int, ...] = (38, 19, 10, 5, 3, 1)
 #: Mid (1x1 conv) channels of the extra block that produces level i, for i = 1..5.
 EXTRA_MID_CHANNELS: tuple[int, ...] = (256, 256, 128, 128, 128)
 
@@ -41,25 +39,19 @@ def _extra_block(in_channels: int, mid_channels: int, out_channels: int, level: 
 
 
 class SSD300(nn.Module):
-    """SSD300 detector over any backbone that follows the backbone protocol.
-
-    Args:
-        backbone: module with ``out_channels: list[int]`` whose forward returns that many feature maps
-            (the first at 38x38 for a 300x300 input, the next ones at the following sizes of
-            ``FEATURE_SIZES``).
-        extra_channels: output channels of the extra blocks that build the remaining levels, so that
-            ``len(backbone.out_channels) + len(extra_channels) == 6``.
-        num_classes: number of classes including background (81 for COCO).
-        num_defaults: default boxes per location on each level.
-        extra_mid_channels: 1x1-conv channels of the extra block producing level i, i = 1..5 (entries for
-            levels the backbone produces are unused).
-        background_prior: initial probability of "background" at every default box, set through the class
-            heads' biases (the prior initialisation of RetinaNet, Lin et al. 2017). ``None`` keeps the
-            reference's PyTorch-default biases. It lowers the loss of the first steps from scratch; with
-            hard-negative mining its effect on AP is small (docs/benchmarks.md, demo section).
+    """SSD300 detector over any backbone that follows the backbone protocol (:mod:`.backbones`).
 
     ``forward(images (N, 3, 300, 300))`` returns ``(locs (N, 4, 8732), logits (N, num_classes, 8732))``;
     box ``b`` of ``locs``/``logits`` belongs to default box ``b`` of :func:`dboxes300_coco`.
+
+    Args:
+        backbone: its feature maps are the first levels (38x38, then 19x19, ... for a 300x300 input).
+        extra_channels: output channels of the extra blocks that build the remaining levels.
+        num_classes: number of classes including background (81 for COCO).
+        extra_mid_channels: 1x1-conv channels of the extra block producing level i, i = 1..5.
+        background_prior: initial probability of "background" at every default box, set through the class
+            heads' biases (RetinaNet's prior initialisation); ``None`` keeps the reference's biases. It
+            lowers the loss of the first steps from scratch (docs/benchmarks.md, demo section).
     """
 
     def __init__(
@@ -103,21 +95,17 @@ class SSD300(nn.Module):
         levels = list(zip(channels, self.num_defaults, strict=True))
         self.loc = nn.ModuleList(nn.Conv2d(c, nd * 4, 3, padding=1) for c, nd in levels)
         self.conf = nn.ModuleList(nn.Conv2d(c, nd * num_classes, 3, padding=1) for c, nd in levels)
-        self._init_weights(background_prior)
-
-    def _init_weights(self, background_prior: float | None) -> None:
         for module in (self.additional_blocks, self.loc, self.conf):
             for param in module.parameters():
                 if param.dim() > 1:
                     nn.init.xavier_uniform_(param)
-        if background_prior is None:
-            return
-        # softmax(b, 0, ..., 0)[0] = background_prior for b = log(prior * (C - 1) / (1 - prior))
-        background_bias = math.log(background_prior * (self.num_classes - 1) / (1 - background_prior))
-        for head, nd in zip(self.conf, self.num_defaults, strict=True):
-            bias = head.bias.data.view(self.num_classes, nd)  # channel = class * nd + default (see forward)
-            bias.zero_()
-            bias[0] = background_bias
+        if background_prior is not None:
+            # softmax(b, 0, ..., 0)[0] = background_prior for b = log(prior * (C - 1) / (1 - prior))
+            background_bias = math.log(background_prior * (num_classes - 1) / (1 - background_prior))
+            for head, nd in zip(self.conf, self.num_defaults, strict=True):
+                bias = head.bias.data.view(num_classes, nd)  # channel = class * nd + default (see forward)
+                bias.zero_()
+                bias[0] = background_bias
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor]:
         """(N, 3, 300, 300) -> (locs (N, 4, B), logits (N, num_classes, B)), B = 8732."""
@@ -144,23 +132,15 @@ def ssd300(
     zero_init_residual: bool = False,
     width_mult: float = 1.0,
 ) -> SSD300:
-    """Build SSD300 v1.1.
+    """Build SSD300 v1.1 on the backbone named ``backbone`` in :data:`~.backbones.SSD_BACKBONES`.
 
     Args:
-        backbone: a name of :data:`~ssd_lightning.models.backbones.SSD_BACKBONES`: ``resnet18``,
-            ``resnet34``, ``resnet50``, ``resnet101``, ``resnet152``, ``mobilenet_v2``.
-        num_classes: number of classes including background (81 for COCO).
-        weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or
-            ``None`` for random initialisation.
-        background_prior: initial background probability of the class heads (see :class:`SSD300`);
-            ``None`` = the reference init.
+        weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or ``None``.
         zero_init_residual: start every residual block of a randomly initialised backbone as the identity
-            (the backbone's ``zero_init``; an error for a backbone without one); skipped, with a log line,
-            when ``weights_backbone`` is given. From scratch the CPU demo reached AP@0.5 0.44 with it
-            instead of 0.33 after 948 steps.
-        width_mult: channel multiplier of the ``mobilenet_v2`` backbone (MobileNetV2's own width
-            multiplier; torchvision weights exist for 1.0 only). The heads, extra layers, default boxes and
-            loss do not change. Backbones without one (ResNets) are built at full width, with a warning.
+            (an error for a backbone without them; skipped, logged, with ``weights_backbone``). From scratch
+            the CPU demo reached AP@0.5 0.44 with it instead of 0.33 after 948 steps.
+        width_mult: channel multiplier of the ``mobilenet_v2`` backbone only (heads, extra layers, default
+            boxes and loss unchanged); other backbones are built at full width, with a warning.
     """
     spec = SSD_BACKBONES.get(backbone)
     if spec is None:

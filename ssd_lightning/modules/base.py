@@ -20,22 +20,13 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import Metric
 
-from ssd_lightning import compat
+from ssd_lightning import compat, optim
 from ssd_lightning.errors import ConfigError
 from ssd_lightning.io.model_record import MODEL_KEY, make_model_record
 from ssd_lightning.io.weights import init_from_checkpoint
 from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
 from ssd_lightning.modules.ema import ExponentialMovingAverage
-from ssd_lightning.optim import (
-    build_optimizer,
-    build_scheduler,
-    check_optimizer_args,
-    check_scheduler_args,
-    partial_kwarg,
-    scale_lr,
-    warmup_iterations,
-)
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +36,8 @@ EPOCH_METRIC_STATES = "epoch_metric_states"  # the checkpoint's key
 class BatchMean(Metric):
     """Mean of per-batch values weighted by their batch sizes, over the epoch and over all DDP ranks.
 
-    For epoch metrics such as ``train/loss_epoch``: ``update`` only adds on the device (no host sync, no
-    collective); ranks are reduced once, in ``compute`` at the end of the epoch, whereas
-    ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step. The states of an unfinished
-    epoch go into checkpoints through :meth:`RecipeModule.on_save_checkpoint` (torchmetrics leaves them
-    out), so a resumed epoch averages all its batches.
+    ``update`` only adds on the device (no host sync, no collective); ranks are reduced once, in ``compute``
+    at the epoch's end, whereas ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step.
     """
 
     full_state_update = False
@@ -70,10 +58,9 @@ class BatchMean(Metric):
 def per_device_batch_size(
     trainer: pl.Trainer, rule: str = "LR scaling", switch_off: str = "model.lr_scaling.rule=none"
 ) -> int:
-    """The per-device training batch size (the reference's ``--bs``), read from the datamodule. ``rule``
-    needs it and ``switch_off`` turns that rule off: both name the way out in the error."""
-    datamodule = getattr(trainer, "datamodule", None)
-    batch_size = getattr(datamodule, "batch_size", None)
+    """The per-device training batch size (the reference's ``--bs``), read from the datamodule; ``rule``
+    needs it and ``switch_off`` turns that rule off (for the error)."""
+    batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
     if batch_size is None:
         raise ConfigError(
             f"{rule} needs the per-device batch size: the datamodule must expose `batch_size` "
@@ -116,29 +103,24 @@ def describe_lr(
 class RecipeModule(pl.LightningModule):
     """What a training run does besides its task, for both LightningModules.
 
-    The subclass's ``__init__`` arguments become ``hparams`` here (Lightning's ``save_hyperparameters``
-    collects them from the constructor chain; plain values only, so checkpoints load with
-    ``torch.load(weights_only=True)``; the full config is in the run's .hydra/ and the loggers). Subclasses
-    set ``num_classes``, add their :meth:`save_model_record` to :meth:`on_save_checkpoint` and take these
-    arguments, which this class reads:
+    The subclass's ``__init__`` arguments become ``hparams`` here (``save_hyperparameters`` collects them
+    from the constructor chain; plain values only, so checkpoints load with ``weights_only=True``).
+    Subclasses set ``num_classes``, add their :meth:`save_model_record` to :meth:`on_save_checkpoint` and
+    take these arguments, which this class reads:
 
     Args:
-        net: the network; ``forward`` runs it (or another set of weights) in the module's memory format.
         optimizer: partial optimizer holding the base ``lr`` and ``weight_decay``.
-        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``, evaluated when the
-            optimizer is built, from ``trainer.world_size`` and the datamodule's per-device ``batch_size``.
+        lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``.
         scheduler: ``{"name": ..., "warmup_steps"/"warmup_epochs": ...}`` and the keys of that schedule
             (:func:`ssd_lightning.optim.lr_factor`), stepped every iteration; ``None``: constant LR.
         init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``
-            (:func:`ssd_lightning.io.weights.init_from_checkpoint`); tensors of another shape (class heads)
-            keep their initialisation; no optimizer or epoch state is taken; ignored when resuming.
-        trust_checkpoint: unpickle weight files fully instead of ``torch.load(weights_only=True)``; this can
-            run code from the file, so only for trusted files.
-        channels_last: run the network in NHWC memory format.
+            (:func:`ssd_lightning.io.weights.init_from_checkpoint`); ignored when resuming.
+        trust_checkpoint: unpickle weight files fully instead of ``torch.load(weights_only=True)`` (this can
+            run code from the file).
         ema_decay: keep an :class:`ExponentialMovingAverage` of ``net`` (``None``: off), updated every
             ``ema_every_n_steps`` (>= 1) optimizer steps and restarted from the weights during LR warm-up.
-        sync_batchnorm: SyncBatchNorm on several GPU processes (:meth:`configure_model`, the one place it
-            is done; leave the Trainer's flag off); ignored with a warning on CPU.
+        sync_batchnorm: SyncBatchNorm on several GPU processes (the one place it is done; leave the
+            Trainer's flag off); ignored with a warning on CPU.
     """
 
     num_classes: int | None
@@ -150,8 +132,8 @@ class RecipeModule(pl.LightningModule):
         if hp.ema_every_n_steps < 1:
             raise ConfigError(f"model.ema_every_n_steps must be >= 1, got {hp.ema_every_n_steps}")
         # here, not when the optimizer is built: a bad value fails before any data is prepared
-        check_optimizer_args(partial_kwarg(optimizer, "lr"), partial_kwarg(optimizer, "weight_decay"))
-        check_scheduler_args(hp.scheduler or {})
+        optim.check_optimizer_args(*(optim.partial_kwarg(optimizer, k) for k in ("lr", "weight_decay")))
+        optim.check_scheduler_args(hp.scheduler or {})
         self.net = net
         self.optimizer_factory = optimizer
         self.channels_last = hp.channels_last
@@ -167,25 +149,28 @@ class RecipeModule(pl.LightningModule):
             images = images.contiguous(memory_format=torch.channels_last)
         return (self.net if net is None else net)(images)
 
+    def log_train_loss(self, loss: torch.Tensor, batch_size: int) -> None:
+        """``train/loss_step`` (this rank's) and ``train/loss_epoch`` (the mean over all ranks, reduced at the
+        epoch's end only); no prog_bar or LR: Lightning would read them back every step (a device sync)."""
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.train_loss_epoch.update(loss, batch_size)
+        self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
+
     def epoch_metrics(self) -> dict[str, Metric]:
-        """The training epoch metrics whose mid-epoch states checkpoints carry (sums only)."""
+        """The training epoch metrics whose mid-epoch states checkpoints carry (tensor sums only)."""
         return {"train_loss_epoch": self.train_loss_epoch}
 
     def configure_model(self) -> None:
-        """SyncBatchNorm when asked for and training on several GPU processes (on CPU: a warning; the
-        one place it is done, leave the Trainer's flag off); under CPU bf16, the strided depthwise
-        convolutions in float32 (:mod:`ssd_lightning.models.cpu_bf16`, the slow part of a MobileNetV2
-        step there)."""
+        """SyncBatchNorm when asked for on several GPU processes; under CPU bf16, the strided depthwise
+        convolutions in float32 (:mod:`ssd_lightning.models.cpu_bf16`)."""
         trainer = self.trainer
         on_cpu = isinstance(trainer.accelerator, CPUAccelerator)
         has_sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in self.net.modules())
-        if self.hparams.sync_batchnorm and trainer.world_size > 1 and not has_sync_bn:
-            if on_cpu:
-                rank_zero_warn(
-                    "sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules"
-                )
-            else:
-                self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+        wants_sync_bn = self.hparams.sync_batchnorm and trainer.world_size > 1 and not has_sync_bn
+        if wants_sync_bn and on_cpu:
+            rank_zero_warn("sync_batchnorm=True is ignored on CPU: torch's SyncBatchNorm needs GPU modules")
+        elif wants_sync_bn:
+            self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         if on_cpu and getattr(trainer, "precision", None) == "bf16-mixed":
             nets = [self.net] + ([self.ema.module] if self.ema is not None else [])
             changed = sum(run_strided_depthwise_in_float32(net) for net in nets)
@@ -203,12 +188,9 @@ class RecipeModule(pl.LightningModule):
         )
 
     def on_fit_start(self) -> None:
-        """``model.init_from``: load the file's weights that match ``net`` (and start the EMA from them).
-
-        Skipped when the fit resumes from a checkpoint (``ckpt_path``, or one Lightning found itself): the
-        checkpoint's weights, optimizer and position win, and the file need not exist any more. Runs after
-        the network is on its device and wrapped, before the sanity check and the first step; every rank
-        reads the file."""
+        """``model.init_from``: load the file's weights that match ``net`` (and start the EMA from them), on
+        every rank, before the sanity check; skipped when the fit resumes from a checkpoint (its weights win,
+        and the file need not exist any more)."""
         path = self.hparams.init_from
         if path is None:
             return
@@ -220,24 +202,16 @@ class RecipeModule(pl.LightningModule):
                     self.trainer.ckpt_path,
                 )
             return
-        init_from_checkpoint(
-            self.net,
-            path,
-            trust_checkpoint=self.hparams.trust_checkpoint,
-            what="model.init_from",
-            log_summary=self.trainer.is_global_zero,
-        )
+        trust = self.hparams.trust_checkpoint
+        init_from_checkpoint(self.net, path, trust_checkpoint=trust, log_summary=self.trainer.is_global_zero)
         if self.ema is not None:  # the average starts from the loaded weights, not the random ones
             self.ema.module.load_state_dict(self.net.state_dict())
             self.ema.reset()
 
     def on_train_start(self) -> None:
-        """Restore resumable training loaders to their mid-epoch position.
-
-        Lightning restores loader states only when it first sets up the train dataloader after loading the
-        checkpoint; :func:`steps_per_epoch` (``estimated_stepping_batches``) sets it up earlier, during
-        ``configure_optimizers``, so the states would silently be dropped and a resumed epoch would restart
-        its data from the first batch."""
+        """Restore resumable training loaders to their mid-epoch position: Lightning restores them only
+        when it first sets up the train dataloader, which :func:`steps_per_epoch` does earlier, so a resumed
+        epoch would restart its data from the first batch."""
         compat.load_pending_loader_states(self.trainer)
 
     def weight_decay_groups(self) -> dict[str, float | None]:
@@ -249,40 +223,24 @@ class RecipeModule(pl.LightningModule):
         return self.ema.decay
 
     def configure_optimizers(self) -> dict:
-        """Optimizer on weight-decay groups with the LR scaled at run time, plus a per-iteration schedule.
-
-        The LR rule is evaluated here, from ``trainer.world_size`` and the datamodule's per-device batch, so
-        ``trainer.devices=...``/``trainer.num_nodes=...`` overrides are honoured without touching the
-        config. The warm-up in optimizer steps (:func:`~ssd_lightning.optim.warmup_iterations`) is the one
-        the schedule, the EMA and the log line use."""
-        trainer, hp = self.trainer, self.hparams
-        base_lr = partial_kwarg(self.optimizer_factory, "lr")
-        if base_lr is None:
+        """Optimizer on weight-decay groups with the LR scaled here, from ``trainer.world_size`` and the
+        datamodule's per-device batch (so ``trainer.devices``/``num_nodes`` overrides are honoured), plus a
+        per-iteration schedule whose warm-up the EMA uses too."""
+        trainer, hp, factory = self.trainer, self.hparams, self.optimizer_factory
+        base = optim.partial_kwarg(factory, "lr")
+        if base is None:
             raise ConfigError("model.optimizer.lr must be set (the base LR before scaling)")
         lr_scaling = dict(hp.lr_scaling or {"rule": "none"})
         rule = lr_scaling.get("rule", "linear")
         accumulate = int(trainer.accumulate_grad_batches)
         # the batch of one optimizer step: per device x devices x accumulated batches
-        step_batch = per_device_batch_size(trainer) * accumulate if rule != "none" else 1
-        reference = int(lr_scaling.get("reference_batch_size", 32))
-        lr = scale_lr(
-            base_lr,
-            rule=rule,
-            world_size=trainer.world_size,
-            batch_size=step_batch,
-            reference_batch_size=reference,
-        )
+        batch = per_device_batch_size(trainer) * accumulate if rule != "none" else 1
+        ref, world = int(lr_scaling.get("reference_batch_size", 32)), trainer.world_size
+        lr = optim.scale_lr(base, rule=rule, world_size=world, batch_size=batch, reference_batch_size=ref)
         if trainer.is_global_zero:
-            log.info(
-                "%s", describe_lr(base_lr, lr, rule, trainer.world_size, step_batch, accumulate, reference)
-            )
-        opt = build_optimizer(
-            self.optimizer_factory,
-            self.net,
-            lr=lr,
-            weight_decay=partial_kwarg(self.optimizer_factory, "weight_decay", 0.0) or 0.0,
-            **self.weight_decay_groups(),
-        )
+            log.info("%s", describe_lr(base, lr, rule, world, batch, accumulate, ref))
+        wd = optim.partial_kwarg(factory, "weight_decay", 0.0) or 0.0
+        opt = optim.build_optimizer(factory, self.net, lr=lr, weight_decay=wd, **self.weight_decay_groups())
         if self.ema is not None:
             self.ema.decay = self.ema_decay_per_update()
         if not hp.scheduler:
@@ -291,13 +249,13 @@ class RecipeModule(pl.LightningModule):
         schedule = scheduler.pop("name", "constant")
         epoch_steps = steps_per_epoch(trainer)
         warmup = {k: scheduler.pop(k, 0) for k in ("warmup_steps", "warmup_epochs")}
-        self.warmup_steps = warmup_iterations(epoch_steps, **warmup)
+        self.warmup_steps = optim.warmup_iterations(epoch_steps, **warmup)
         if trainer.is_global_zero:
             log.info(
                 "LR schedule %s over %d optimizer steps per epoch, warm-up %d optimizer steps",
                 schedule, epoch_steps, self.warmup_steps,
             )  # fmt: skip
-        lr_scheduler = build_scheduler(
+        lr_scheduler = optim.build_scheduler(
             opt,
             schedule=schedule,
             steps_per_epoch=epoch_steps,
@@ -305,10 +263,8 @@ class RecipeModule(pl.LightningModule):
             warmup_steps=self.warmup_steps,
             **scheduler,
         )
-        return {
-            "optimizer": opt,
-            "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step", "frequency": 1},
-        }
+        per_step = {"scheduler": lr_scheduler, "interval": "step", "frequency": 1}
+        return {"optimizer": opt, "lr_scheduler": per_step}
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.ema is not None:
@@ -320,27 +276,19 @@ class RecipeModule(pl.LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Put the states of the epoch metrics into ``checkpoint`` when it is written in the middle of an
-        epoch (Lightning calls this on every rank).
+        """Put the states of the epoch metrics (not in the ``state_dict``) into a checkpoint written in the
+        middle of an epoch, so a resumed epoch averages all its batches.
 
-        torchmetrics states are not part of the ``state_dict``, so a run resumed mid-epoch would average
-        only the batches after the resume. Every state must be a sum (``dist_reduce_fx="sum"``:
-        :class:`BatchMean`, micro-averaged accuracy); they are summed over the DDP ranks here (one
-        all-reduce, only for a mid-epoch checkpoint) and :meth:`on_load_checkpoint` gives the sum to rank 0,
-        zeros to the others, so the epoch's end reduces them to the uninterrupted run's value at any world
-        size. Written at an epoch's end (``ModelCheckpoint``), the states are the finished epoch's: nothing
-        is saved."""
+        Every state must be a sum (``dist_reduce_fx="sum"``); they are summed over the DDP ranks here (one
+        all-reduce) and :meth:`on_load_checkpoint` gives the sum to rank 0, zeros to the others, so the
+        epoch's end reduces them to the uninterrupted run's value at any world size."""
         trainer = self.trainer
         progress = trainer.fit_loop.epoch_progress.current
         if trainer.state.fn != "fit" or progress.started == progress.processed:  # "epoch unfinished"
             return
         names, values = [], []
         for name, metric in self.epoch_metrics().items():
-            for key, value in metric.metric_state.items():
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(
-                        f"{name}.{key}: only tensor (sum) states can be checkpointed, got {type(value)}"
-                    )
+            for key, value in metric.metric_state.items():  # tensors: sums
                 names.append((name, key, value.dtype, value.shape))
                 values.append(value.detach().reshape(-1).double())  # exact for counts below 2**53
         flat = torch.cat(values)
@@ -353,8 +301,7 @@ class RecipeModule(pl.LightningModule):
         checkpoint[EPOCH_METRIC_STATES] = states
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restore the epoch metrics' states: the sums on rank 0, zeros on the other ranks. Checkpoints
-        without them (end of an epoch, older files) change nothing."""
+        """Restore the epoch metrics' states: the sums on rank 0, zeros on the other ranks."""
         saved = checkpoint.get(EPOCH_METRIC_STATES) or {}
         for name, metric in self.epoch_metrics().items():
             for key, value in (saved.get(name) or {}).items():
@@ -363,18 +310,11 @@ class RecipeModule(pl.LightningModule):
                 setattr(metric, key, value if self.global_rank == 0 else torch.zeros_like(current))
 
     def save_model_record(
-        self,
-        checkpoint: dict,
-        *,
-        kind: str,
-        weights: str,
-        decoder: Mapping | None = None,
+        self, checkpoint: dict, *, kind: str, weights: str, decoder: Mapping | None = None
     ) -> None:
         """Put the record that rebuilds and names the model (:mod:`ssd_lightning.io.model_record`) into
-        ``checkpoint``. Class names, category ids and the input size come from the trainer's datamodule
-        (``category_map``, ``class_names``, ``image_size``, ``val_resize``); without one, classes are named
-        ``class_<k>``. A network without ``architecture`` (not built by
-        :data:`ssd_lightning.models.NETWORK_BUILDERS`) gets no record: its checkpoints need their run
+        ``checkpoint``, classes and input size from the datamodule (else classes ``class_<k>``). A network
+        without ``architecture`` (not from ``NETWORK_BUILDERS``) gets none: its checkpoints need their run
         config."""
         architecture = getattr(self.net, "architecture", None)
         if architecture is None:
@@ -387,10 +327,8 @@ class RecipeModule(pl.LightningModule):
         if detector:
             categories = getattr(datamodule, "category_map", None)
             if categories is None or categories.num_classes != num_classes:
-                names, ids = (
-                    ["background", *(f"class_{k}" for k in range(1, num_classes))],
-                    range(1, num_classes),
-                )
+                names = ["background", *(f"class_{k}" for k in range(1, num_classes))]
+                ids = range(1, num_classes)
             else:
                 names, ids = categories.names, categories.category_ids
         elif len(names) != num_classes:

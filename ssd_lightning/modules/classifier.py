@@ -55,25 +55,15 @@ class ClassifierLitModule(RecipeModule):
     ``val/loss`` (plain CE), ``val/acc1``, ``val/acc5``, ``val/acc1_best`` (best epoch so far, kept in
     the checkpoint so it survives a resume), the same with ``_ema`` for the EMA weights, and ``test/*``.
 
-    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`):
+    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`, ``configs/model/mobilenetv2.yaml``):
         net: module mapping (N, 3, H, W) images to (N, num_classes) logits.
-        label_smoothing: of the training loss.
-        norm_weight_decay, bias_weight_decay: weight decay of normalisation parameters and biases
-            (``None``: the optimizer's ``weight_decay``).
-        depthwise_weight_decay: of depthwise convolution weights (``None``: the optimizer's).
-        ema_decay: with ``ema_decay_scaling="torchvision"`` torchvision's ``--model-ema-decay``, scaled when
-            the optimizer is built by world size x per-device batch x ``ema_every_n_steps`` / epochs
-            (:func:`ssd_lightning.optim.scale_ema_decay`; the decay applied is logged once); with ``"none"``
-            the decay per EMA update as given.
-        ema_decay_scaling: ``"torchvision"`` (default) or ``"none"``, see ``ema_decay``.
-        sync_batchnorm: off by default (reported worse for MobileNetV2).
+        norm_weight_decay, bias_weight_decay, depthwise_weight_decay: ``None``: the optimizer's.
+        ema_decay: with ``ema_decay_scaling="torchvision"`` scaled when the optimizer is built
+            (:func:`ssd_lightning.optim.scale_ema_decay`); with ``"none"`` the decay per update as given.
         num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
-        confusion_matrix: after each validation (not the sanity check) draw the confusion matrix of ``net``
-            on the validation set, normalised by row, to
-            ``<trainer.default_root_dir>/analysis/epoch_<e>/classification_confusion.png`` (and TensorBoard,
-            tag ``analysis/classification_confusion``), and log the three most frequent confusions. A
-            torchmetrics ``MulticlassConfusionMatrix``: summed over every rank, drawn on rank 0. Off by
-            default here, on in ``configs/model/mobilenetv2.yaml``.
+        confusion_matrix: after each validation draw the row-normalised confusion matrix of ``net`` (summed
+            over every rank) to ``<run dir>/analysis/epoch_<e>/classification_confusion.png`` (and
+            TensorBoard) and log the three most frequent confusions.
     """
 
     def __init__(
@@ -131,15 +121,9 @@ class ClassifierLitModule(RecipeModule):
         labels = batch["labels"].long()
         logits = self(batch["images"]).float()
         loss = F.cross_entropy(logits, labels, label_smoothing=self.hparams.label_smoothing)
-        n = len(labels)
         self.train_acc1(logits, labels)
-        # no prog_bar=True and no LR here: both would sync the device every step (see SSDLitModule).
-        # Step values are this rank's; epoch values cover all ranks, reduced once at the epoch's end
-        # (torchmetrics' compute), not every step as sync_dist=True would.
-        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=n)
-        self.train_loss_epoch.update(loss, n)
-        self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
-        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=n)
+        self.log_train_loss(loss, len(labels))
+        self.log("train/acc1", self.train_acc1, on_step=True, on_epoch=True, batch_size=len(labels))
         return loss
 
     def _eval_step(self, batch: dict[str, Tensor], stage: str) -> None:
@@ -203,12 +187,9 @@ class ClassifierLitModule(RecipeModule):
         log.info(f"Epoch {epoch}: top confusions (true -> predicted): {text}")
         try:
             run_dir = Path(self.trainer.default_root_dir)
-            path = plot_confusion_matrix(
-                counts,
-                labels,
-                run_dir / "analysis" / f"epoch_{epoch}" / "classification_confusion.png",
-                title=f"{run_dir.name}: epoch {epoch}, {int(counts.sum())} validation images; row shares",
-            )
+            out = run_dir / "analysis" / f"epoch_{epoch}" / "classification_confusion.png"
+            title = f"{run_dir.name}: epoch {epoch}, {int(counts.sum())} validation images; row shares"
+            path = plot_confusion_matrix(counts, labels, out, title=title)
             log_picture(self.loggers, "analysis/classification_confusion", path, self.global_step)
         except Exception as e:  # a picture must never end a training run
             rank_zero_warn(f"could not draw the confusion matrix: {type(e).__name__}: {e}")
@@ -217,27 +198,20 @@ class ClassifierLitModule(RecipeModule):
         self._log_eval("test")
 
     def weight_decay_groups(self) -> dict[str, float | None]:
-        hp = self.hparams
-        return {
-            "norm_weight_decay": hp.norm_weight_decay,
-            "bias_weight_decay": hp.bias_weight_decay,
-            "depthwise_weight_decay": hp.depthwise_weight_decay,
-        }
+        return {f"{k}_weight_decay": self.hparams[f"{k}_weight_decay"] for k in ("norm", "bias", "depthwise")}
 
     def ema_decay_per_update(self) -> float:
-        hp = self.hparams
+        hp, trainer = self.hparams, self.trainer
         batch_size = 1
         if hp.ema_decay_scaling != "none":
-            batch_size = per_device_batch_size(
-                self.trainer, "EMA decay scaling", "model.ema_decay_scaling=none"
-            )
+            batch_size = per_device_batch_size(trainer, "EMA decay scaling", "model.ema_decay_scaling=none")
         decay = scale_ema_decay(
             hp.ema_decay,
             scaling=hp.ema_decay_scaling,
-            world_size=self.trainer.world_size,
+            world_size=trainer.world_size,
             batch_size=batch_size,
             every_n_steps=hp.ema_every_n_steps,
-            epochs=total_epochs(self.trainer, steps_per_epoch(self.trainer)),
+            epochs=total_epochs(trainer, steps_per_epoch(trainer)),
         )
         rank_zero_info(
             f"EMA: decay {decay:.6g} per update (model.ema_decay={hp.ema_decay}, "

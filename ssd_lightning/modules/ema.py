@@ -13,11 +13,8 @@ class ExponentialMovingAverage(AveragedModel):
     """``AveragedModel`` keeping ``ema = decay * ema + (1 - decay) * current`` for every parameter and
     floating-point buffer (BatchNorm running statistics); integer buffers (``num_batches_tracked``) are
     copied. The first :meth:`update_parameters` after construction or after :meth:`reset` copies the
-    network. The copy never requires gradients, so DDP and the optimizer never see it.
-
-    Args:
-        model: the network to follow; deep-copied.
-        decay: weight of the old average per update, in [0, 1).
+    network (``model``, deep-copied). The copy never requires gradients, so DDP and the optimizer never
+    see it.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -49,5 +46,5 @@ class ExponentialMovingAverage(AveragedModel):
             self.reset()
 
     def reset(self) -> None:
-        """Make the next update copy the network (used during LR warm-up, as torchvision does)."""
+        """Make the next update copy the network."""
         self.n_averaged.zero_()

@@ -1,8 +1,7 @@
 """``model.freeze``: keep the first stages of a backbone (or all of it) fixed while the rest trains.
 
-Frozen parameters get ``requires_grad=False`` (so the optimizer never sees them: ``optim.param_groups``
-leaves them out) and the BatchNorm layers inside frozen parts stay in eval mode during training (running
-statistics unchanged, normalised with the loaded ones). Weights loaded later (``model.init_from``, a
+Frozen parameters get ``requires_grad=False`` (so ``optim.param_groups`` leaves them out) and the BatchNorm
+layers inside frozen parts stay in eval mode during training. Weights loaded later (``model.init_from``, a
 resumed checkpoint) are frozen at their loaded values.
 """
 
@@ -20,11 +19,7 @@ def freeze_backbone(
     net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
 ) -> list[nn.Module]:
     """Freeze ``net.feature_extractor``'s first ``freeze`` stages (``"backbone"``: all); returns the frozen
-    modules (empty for ``None``/0), as :func:`frozen_modules`.
-
-    Raises:
-        ConfigError: ``freeze`` is neither ``"backbone"``, ``None`` nor a stage count the backbone has.
-    """
+    modules (:func:`frozen_modules`)."""
     frozen = frozen_modules(net, freeze, key=key)
     for module in frozen:
         module.requires_grad_(False)
@@ -33,7 +28,8 @@ def freeze_backbone(
 
 def frozen_modules(net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze") -> list[nn.Module]:
     """The modules of the first ``freeze`` backbone stages as they are now in ``net`` (look them up again
-    after layers were replaced, e.g. by SyncBatchNorm conversion); changes nothing."""
+    after layers were replaced, e.g. by SyncBatchNorm conversion); ConfigError for a ``freeze`` that is
+    neither ``"backbone"``, ``None`` nor a stage count the backbone has."""
     if freeze is None:
         return []
     stages = getattr(getattr(net, "feature_extractor", None), "stages", None)

@@ -18,25 +18,14 @@ log = logging.getLogger(__name__)
 
 
 def build_mobilenet_v2(
-    *,
-    pretrained_path: str | os.PathLike | None = None,
-    trust_checkpoint: bool = False,
-    **kwargs: Any,
+    *, pretrained_path: str | os.PathLike | None = None, trust_checkpoint: bool = False, **kwargs: Any
 ) -> MobileNetV2:
-    """:func:`ssd_lightning.models.mobilenet_v2`, then the weights of ``pretrained_path`` if given.
+    """:func:`ssd_lightning.models.mobilenet_v2` (``kwargs``), then the weights of ``pretrained_path``.
 
-    Args:
-        pretrained_path: a local file with a state dict (plain, or under ``state_dict``/``model``, keys
-            possibly prefixed ``module.``/``model.``/``net.``), loaded strictly; with another class count
-            the classifier keeps its initialisation (logged). Read with ``torch.load(weights_only=True)``.
-        trust_checkpoint: unpickle ``pretrained_path`` fully instead, which can run code from the file.
-        kwargs: the arguments of :func:`~ssd_lightning.models.mobilenet_v2` (``num_classes``,
-            ``width_mult``, ``weights``, ...).
-
-    Raises:
-        ValueError: both ``weights`` and ``pretrained_path``; the file does not fit the network.
-        CheckpointNotFoundError, UntrustedCheckpointError, CheckpointReadError: see
-            :func:`ssd_lightning.io.weights.read_checkpoint`.
+    ``pretrained_path`` is a local file with a state dict (plain, or under ``state_dict``/``model``, keys
+    possibly prefixed ``module.``/``model.``/``net.``), read by
+    :func:`~ssd_lightning.io.weights.read_checkpoint` (``trust_checkpoint``: unpickled fully) and loaded
+    strictly (ValueError); with another class count the classifier keeps its initialisation (logged).
     """
     if kwargs.get("weights") is not None and pretrained_path is not None:
         raise ValueError(

@@ -18,23 +18,15 @@ from ssd_lightning.modules.freezing import freeze_backbone, frozen_modules, keep
 class SSDLitModule(RecipeModule):
     """Trains and evaluates an SSD300-family network.
 
-    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`):
+    Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`, ``configs/model/ssd300.yaml``):
         net: module mapping images (N, 3, 300, 300) to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
-        optimizer: its ``weight_decay`` applies to weights only; BatchNorm parameters and biases get none.
-        scheduler: e.g. ``{"name": "multistep", "milestones": [43, 54], "gamma": 0.1, "warmup_steps": 300}``.
         decoder: overrides of :class:`~ssd_lightning.models.DecoderSettings` (``None`` values: the default).
-        nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict), e.g. to
-            evaluate it.
-        init_from: also an NVIDIA SSD300 checkpoint.
-        freeze: ``"backbone"`` or the number of backbone stages (from the input) to keep fixed: no
-            gradients, out of the optimizer, their BatchNorm layers in eval mode
-            (:mod:`ssd_lightning.modules.freezing`); ``None``: everything trains.
+        nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict).
         ema_decay: both sets of weights are evaluated at every validation (the second set's detections
             under ``"detections_secondary"``) and both are in every checkpoint.
-        use_ema: with EMA on, the EMA weights are the run's weights: ``"detections"`` (``val/*``, so
-            ``best.ckpt`` and early stopping), test, predict and the detectors loaded from checkpoints
-            (``predict.py``, export) use them, and the raw weights are the second set (``val_raw/*``).
-            ``False``: the raw weights are the run's, the EMA the second set (``val_ema/*``).
+        use_ema: with EMA on, the EMA weights are the run's weights (``"detections"``, ``val/*``, test,
+            predict, detectors loaded from checkpoints), the raw ones the second set (``val_raw/*``);
+            ``False``: the other way round (``val_ema/*``).
     """
 
     def __init__(
@@ -115,22 +107,15 @@ class SSDLitModule(RecipeModule):
         # (N, 8732, 4) -> (N, 4, 8732): the loss works in the network's output layout
         gt_boxes = batch["boxes"].transpose(1, 2)
         loss = self.loss_fn(locs, logits, gt_boxes, batch["labels"])  # in float32, whatever the autocast
-        # not prog_bar=True: Lightning would read it back to the host every step (a device sync); the
-        # progress bar (callbacks.progress_bar) shows it when it redraws, LearningRateMonitor logs the LR.
-        # The step value is this rank's; the epoch value the mean over all ranks, reduced at the epoch's
-        # end only (sync_dist=True on a per-step value would all-reduce every step).
-        self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=len(locs))
-        self.train_loss_epoch.update(loss, len(locs))
-        self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
+        self.log_train_loss(loss, len(locs))
         return loss
 
     def _detect(self, batch: dict[str, torch.Tensor], net: nn.Module | None = None) -> list[dict]:
-        """Decoded detections per image of ``net`` (default: the run's weights), boxes in original-image
-        pixels (ltrb)."""
+        """Detections per image of ``net`` (default: the run's weights), ltrb boxes in image pixels."""
         locs, logits = self(batch["images"], self.inference_net if net is None else net)
         detections = self.box_coder.detect(locs, logits, batch["image_sizes"], self.decoder_settings)
-        image_ids = batch["image_ids"].tolist()
-        return [{"image_id": int(i), **det} for i, det in zip(image_ids, detections, strict=True)]
+        ids = batch["image_ids"].tolist()
+        return [{"image_id": int(i), **d} for i, d in zip(ids, detections, strict=True)]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict:
         outputs = {"detections": self._detect(batch)}
@@ -147,10 +132,9 @@ class SSDLitModule(RecipeModule):
 
 
 def reconcile_ema_weights(state: dict, *, has_ema: bool) -> None:
-    """Make a checkpoint's ``state_dict`` fit a module with or without EMA, in place: a checkpoint without
-    EMA weights loaded with ``model.ema_decay`` set starts the average from its weights (``n_averaged`` 0:
-    the next update copies them); a checkpoint with EMA weights loaded without it is an error, since its run's
-    weights may be the EMA ones."""
+    """Make a checkpoint's ``state_dict`` fit a module with or without EMA, in place: without EMA weights
+    in the file, the average starts from its weights (the next update copies them); EMA weights in the file
+    but no EMA in the module is an error, since the run's weights may be the EMA ones."""
     has_saved_ema = any(k.startswith("ema.") for k in state)
     if has_ema and not has_saved_ema:
         for key in [k for k in state if k.startswith("net.")]:

@@ -11,13 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "PRCurves",
-    "detection_confusion_matrix",
-    "ground_truth_array",
-    "pr_curves_from_precision",
-    "top_confusions",
-]
+__all__ = ["PRCurves", "detection_confusion_matrix", "ground_truth_array", "pr_curves_from_precision"]
+__all__ += ["top_confusions"]
 
 
 @dataclass(frozen=True)
@@ -126,9 +121,8 @@ def _overlaps(dets: np.ndarray, gts: np.ndarray, crowd: bool) -> np.ndarray:
 
 
 def _greedy(iou: np.ndarray, threshold: float, det_open: np.ndarray, gt_open: np.ndarray) -> np.ndarray:
-    """``(C, D)`` ground-truth column matched to each detection (column order = best score first), -1 for
-    none. ``iou`` ``(C, D, G)`` (-1: may not match); ``det_open`` ``(C, D)`` detections to match; ``gt_open``
-    ``(C, G)`` ground truth still free, updated in place."""
+    """``(C, D)`` ground-truth column matched to each detection (best score first), -1: none; ``iou`` (C, D,
+    G) (-1: may not match), ``det_open`` (C, D) to match, ``gt_open`` (C, G) still free (updated in place)."""
     n_img, n_det, _ = iou.shape
     match = np.full((n_img, n_det), -1, dtype=np.int64)
     rows = np.arange(n_img)
@@ -153,13 +147,12 @@ def detection_confusion_matrix(
     image_ids: Sequence[int] | np.ndarray | None = None,
     max_cells: int = 4_000_000,
 ) -> np.ndarray:
-    """``(K+1, K+1)`` counts, rows the ground-truth class, columns the predicted class, index K background.
-
-    Detections with ``score >= score_threshold``, per image by descending score, take the free same-class
-    ground-truth box of highest IoU if ``>= iou_threshold`` (COCOeval's rule: the diagonal is its true
-    positives); those COCOeval would ignore (a crowd region of their class) are not counted; the rest match
-    the ground truth left of any class the same way. ``ground_truth``: :func:`ground_truth_array`; class k
-    is the k-th sorted category id; ``max_cells`` bounds the IoU cells computed at once."""
+    """``(K+1, K+1)`` counts, rows the ground-truth class (k: k-th sorted category id; K: background),
+    columns the predicted one. Detections with ``score >= score_threshold``, per image by descending score,
+    take the free same-class ground-truth box of highest IoU ``>= iou_threshold`` (COCOeval's rule: the
+    diagonal is its true positives); those on a crowd region of their class are not counted; the rest match
+    the ground truth left of any class the same way. ``ground_truth``: :func:`ground_truth_array`'s;
+    ``max_cells``: IoU cells computed at once."""
     dets = np.asarray(detections, dtype=np.float64).reshape(-1, 7)
     gt = np.asarray(ground_truth, dtype=np.float64).reshape(-1, 7)
     cats = np.unique(np.asarray(category_ids, dtype=np.int64).reshape(-1))

@@ -23,28 +23,13 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-__all__ = [
-    "BACKENDS",
-    "COCO_STAT_NAMES",
-    "DEFAULT_BACKEND",
-    "ClassAP",
-    "CocoEvaluation",
-    "class_ap_from_precision",
-    "coco_array_to_results",
-    "detections_to_coco_array",
-    "evaluate_coco",
-    "evaluate_coco_detailed",
-    "per_class_records",
-    "format_per_class_table",
-    "format_summary",
-    "per_class_metrics",
-    "to_coco_array",
-    "write_coco_results_json",
-]
+__all__ = ["BACKENDS", "COCO_STAT_NAMES", "DEFAULT_BACKEND", "ClassAP", "CocoEvaluation", "evaluate_coco"]
+__all__ += ["class_ap_from_precision", "coco_array_to_results", "detections_to_coco_array", "format_summary"]
+__all__ += ["evaluate_coco_detailed", "per_class_records", "format_per_class_table", "per_class_metrics"]
+__all__ += ["to_coco_array", "write_coco_results_json"]
 
-#: Names of the 12 COCOeval bbox statistics, in ``COCOeval.stats`` order.
-#: AP at IoU 0.50:0.95, 0.50, 0.75 and per area (small < 32^2 <= medium < 96^2 <= large), maxDets 100; then
-#: AR (IoU 0.50:0.95) at maxDets 1, 10, 100 and per area.
+#: The 12 COCOeval bbox statistics in ``COCOeval.stats`` order: AP at IoU 0.50:0.95, 0.50, 0.75 and per area
+#: (small < 32^2 <= medium < 96^2 <= large), maxDets 100; AR (IoU 0.50:0.95) at maxDets 1, 10, 100, per area.
 COCO_STAT_NAMES: tuple[str, ...] = (
     *("mAP", "mAP_50", "mAP_75", "mAP_small", "mAP_medium", "mAP_large"),
     *("mAR_1", "mAR_10", "mAR_100", "mAR_small", "mAR_medium", "mAR_large"),
@@ -105,8 +90,7 @@ def to_coco_array(
 
 
 def _columns(array: Any) -> tuple[list, ...]:
-    """Python lists ``image_id, category_id, x, y, w, h, score`` (int, int, float...) of an ``(M, 7)`` array
-    (column-wise ``tolist``: ~2x faster than per row)."""
+    """Lists ``image_id, category_id, x, y, w, h, score`` of an (M, 7) array (by column: ~2x faster)."""
     array = np.asarray(array, dtype=np.float64)
     array = array.reshape(0, 7) if array.size == 0 else array
     if array.ndim != 2 or array.shape[1] != 7:
@@ -122,8 +106,7 @@ def _columns(array: Any) -> tuple[list, ...]:
 
 
 def coco_array_to_results(array: np.ndarray) -> list[dict[str, Any]]:
-    """An ``(M, 7)`` array as a COCO results list ``[{"image_id": int, "category_id": int, "bbox": [x, y, w,
-    h], "score": float}, ...]`` (row order kept)."""
+    """An (M, 7) array as a COCO results list ``[{"image_id", "category_id", "bbox", "score"}, ...]``."""
     return [
         {"image_id": i, "category_id": c, "bbox": [x, y, w, h], "score": s}
         for i, c, x, y, w, h, s in zip(*_columns(array), strict=True)
@@ -171,8 +154,7 @@ def _load_results(detections: Sequence[Mapping[str, Any]] | str | os.PathLike | 
         path = Path(detections)
         if not path.is_file():
             raise FileNotFoundError(f"detections file {str(path)!r} does not exist")
-        with open(path) as f:
-            detections = json.load(f)
+        detections = json.loads(path.read_text())
     if not isinstance(detections, list):
         raise ValueError(
             "detections must be a COCO results list [{'image_id', 'category_id', 'bbox', 'score'}, ...], "
@@ -261,12 +243,10 @@ def _run(backend: str, annotation_file: Path, results: list[dict], image_ids: An
 
 @dataclass(frozen=True)
 class ClassAP:
-    """COCO AP of one category (area all, 100 detections per image), a row of the per-class table.
-
-    ``key`` (of ``AP/<key>``): the name with ``/`` (would nest the tag in TensorBoard/MLflow) as ``_``,
-    stripped, ``category_<id>`` if empty, ``_<id>`` appended on collision. ``ap`` (AP@[.5:.95]), ``ap50``:
-    NaN without ground truth among the evaluated images; ``num_gt``: non-crowd ground-truth boxes there.
-    """
+    """COCO AP of one category (area all, 100 detections per image), a row of the per-class table. ``key``
+    (of ``AP/<key>``): the name, ``/`` (would nest the tag in TensorBoard/MLflow) as ``_``, stripped,
+    ``category_<id>`` if empty, ``_<id>`` appended on collision. ``ap`` (AP@[.5:.95]), ``ap50``: NaN without
+    ground truth among the evaluated images; ``num_gt``: non-crowd ground-truth boxes there."""
 
     category_id: int
     name: str
@@ -340,8 +320,7 @@ def per_class_metrics(classes: Iterable[ClassAP]) -> dict[str, float]:
 
 
 def format_per_class_table(classes: Iterable[ClassAP]) -> str:
-    """A compact per-class table, worst AP first (ties: lower AP50, then category id); categories without
-    ground truth (AP undefined) last, shown as ``-``."""
+    """Per-class table, worst AP first (then AP50, category id); undefined AP (no GT) last, ``-``."""
 
     def order(row: ClassAP) -> tuple:
         undefined = math.isnan(row.ap)
@@ -366,8 +345,7 @@ _SUMMARY_ROWS = (  # (title, IoU, area, maxDets) per stat, as COCOeval.summarize
 
 
 def format_summary(stats: Sequence[float] | Mapping[str, float]) -> str:
-    """The standard 12-line COCOeval bbox summary for ``stats`` (a sequence in COCOeval order or the dict
-    returned by :func:`evaluate_coco`)."""
+    """COCOeval's 12-line bbox summary of ``stats`` (COCOeval order, or :func:`evaluate_coco`'s dict)."""
     values = [stats[n] for n in COCO_STAT_NAMES] if isinstance(stats, Mapping) else list(stats)[:12]
     return "\n".join(
         f" {title:<18} {kind} @[ IoU={iou:<9} | area={area:>6s} | maxDets={max_dets:>3d} ] = {v:0.3f}"
@@ -384,14 +362,11 @@ def evaluate_coco(
     image_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
     per_class: bool = False,
 ) -> dict[str, float]:
-    """Official COCO bbox evaluation of ``detections`` against ``annotation_file`` (the dataset's own COCO
-    instances JSON): the 12 stats ``{name: float}`` in ``COCO_STAT_NAMES`` order (``-1.0``: no ground truth in
-    that range; no detections at all: ``0.0``), then with ``per_class`` the ``AP/<key>`` and ``AP50/<key>``
-    (:class:`ClassAP`) of every category with ground truth among the evaluated images.
-
-    ``detections``: a COCO results list (``bbox`` ``[x, y, w, h]`` pixels; not modified), a JSON file
-    holding one, or an ``(M, 7)`` array (:func:`to_coco_array`); ``verbose``: print the 12-line summary;
-    ``image_ids``: evaluate only these images (default: all, the official protocol; a subset is warned about).
+    """Official COCO bbox evaluation of ``detections`` (a COCO results list, ``bbox`` ``[x, y, w, h]``
+    pixels, not modified; a JSON file holding one; or an ``(M, 7)`` array) against ``annotation_file``: the
+    12 stats in ``COCO_STAT_NAMES`` order (``-1.0``: no ground truth in that range; no detections: ``0.0``),
+    then with ``per_class`` the ``AP/<key>``, ``AP50/<key>`` (:class:`ClassAP`) of every category with
+    ground truth. ``verbose``: print the 12-line summary; ``image_ids``: only these images (a subset warns).
     """
     ev = evaluate_coco_detailed(annotation_file, detections, backend, verbose=verbose, image_ids=image_ids)
     return {**ev.stats, **(per_class_metrics(ev.classes) if per_class else {})}
@@ -459,8 +434,7 @@ def evaluate_coco_detailed(
 
 
 def per_class_records(classes: Sequence[ClassAP]) -> list[dict[str, Any]]:
-    """JSON rows of per-class results (``per_class_epoch_<e>.json``, predict's ``coco_eval.json``), category
-    order; an undefined AP (no ground truth) is null."""
+    """JSON rows of ``per_class_epoch_<e>.json`` and predict's ``coco_eval.json``; undefined AP: null."""
     return [
         {"category_id": r.category_id, "name": r.name, "metric_key": r.key}
         | {"AP": None if math.isnan(r.ap) else r.ap, "AP50": None if math.isnan(r.ap50) else r.ap50}

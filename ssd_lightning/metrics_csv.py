@@ -1,7 +1,6 @@
 """Read the ``metrics.csv`` that Lightning's ``CSVLogger`` writes: the one reader of run metrics.
 
-Standard library only (Hydra callbacks import it in every job).
-"""
+Standard library only (Hydra callbacks import it in every job)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float]]:
 
 
 def last_values(rows: Sequence[Mapping[str, float]], patterns: Iterable[str] = ("*",)) -> dict[str, float]:
-    """Last value of every column matching one of the ``fnmatch`` ``patterns`` (``"val/*"``), ``epoch`` and
-    ``step`` excluded; columns in order of first appearance."""
+    """Last value of each column (but epoch, step) matching an ``fnmatch`` pattern, first appearance order."""
     patterns = tuple(patterns)
     last: dict[str, float] = {}
     for row in rows:
@@ -48,7 +46,6 @@ def last_values(rows: Sequence[Mapping[str, float]], patterns: Iterable[str] = (
 
 
 def read_last_metrics(metrics_csv: str | os.PathLike, patterns: Iterable[str] = ("*",)) -> dict[str, float]:
-    """:func:`last_values` of a ``metrics.csv``; a missing file gives ``{}`` (the job may have logged
-    elsewhere, or failed before its first row)."""
+    """:func:`last_values` of a ``metrics.csv``; ``{}`` without one (logged elsewhere, failed early)."""
     path = Path(metrics_csv)
     return last_values(read_metrics_csv(path), patterns) if path.is_file() else {}

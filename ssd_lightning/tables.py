@@ -1,7 +1,6 @@
 """Markdown tables of results: the one formatter behind every benchmark and sweep table.
 
-Cells come formatted (each caller owns its number formats); ``None`` prints as ``missing``. Stdlib only.
-"""
+Cells come formatted (callers own number formats); ``None`` prints as ``missing``. Stdlib only."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def markdown_row(
 
 
 def markdown_rule(align: str, widths: Sequence[int] | None = None) -> str:
-    """The header rule: ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); with
-    ``widths``, dashes as wide as the padded cells."""
+    """The header rule: ``l`` (``---``) or ``r`` (``---:``) per column of ``align``; ``widths``: padded."""
     if widths is None:
         return "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
     dashes = ["-" * (w + 1) + (":" if a == "r" else "-") for a, w in zip(align, widths, strict=True)]

@@ -107,8 +107,8 @@ def test_every_format_gives_its_size_and_its_end(tmp_path, fmt):
     """Sizes come from the first page (no decode); a file cut to a third is named (PIL confirms it)."""
     path = tmp_path / f"img.{fmt.lower()}"
     Image.effect_noise((120, 90), 60).convert("RGB").save(path, fmt)
-    scan = coco_validation._scan_files([path], check_ends=True, read_sizes=True)
-    assert scan.sizes[path] == (120, 90) and scan.truncated == [] and scan.exif_candidates == []
+    exif_candidates, sizes = coco_validation._scan_files([path], check_ends=True, read_sizes=True)
+    assert sizes[path] == (120, 90) and exif_candidates == []  # returned: nothing truncated (it raises)
     _cut(path)
     with pytest.raises(DataError, match=r"corrupt or truncated: .*img\."):
         check_image_headers([path], check_ends=True)

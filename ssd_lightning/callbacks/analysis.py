@@ -30,14 +30,11 @@ PR_IOUS: tuple[float, ...] = (0.5, 0.75)
 
 
 class DetectionAnalysis(EvaluationArtifacts):
-    """After evaluations, what the detector gets wrong, from :class:`CocoMAPCallback`'s own evaluation.
-
-    On rank 0, after each evaluation ``CocoMAPCallback`` ran, writes ``<output_dir>/analysis/epoch_<e>/``
-    ``pr_curves.json``/``.png`` (precision at 101 recall points per class and for all at IoU 0.5 and 0.75)
-    and ``confusion_matrix.json``/``.png`` (at ``confusion_iou`` in (0, 1] and ``confusion_score_thresh``;
-    the top three confusions go to the log), the pictures also to a ``TensorBoardLogger``. Cadence:
-    ``every_n_evals``; the sanity check draws nothing; a failure is warned about once, never stops training.
-    """
+    """What the detector gets wrong, from :class:`CocoMAPCallback`'s own evaluation: on rank 0, after each,
+    ``<output_dir>/analysis/epoch_<e>/pr_curves.json``/``.png`` (precision at 101 recall points per class and
+    for all, IoU 0.5 and 0.75) and ``confusion_matrix.json``/``.png`` (at ``confusion_iou`` in (0, 1] and
+    ``confusion_score_thresh``; top three confusions logged), pictures also to a ``TensorBoardLogger``.
+    Cadence: ``every_n_evals``; the sanity check draws nothing; a failure warns once, never fatal."""
 
     def __init__(
         self,
@@ -61,11 +58,8 @@ class DetectionAnalysis(EvaluationArtifacts):
         return (main or found or [None])[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if (
-            (self.pr_curves or self.confusion)
-            and self._coco_callback(trainer) is None
-            and trainer.is_global_zero
-        ):
+        wanted = self.pr_curves or self.confusion
+        if wanted and trainer.is_global_zero and self._coco_callback(trainer) is None:
             log.info("DetectionAnalysis: no CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -70,8 +70,7 @@ def _merge_ranks(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
 
 @dataclass(frozen=True)
 class EvaluatedEpoch:
-    """What rank 0 keeps of an evaluation for a closer look (``DetectionAnalysis``): the epoch, the
-    evaluation and every rank's ``(M, 7)`` detections as evaluated."""
+    """What rank 0 keeps of an evaluation for ``DetectionAnalysis``; ``detections``: all ranks' (M, 7)."""
 
     epoch: int
     evaluation: CocoEvaluation
@@ -79,24 +78,19 @@ class EvaluatedEpoch:
 
 
 class CocoMAPCallback(Callback):
-    """Official COCO bbox mAP of every validation pass, evaluated on rank 0 and logged on every rank.
+    """Official COCO bbox mAP of each validation pass (``validation_step``'s ``{"detections": [...]}``, see
+    docs/architecture.md), evaluated on rank 0, logged on every rank: ``val/mAP``, ... (``COCO_STAT_NAMES``),
+    ``val/mAP_best``/``val/mAP_best_epoch`` while fitting (callback state: survives a resume), with
+    ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes ``detections_epoch_<e>.json`` (with
+    ``save_detections``) and ``per_class_epoch_<e>.json`` to ``output_dir`` (default ``trainer.log_dir``)
+    and keeps an :class:`EvaluatedEpoch` for :meth:`take_evaluation`. The sanity check runs the whole path
+    but logs nothing; an error on one rank is raised on every rank.
 
-    Reads ``validation_step``'s ``{"detections": [per-image dict]}`` (docs/architecture.md). Logs ``val/mAP``,
-    ... (``COCO_STAT_NAMES``), ``val/mAP_best`` and ``val/mAP_best_epoch`` while fitting (callback state:
-    survives a resume), with ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes
-    ``detections_epoch_<e>.json`` and ``per_class_epoch_<e>.json`` to ``output_dir`` (default
-    ``trainer.log_dir``) and keeps an :class:`EvaluatedEpoch` for :meth:`take_evaluation`. The sanity check
-    runs the whole path but logs nothing; an error on one rank is raised on every rank.
-
-    Args:
-        backend: ``"faster_coco_eval"`` (the default) or ``"pycocotools"`` (same numbers, slower).
-        output_dir, save_detections: where to write the JSON files, and whether to write them at all.
-        verbose: print the 12-line COCO summary (and the per-class table) on rank 0.
-        annotation_file, category_map: override the datamodule's ``val_annotation_file``, ``category_map``.
-        prefix: metric name prefix; another than ``val/`` also prefixes the file names (``val_raw_...``).
-        per_class: log, write and print the AP of every category.
-        detections_key: the ``validation_step`` output to evaluate; another than ``"detections"`` is optional
-            (nothing evaluated unless the module's ``validation_output_keys`` name it, e.g. EMA weights).
+    ``backend``: ``"faster_coco_eval"`` or ``"pycocotools"`` (same numbers, slower); ``verbose``: print the
+    summary (and per-class table); ``annotation_file``, ``category_map``: instead of the datamodule's;
+    ``prefix``: of the metric names, another than ``val/`` also of the file names (``val_raw_...``);
+    ``detections_key``: the output to evaluate, another than ``"detections"`` optional (nothing evaluated
+    unless the module's ``validation_output_keys`` name it, e.g. EMA weights).
     """
 
     def __init__(
@@ -127,8 +121,7 @@ class CocoMAPCallback(Callback):
         self._reset()
 
     def take_evaluation(self) -> EvaluatedEpoch | None:
-        """Rank 0: the latest evaluation of this validation pass (none in the sanity check, on other ranks, or
-        after a failure), handed over once: a second call returns ``None``."""
+        """Rank 0: this validation pass's evaluation, handed over once (else, sanity check, failure: None)."""
         evaluated, self._evaluated = self._evaluated, None
         return evaluated
 
@@ -213,7 +206,7 @@ class CocoMAPCallback(Callback):
                 payload = ("error", "; ".join(errors))
             else:
                 try:
-                    stats = self._evaluate(gathered, ann_file, out_dir, epoch, sanity=sanity)
+                    stats = self._evaluate(gathered, ann_file, out_dir, epoch, sanity)
                     payload = ("ok", None if sanity else stats)
                 except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
                     payload, local_error = ("error", f"rank 0: {type(e).__name__}: {e}"), e
@@ -238,7 +231,7 @@ class CocoMAPCallback(Callback):
             pl_module.log(name, value, prog_bar=name == f"{self.prefix}mAP", sync_dist=True, reduce_fx="max")
 
     def _evaluate(
-        self, gathered: list[Any], ann_file: Path, out_dir: Path | None, epoch: int, sanity: bool = False
+        self, gathered: list[Any], ann_file: Path, out_dir: Path | None, epoch: int, sanity: bool
     ) -> dict[str, float]:
         image_ids, rows, duplicates = _merge_ranks([(ids, rows) for ids, rows, _, _ in gathered])
         duplicates += sum(local_duplicates for _, _, local_duplicates, _ in gathered)

@@ -23,15 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class PredictionPictures(EvaluationArtifacts):
-    """After evaluations, draw detections over the ground truth on the first few validation images.
-
-    On rank 0, the first ``max_images`` validation images rank 0 sees go to ``<output_dir>/predictions/
-    epoch_<e>/<image_id>.jpg``: predictions with score >= ``score_thresh`` over the ground truth (green),
-    images whose longer side is under ``min_display_size`` (0: none) enlarged. ``image_dir``,
-    ``annotation_file``, ``category_map`` default to the datamodule's ``val_images``, ``val_annotation_file``,
-    ``category_map``. Cadence: ``every_n_evals``; the sanity check draws nothing; a problem drawing is
-    warned about once and never stops training.
-    """
+    """After evaluations, rank 0 draws predictions (score >= ``score_thresh``) over the ground truth (green)
+    on the first ``max_images`` validation images it sees, ``<output_dir>/predictions/epoch_<e>/<id>.jpg``,
+    enlarged if the longer side is under ``min_display_size`` (0: never). ``image_dir``, ``annotation_file``,
+    ``category_map``: default the datamodule's ``val_images``, ``val_annotation_file``, ``category_map``.
+    Cadence: ``every_n_evals``; the sanity check draws nothing; a problem warns once, never fatal."""
 
     def __init__(
         self,
@@ -58,8 +54,7 @@ class PredictionPictures(EvaluationArtifacts):
 
     def _load_annotations(self, path: Path) -> tuple[dict[int, dict], dict[int, list[dict]]]:
         if self._annotations is None or self._annotations[0] != path:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(path.read_text(encoding="utf-8"))
             anns: dict[int, list[dict]] = defaultdict(list)
             for ann in data.get("annotations", []):
                 anns[int(ann["image_id"])].append(ann)
@@ -118,8 +113,7 @@ class PredictionPictures(EvaluationArtifacts):
             picture = self._draw(
                 det, Path(image_dir) / info["file_name"], anns.get(det["image_id"], []), cmap
             )
-            # 4:4:4 chroma: thin coloured lines stay crisp
-            picture.save(folder / f"{det['image_id']}.jpg", quality=92, subsampling=0)
+            picture.save(folder / f"{det['image_id']}.jpg", quality=92, subsampling=0)  # 4:4:4: crisp lines
         log.info("PredictionPictures: wrote %d pictures to %s", len(self._collected), folder)
 
     def _draw(self, det: dict[str, Any], path: Path, anns: list[dict], cmap: Any) -> Image.Image:

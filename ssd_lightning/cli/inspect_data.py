@@ -174,8 +174,7 @@ def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, n
 def _save_batches(
     make_loader: Callable[[], Iterable[dict]], folder: Path, num_batches: int, draw
 ) -> list[Path]:
-    """``batch_<i>.jpg``: the grid of the tiles ``draw(i, batch)`` makes of each of the first ``num_batches``
-    batches (no loader is built for none)."""
+    """``batch_<i>.jpg``: the grid of ``draw(i, batch)``'s tiles of the first batches (0: no loader built)."""
     written = []
     for i, batch in enumerate(itertools.islice(make_loader(), num_batches) if num_batches else ()):
         tiles = draw(i, batch)

@@ -1,9 +1,8 @@
 """The one place that maps a dataset's category ids to contiguous training labels and back.
 
-Contiguous labels are ``1..K`` with ``0`` reserved for background. The order is the order of the
-``categories`` list in the COCO annotation file (not sorted by id): this is the rule DALI's
-``fn.readers.coco`` applies when it remaps category ids (``avoid_class_remapping=False``), and the tests
-pin that both agree. Categories that no annotation uses still get a label, exactly as in DALI.
+Labels are ``1..K`` (``0``: background) in the order of the annotation file's ``categories`` list (not by
+id): the rule of DALI's ``fn.readers.coco`` remapping (``avoid_class_remapping=False``; tests pin that both
+agree). Categories that no annotation uses still get a label, as in DALI.
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ class CategoryMap:
 
     def category_id_to_label(self, category_ids: _T) -> _T:
         """Dataset category ids -> contiguous labels (1..K); same types as :meth:`label_to_category_id`."""
-        max_id = max(self.category_ids)
-        min_id = min(min(self.category_ids), 0)
+        min_id, max_id = min(min(self.category_ids), 0), max(self.category_ids)
         table = np.full(max_id - min_id + 1, -1, dtype=np.int64)
         table[np.asarray(self.category_ids) - min_id] = np.arange(1, len(self.category_ids) + 1)
         return self._lookup(category_ids, table, offset=min_id, what="category id", valid=self.category_ids)

@@ -36,8 +36,7 @@ MIN_BOX_SIZE = 0.1  # px; DALI readers.coco default size_threshold
 _MAGIC = {b"\xff\xd8\xff": "JPEG", b"\x89PNG\r\n\x1a\n": "PNG", b"BM": "BMP", b"II*\x00": "TIFF"}
 _MAGIC[b"MM\x00*"] = "TIFF"  # big-endian
 _MAX_LISTED = 5
-_HEADER_BYTES = 4096
-_TAIL_BYTES = 4096  # where a file's end marker must be (cameras append a few bytes after it)
+_HEADER_BYTES = _TAIL_BYTES = 4096  # the tail: where a file's end marker must be (cameras append a few bytes)
 _EXIF_ORIENTATION = 0x0112  # EXIF tag "Orientation"
 SWAPS_SIDES = frozenset({5, 6, 7, 8})  # orientations that turn the image by 90 degrees
 _INT32 = range(-(2**31), 2**31)  # DALI reads image ids as int32
@@ -70,76 +69,80 @@ class CocoSplitInfo:
     num_images_with_boxes: int  # images with a box DALI keeps (what ``skip_empty`` leaves)
     num_dropped: int
     num_clipped: int
-    # (what, how many) the normalised copy filled in (empty: no copy)
-    filled: tuple[tuple[str, int], ...] = ()
-    # file_name of the EXIF-rotated images listed with their upright size (what DALI 2.x decodes), and of
-    # those listed with their stored size, which differs from the upright one (90 degrees, not square)
+    filled: tuple[tuple[str, int], ...] = ()  # (what, how many) the normalised copy filled in (): no copy
+    # file_name of the EXIF-rotated images listed with their upright size (what DALI 2.x decodes) / with
+    # their stored size (turned 90 degrees, not square)
     exif_listed_upright: tuple[str, ...] = ()
     exif_listed_unrotated: tuple[str, ...] = ()
-    # the first 5 "file_name (listed WxH, file wxh)" whose listed size is not their file's (EXIF-rotated
-    # ones excepted), and how many in all
-    size_mismatches: tuple[str, ...] = ()
+    size_mismatches: tuple[str, ...] = ()  # first 5 "file_name (listed WxH, file wxh)", EXIF-rotated excepted
     num_size_mismatches: int = 0
 
 
-def _listing(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
-    return shown + more
+def _listing(items: Sequence[str], total: int | None = None) -> str:
+    """The first 5 of ``items`` and how many more there are (of ``total``, default ``len(items)``)."""
+    more = (len(items) if total is None else total) - _MAX_LISTED
+    return ", ".join(items[:_MAX_LISTED]) + (f" (and {more} more)" if more > 0 else "")
 
 
 def check_image_headers(paths: Iterable[Path], *, check_ends: bool = False) -> list[Path]:
-    """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP).
-
-    Reads each file's first 4 KiB (one page: cheap enough for COCO's 118k images); with ``check_ends`` also
-    the last 4 KiB, to name files cut short (else DALI's decoder names them: :func:`find_undecodable_images`).
-    Returns the files that may carry an EXIF orientation (:func:`exif_orientation`).
-    """
-    return _scan_files(paths, check_ends=check_ends).exif_candidates
+    """Raise if a file is missing or does not start like an image DALI decodes (JPEG, PNG, BMP, TIFF, WebP),
+    from its first 4 KiB (cheap at COCO's 118k images); ``check_ends``: also its last 4 KiB, to name files
+    cut short. Returns the files that may carry an EXIF orientation (:func:`exif_orientation`)."""
+    return _scan_files(paths, check_ends=check_ends)[0]
 
 
-@dataclass
-class _FileScan:
-    missing: list[str]
-    bad: list[str]
-    truncated: list[str]
-    exif_candidates: list[Path]
-    sizes: dict[Path, tuple[int, int] | None]
-
-
-def _scan_files(paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = False) -> _FileScan:
-    """Read each file's first (and with ``check_ends`` last) page; ``read_sizes``: keep the (width, height)
-    parsed from the first (None: it does not tell). Raises for unusable files; policy: docs/internals.md."""
-    scan = _FileScan(missing=[], bad=[], truncated=[], exif_candidates=[], sizes={})
+def _scan_files(
+    paths: Iterable[Path], *, check_ends: bool, read_sizes: bool = False
+) -> tuple[list[Path], dict[Path, tuple[int, int] | None]]:
+    """Read each file's first (and with ``check_ends`` last) page; raise for unusable files (policy:
+    docs/internals.md). Returns the EXIF candidates and, with ``read_sizes``, each file's (width, height)
+    from its header (None: it does not tell)."""
+    missing, bad, exif_candidates, sizes = [], [], [], {}
     suspects: list[tuple[Path, str]] = []
     for path in paths:
         try:
             head, end, size = _read_ends(path, check_ends)
         except FileNotFoundError:
-            scan.missing.append(str(path))
+            missing.append(str(path))
             continue
         except IsADirectoryError:
-            scan.bad.append(f"{path} (a directory)")
+            bad.append(f"{path} (a directory)")
             continue
         kind = _image_kind(head)
         if kind is None:
-            scan.bad.append(f"{path} (starts with {head[:4]!r})")
+            bad.append(f"{path} (starts with {head[:4]!r})")
             continue
         may_have_exif, size_read = _header_facts(kind, head)
         if read_sizes:
-            scan.sizes[path] = size_read
+            sizes[path] = size_read
         if may_have_exif:
-            scan.exif_candidates.append(path)
+            exif_candidates.append(path)
         if check_ends and (why := _cut_short(kind, head, end, size)):
             suspects.append((path, why))
+    truncated = []
     if suspects:  # trailers longer than a page (motion photos) look the same: let PIL decide
         log.info(
             "decoding %d image(s) without their end marker to see whether they are complete", len(suspects)
         )
         undecodable = dict(_undecodable(path for path, _ in suspects))
-        scan.truncated = [f"{p} ({why}; PIL: {undecodable[p]})" for p, why in suspects if p in undecodable]
-    _raise_for_unusable(scan)
-    return scan
+        truncated = [f"{p} ({why}; PIL: {undecodable[p]})" for p, why in suspects if p in undecodable]
+    if missing:
+        raise MissingDataError(
+            f"{len(missing)} image file(s) listed in the annotations do not exist: {_listing(missing)}. "
+            "Restore them or remove their entries from the annotation file."
+        )
+    if bad:
+        raise DataError(
+            f"{len(bad)} file(s) are not images DALI can decode (JPEG, PNG, BMP, TIFF, WebP): "
+            f"{_listing(bad)}. Re-encode or remove them."
+        )
+    if truncated:
+        raise DataError(
+            f"{len(truncated)} image file(s) are corrupt or truncated: {_listing(truncated)}. Re-copy or "
+            "re-download them, or remove their entries from the annotation file (DALI would decode the "
+            "missing part of a truncated JPEG as grey)."
+        )
+    return exif_candidates, sizes
 
 
 def _read_ends(path: Path, check_ends: bool) -> tuple[bytes, bytes, int]:
@@ -159,26 +162,6 @@ def _read_ends(path: Path, check_ends: bool) -> tuple[bytes, bytes, int]:
         return head, (head + end)[-_TAIL_BYTES:] if start == _HEADER_BYTES else end, size
     finally:
         os.close(fd)
-
-
-def _raise_for_unusable(scan: _FileScan) -> None:
-    missing, bad, truncated = scan.missing, scan.bad, scan.truncated
-    if missing:
-        raise MissingDataError(
-            f"{len(missing)} image file(s) listed in the annotations do not exist: {_listing(missing)}. "
-            "Restore them or remove their entries from the annotation file."
-        )
-    if bad:
-        raise DataError(
-            f"{len(bad)} file(s) are not images DALI can decode (JPEG, PNG, BMP, TIFF, WebP): "
-            f"{_listing(bad)}. Re-encode or remove them."
-        )
-    if truncated:
-        raise DataError(
-            f"{len(truncated)} image file(s) are corrupt or truncated: {_listing(truncated)}. Re-copy or "
-            "re-download them, or remove their entries from the annotation file (DALI would decode the "
-            "missing part of a truncated JPEG as grey)."
-        )
 
 
 def _cut_short(kind: str, head: bytes, end: bytes, size: int) -> str | None:
@@ -323,8 +306,7 @@ def read_annotation_json(path: Path) -> dict[str, Any]:
 
 
 def _derived_copy(path: Path, data: dict[str, Any], out_dir: Path, kind: str) -> Path:
-    """Write ``data`` as ``out_dir/<stem>.<kind>.<key>.json``, keyed on ``path``'s path, size and mtime
-    (an existing copy is reused)."""
+    """``data`` as ``out_dir/<stem>.<kind>.<key>.json``, keyed on ``path``'s path, size, mtime; reused."""
     stat = path.stat()
     where = f"{_COPY_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha1(where.encode()).hexdigest()[:16]
@@ -344,15 +326,14 @@ def check_coco_split(
     exif_check: str = "error",
     size_check: str = "error",
 ) -> CocoSplitInfo:
-    """Validate one COCO split and return what the pipelines need (policy: docs/internals.md); while the
-    files are unchanged, later and concurrent calls reuse the result (:mod:`.split_cache`).
+    """Validate one COCO split and return what the pipelines need (policy: docs/internals.md); unchanged
+    files reuse the result (:mod:`.split_cache`, in ``cache_dir``, also for the copies).
 
     ``check_files``: also check every listed image's file (exists, is an image, not cut short, EXIF, size).
-    ``cache_dir``: for the results and the copies (default :func:`.split_cache.default_cache_dir`).
-    ``exif_check``/``size_check``: ``"error"``, ``"warn"`` or ``"off"`` for EXIF-rotated images whose boxes
+    ``exif_check``/``size_check`` (``"error"``, ``"warn"``, ``"off"``): EXIF-rotated images whose boxes
     cannot line up with what this DALI decodes / images listed at another size than their file's ("warn"
-    fits images resized proportionally after labelling: boxes are read relative to the listed size).
-    Raises MissingDataError (a FileNotFoundError) for a missing path, DataError (ValueError) for the rest.
+    fits images resized proportionally after labelling). Raises MissingDataError (a FileNotFoundError) for a
+    missing path, DataError (ValueError) for the rest.
     """
     check_mode_args(exif_check=exif_check, size_check=size_check)
     image_dir, annotation_file = Path(image_dir), Path(annotation_file)
@@ -449,8 +430,7 @@ def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
 def _size_mismatch(info: CocoSplitInfo) -> str | None:
     if not info.num_size_mismatches:
         return None
-    more = info.num_size_mismatches - len(info.size_mismatches)
-    named = ", ".join(info.size_mismatches) + (f" (and {more} more)" if more else "")
+    named = _listing(info.size_mismatches, info.num_size_mismatches)
     return (
         f"{info.annotation_file} (images in {info.image_dir}): {info.num_size_mismatches} image(s) are "
         f"listed with a width and height other than their file's: {named}. DALI reads the boxes relative "
@@ -503,8 +483,8 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
     upright, unrotated, mismatched = [], [], []
     if check_files:
         by_path = {image_dir / name: (w, h, name) for w, h, name in sizes.values()}
-        scan = _scan_files(by_path, check_ends=True, read_sizes=True)
-        upright, unrotated, mismatched = _compare_sizes(by_path, scan, annotation_file)
+        candidates, header_sizes = _scan_files(by_path, check_ends=True, read_sizes=True)
+        upright, unrotated, mismatched = _compare_sizes(by_path, candidates, header_sizes, annotation_file)
     clipped, kept, dropped = _check_boxes(data, sizes, category_map, image_dir, annotation_file)
     evaluation_file = reader_file = annotation_file
     if filled:  # before clipping: the evaluation reads the boxes as they were drawn
@@ -532,17 +512,16 @@ def _check_split(image_dir: Path, annotation_file: Path, check_files: bool, clip
 
 
 def _compare_sizes(
-    listed: dict[Path, tuple[float, float, str]], scan: _FileScan, annotation_file: Path
+    listed: dict[Path, tuple[float, float, str]],
+    exif_candidates: list[Path],
+    header_sizes: dict[Path, tuple[int, int] | None],
+    annotation_file: Path,
 ) -> tuple[list[str], list[str], list[str]]:
-    """Each image's listed size against its file's (from the EXIF look-up, the header or PIL's lazy open).
-
-    Returns the ``file_name`` of the EXIF-rotated images listed with their upright size and of those listed
-    with their stored size (raises for other rotated ones), and ``"file_name (listed WxH, file wxh)"`` of
-    the unrotated images whose listed size is not their file's.
-    """
+    """Each image's listed size against its file's: the :class:`CocoSplitInfo` fields ``exif_listed_upright``,
+    ``exif_listed_unrotated`` (raises for other rotated ones) and all the ``size_mismatches``."""
     from PIL import Image
 
-    oriented = {path: exif_orientation(path) for path in scan.exif_candidates}
+    oriented = {path: exif_orientation(path) for path in exif_candidates}
     upright, unrotated, neither, mismatched = [], [], [], []
     for path, (width, height, name) in listed.items():
         real = oriented.get(path)
@@ -557,7 +536,7 @@ def _compare_sizes(
                 upright_w, upright_h = upright_size
                 neither.append(f"{name} (listed {width:g}x{height:g}, upright {upright_w}x{upright_h})")
             continue
-        real = real[1] if real is not None else scan.sizes.get(path)
+        real = real[1] if real is not None else header_sizes.get(path)
         if real is None:
             try:
                 with Image.open(path) as img:  # reads the header only
@@ -590,13 +569,13 @@ def _is_box(bbox: Any) -> bool:
 
 def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, int]]:
     """Fill in, in place, what minimal exports leave out (docs/internals.md); ``(what, how many)`` changed."""
-    for ann in data["annotations"]:
+    annotations = data["annotations"]
+    for ann in annotations:
         if not isinstance(ann, dict):
             raise DataError(
                 f"annotation file {annotation_file}: every entry of 'annotations' must be an object with "
                 f"'image_id', 'category_id' and 'bbox', got {ann!r}"
             )
-    annotations = data["annotations"]
     changes = dict.fromkeys(("image id", "annotation id", "iscrowd", "area"), 0)
     changes["image id"] = _renumber_images(data, annotation_file)
     ids = [ann.get("id") for ann in annotations]

@@ -4,10 +4,9 @@ DALI pipelines, evaluation, ``task=inspect_data``) is the COCO code path.
 
 A :class:`Converter` (:mod:`.voc`, :mod:`.yolo`) names the files it reads and builds one COCO dict per split.
 :func:`convert_once` keys the result on those files' paths, sizes and ``mtime_ns``, the converter's options
-and :data:`VERSION`, in the cache folder (never the dataset): ``converted/<format>-<folder name>-<key>/``
-holds ``instances_{train,val}.json`` and ``manifest.json`` (the image folders; written last, and only when
-no file changed within :data:`~.split_cache.RACY_SECONDS` of the conversion). One process at a time
-(``flock``).
+and :data:`VERSION`: ``<cache folder>/converted/<format>-<folder name>-<key>/instances_{train,val}.json`` and
+``manifest.json`` (the image folders; written last, only when no file changed within
+:data:`~.split_cache.RACY_SECONDS` of the conversion). One process at a time (``flock``).
 """
 
 from __future__ import annotations
@@ -85,8 +84,7 @@ def _identity(files: Iterable[Path]) -> list[list[Any]]:
 def convert_once(
     converter: Converter, cache_dir: str | os.PathLike | None = None
 ) -> dict[str, tuple[Path, Path]]:
-    """``{"train": (image folder, COCO annotation file), "val": ...}`` of ``converter``'s dataset, converted
-    now or earlier (see the module doc)."""
+    """``{"train": (image folder, COCO annotation file), "val": ...}``, converted now or earlier."""
     root = converter.root.resolve()
     folder = writable_cache_dir(cache_dir)
     if folder is None:
@@ -134,4 +132,3 @@ class ConvertedDataModule(CocoDALIDataModule):
         splits = convert_once(converter, cache_dir)
         paths = {f"{s}_{k}": splits[s][i] for i, k in enumerate(("images", "annotations")) for s in SPLITS}
         super().__init__(converter.root, **paths, cache_dir=cache_dir, **kwargs)
-        self.source_root = converter.root

@@ -21,15 +21,8 @@ from ssd_lightning.data.coco_validation import read_annotation_json
 from ssd_lightning.errors import DataError
 from ssd_lightning.models.boxes import cxcywh_to_ltrb, match_boxes
 
-__all__ = [
-    "SIZE_BUCKETS",
-    "CocoArrays",
-    "decode_targets",
-    "default_box_fit",
-    "label_statistics",
-    "load_coco_arrays",
-    "match_default_boxes",
-]
+__all__ = ["SIZE_BUCKETS", "CocoArrays", "decode_targets", "default_box_fit", "label_statistics"]
+__all__ += ["load_coco_arrays", "match_default_boxes"]
 
 #: COCO's size buckets by annotation ``area`` (pixels): small < 32², medium < 96², large otherwise.
 SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
@@ -41,6 +34,7 @@ SIZE_BUCKETS: tuple[tuple[str, float, float], ...] = (
 ASPECT_EDGES: np.ndarray = np.geomspace(1 / 16, 16, 17)
 # IoU elements (images x ground truths x default boxes) computed at once by match_default_boxes
 _ELEMENTS_PER_CHUNK = 1 << 22
+CRITERIA = 0.5  # a default box is positive at IoU > this (DALI's box_encoder in the training pipeline)
 
 
 @dataclass(frozen=True)
@@ -72,8 +66,7 @@ class CocoArrays:
 
 
 def load_coco_arrays(path: str | os.PathLike) -> CocoArrays:
-    """Read a COCO instances JSON into :class:`CocoArrays`; DataError if it is not one (or an annotation
-    names an unknown image or category)."""
+    """A COCO instances JSON as :class:`CocoArrays` (DataError if it is not one, or names unknown ids)."""
     path = Path(path)
     try:
         data = read_annotation_json(path)  # polygons dropped before parsing (3x faster on COCO's train file)
@@ -112,8 +105,7 @@ def _columns(rows: list, keys: tuple[str, ...], dtypes: tuple) -> list[np.ndarra
 def _lookup(keys: np.ndarray, values: np.ndarray, path: Path, field: str, listing: str) -> np.ndarray:
     """Index of each of ``values`` in ``keys`` (vectorised), or a DataError naming the unknown ones."""
     order = np.argsort(keys, kind="stable")
-    pos = np.searchsorted(keys, values, sorter=order)
-    pos = np.clip(pos, 0, max(len(keys) - 1, 0))
+    pos = np.clip(np.searchsorted(keys, values, sorter=order), 0, max(len(keys) - 1, 0))
     found = order[pos] if len(keys) else pos
     bad = (keys[found] != values) if len(keys) else np.ones(len(values), bool)
     if bad.any():
@@ -172,11 +164,11 @@ def label_statistics(arrays: CocoArrays) -> dict:
 
 
 def match_default_boxes(
-    boxes_ltrb: Sequence[Tensor | np.ndarray], anchors_ltrb: Tensor, criteria: float = 0.5
+    boxes_ltrb: Sequence[Tensor | np.ndarray], anchors_ltrb: Tensor
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per ground-truth box (``boxes_ltrb``: per image (M_i, 4) relative, as DALI's reader hands them): the
     default boxes whose target it is, forced one included (``matched`` (sum M_i,) int64), and its best IoU
-    before forcing (``best_iou`` (sum M_i,) float32); a default box is positive at IoU > ``criteria``."""
+    before forcing (``best_iou`` (sum M_i,) float32); a default box is positive at IoU > :data:`CRITERIA`."""
     anchors = torch.as_tensor(anchors_ltrb, dtype=torch.float32)
     num_anchors = anchors.shape[0]
     counts = np.array([len(b) for b in boxes_ltrb], dtype=np.int64)
@@ -194,7 +186,7 @@ def match_default_boxes(
         idx = order[start : start + take]
         start += take
         gt = torch.as_tensor(np.stack([np.asarray(boxes_ltrb[i], dtype=np.float32) for i in idx]))
-        best_gt, positive, best = match_boxes(gt, anchors, criteria, last_wins_ties=True)  # DALI's ties
+        best_gt, positive, best = match_boxes(gt, anchors, CRITERIA, last_wins_ties=True)  # DALI's ties
         per_gt = torch.zeros(len(idx), m, dtype=torch.int64)
         per_gt.scatter_add_(1, best_gt, positive.to(torch.int64))
         rows = (offsets[idx][:, None] + np.arange(m)).reshape(-1)
@@ -207,7 +199,6 @@ def default_box_fit(
     arrays: CocoArrays,
     anchors_ltrb: Tensor,
     *,
-    criteria: float = 0.5,
     include_crowd: bool = True,
     max_images: int | None = None,
 ) -> dict:
@@ -227,10 +218,8 @@ def default_box_fit(
     xywh, img = arrays.bbox[rows].astype(np.float32), arrays.ann_image[rows]
     size = np.stack([arrays.widths[img], arrays.heights[img]], 1).astype(np.float32)
     ltrb = np.concatenate([xywh[:, :2], xywh[:, :2] + xywh[:, 2:]], axis=1) / np.concatenate([size, size], 1)
-    matched, best = match_default_boxes(
-        np.split(ltrb, starts[1:]) if len(rows) else [], anchors_ltrb, criteria
-    )
-    forced_only = best <= criteria
+    matched, best = match_default_boxes(np.split(ltrb, starts[1:]) if len(rows) else [], anchors_ltrb)
+    forced_only = best <= CRITERIA
 
     def group(mask: np.ndarray) -> dict:
         n = int(mask.sum())
@@ -249,7 +238,7 @@ def default_box_fit(
     return {
         "file": str(arrays.path),
         "images": int(len(images)),
-        "criteria": criteria,
+        "criteria": CRITERIA,
         "default_boxes": int(anchors_ltrb.shape[0]),
         "overall": group(np.ones(len(rows), bool)),
         "size_buckets": {name: group(bucket == i) for i, (name, _, _) in enumerate(SIZE_BUCKETS)},

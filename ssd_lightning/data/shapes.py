@@ -53,12 +53,10 @@ SHAPE_CATALOGUE: list[dict] = [
 
 JPEG_QUALITY = 90
 MAX_OBJECTS = 6  # shapes per image: 1..MAX_OBJECTS (the val split always; the train split by default)
-EMPTY_EVERY = 20  # image index i of a split has no objects when i % EMPTY_EVERY == EMPTY_OFFSET
-EMPTY_OFFSET = 3
+EMPTY_EVERY, EMPTY_OFFSET = 20, 3  # image index i of a split has no objects when i % 20 == 3
 MIN_VISIBLE_FRACTION = 0.25
 # Shape extent drawn log-uniformly between these fractions of the image's short side (at least 10 px).
-DEFAULT_MIN_SCALE = 0.07
-DEFAULT_MAX_SCALE = 0.75
+DEFAULT_MIN_SCALE, DEFAULT_MAX_SCALE = 0.07, 0.75
 SPLITS = {"train": ("train2017", 0), "val": ("val2017", 1)}
 CLS_SPLITS = {"train": 2, "val": 3}
 METADATA_FILE = "shapes_dataset.json"
@@ -136,8 +134,7 @@ def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
 
 
 def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np.ndarray, tuple | None]:
-    """Outline centred at the origin, ``(P, 2)`` float (x, y), extent about ``size``; and for ellipses
-    ``(a, b, angle)``, to rasterise the mask analytically."""
+    """``(P, 2)`` (x, y) outline around the origin, extent ~``size``; ellipses' ``(a, b, angle)`` or None."""
     angle, ellipse = rng.uniform(0, 2 * math.pi), None
     if kind == "rectangle":
         aspect = math.exp(rng.uniform(math.log(0.4), math.log(2.5)))
@@ -265,14 +262,11 @@ def render_detection_image(
     categories: Sequence[str] | None = None,
     max_objects: int = MAX_OBJECTS,
 ) -> tuple[np.ndarray, list[ShapeObject]]:
-    """Render image ``index`` of ``split`` ("train" or "val") exactly as :func:`make_detection_dataset` does.
-
-    Shape extents are log-uniform in ``[min_scale, max_scale]`` times the short side (at least 10 px); kinds
-    are uniform over the set ``categories`` (``None``: :data:`SHAPE_CATEGORIES`); 1..``max_objects`` shapes
-    (none for every 20th index). Size, background, count and kinds are drawn first, so another scale range
-    keeps them (another ``max_objects`` keeps size and background).
-    Returns the ``(H, W, 3)`` uint8 RGB image (before JPEG) and every shape drawn, in drawing order.
-    """
+    """Image ``index`` of ``split`` ("train"/"val") as :func:`make_detection_dataset` renders it: (H, W, 3)
+    uint8 RGB (before JPEG) and every shape drawn, in order. Extents log-uniform in ``[min_scale, max_scale]``
+    times the short side (>= 10 px); kinds uniform over ``categories`` (``None``: :data:`SHAPE_CATEGORIES`);
+    1..``max_objects`` shapes (none for every 20th index). Size, background, count and kinds are drawn first:
+    another scale range keeps them (another ``max_objects`` keeps size and background)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
     _check_args(min_size, max_size, min_scale, max_scale, max_objects)
@@ -434,13 +428,10 @@ def make_detection_dataset(
     categories: Sequence[str] | None = None,
     max_objects_train: int = MAX_OBJECTS,
 ) -> Path:
-    """Generate a COCO-layout shapes detection dataset at ``root`` (which must not exist or be empty).
-
-    Image ids: train ``1..num_train``, val after them; annotation ids ``image_id * 10 + k`` (k-th shape).
-    Images: :func:`render_detection_image`. The annotation files list exactly ``categories`` (catalogue
-    ids). ``max_objects_train`` (1..9) bounds training images only; val holds 1..:data:`MAX_OBJECTS`, so
-    val scores keep their meaning.
-    """
+    """Generate a COCO-layout shapes detection dataset at ``root`` (must not exist or be empty). Image ids:
+    train ``1..num_train``, val after them; annotation ids ``image_id * 10 + k``; images:
+    :func:`render_detection_image`; categories: exactly ``categories``. ``max_objects_train`` (1..9) bounds
+    training images only; val holds 1..:data:`MAX_OBJECTS`, so val scores keep their meaning."""
     if num_train < 0 or num_val < 0:
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
     _check_args(min_size, max_size, min_scale, max_scale, max_objects_train)
@@ -468,8 +459,7 @@ def make_classification_dataset(
     seed: int = 0,
     image_size: int = 96,
 ) -> Path:
-    """Generate an ImageFolder shapes classification dataset: ``root/{train,val}/<name>/*.jpg``, one class
-    per :data:`SHAPE_CATEGORIES` name."""
+    """Generate an ImageFolder shapes dataset ``root/{train,val}/<name>/*.jpg`` (:data:`SHAPE_CATEGORIES`)."""
     if num_train_per_class < 1 or num_val_per_class < 1:
         raise ValueError(
             f"num_train_per_class and num_val_per_class must be >= 1, "
@@ -544,16 +534,10 @@ def _category_conflict(root: Path, kwargs: dict) -> str | None:
     )
 
 
-def _ensure(
-    root: str | os.PathLike,
-    kind: str,
-    make: Callable[..., Path],
-    problem: Callable[[Path], str | None],
-    kwargs: dict,
-    conflict: Callable[[Path, dict], str | None] | None = None,
-) -> Path:
-    root = Path(root)
+def _ensure(root: str | os.PathLike, kind: str, kwargs: dict) -> Path:
+    root, detection = Path(root), kind == "detection"
     if _occupied(root):
+        problem = _detection_problem if detection else _classification_problem
         issue = problem(root)
         if issue is not None:
             raise DatasetConflictError(
@@ -561,11 +545,11 @@ def _ensure(
                 f"If it is left over from an interrupted or older run, delete {root} and run again; "
                 f"otherwise pass a different path."
             )
-        if conflict is not None and (issue := conflict(root, kwargs)) is not None:
+        if detection and (issue := _category_conflict(root, kwargs)) is not None:
             raise DatasetConflictError(issue)
         if (root / METADATA_FILE).is_file() and kwargs:  # some keys are recorded only when not the default
             old = {**_UNRECORDED_DEFAULTS, **json.loads((root / METADATA_FILE).read_text())}
-            # categories: checked by `conflict`
+            # categories: checked by _category_conflict
             differ = {k: (old.get(k), v) for k, v in kwargs.items() if k != "categories" and old.get(k) != v}
             if differ:
                 log.warning(
@@ -574,23 +558,21 @@ def _ensure(
                 )
         return root
     start = time.perf_counter()
-    make(root, **kwargs)
+    (make_detection_dataset if detection else make_classification_dataset)(root, **kwargs)
     log.info("Generated shapes %s dataset at %s in %.1f s", kind, root, time.perf_counter() - start)
     return root
 
 
 def ensure_detection_dataset(root: str | os.PathLike, **kwargs) -> Path:
-    """Return ``root``, generating it with :func:`make_detection_dataset` (``**kwargs``) if it does not exist.
-
-    An existing dataset of other sizes, scales or counts is reused with a warning. Raises FileExistsError
-    when ``root`` is not a complete COCO-layout dataset or (``categories`` given) lists other categories.
-    """
+    """Return ``root``, generating it with :func:`make_detection_dataset` (``**kwargs``) if it does not exist;
+    one of other sizes, scales or counts is reused with a warning. FileExistsError when ``root`` is not a
+    complete COCO-layout dataset or (``categories`` given) lists other categories."""
     if "categories" in kwargs:
         resolve_categories(kwargs["categories"])  # a bad name is a ValueError before anything is read
-    return _ensure(root, "detection", make_detection_dataset, _detection_problem, kwargs, _category_conflict)
+    return _ensure(root, "detection", kwargs)
 
 
 def ensure_classification_dataset(root: str | os.PathLike, **kwargs) -> Path:
     """Return ``root``, generating it with :func:`make_classification_dataset` if it does not exist (raises
     FileExistsError when ``root`` is not a complete ImageFolder shapes dataset)."""
-    return _ensure(root, "classification", make_classification_dataset, _classification_problem, kwargs)
+    return _ensure(root, "classification", kwargs)

@@ -1,8 +1,7 @@
 """Synthetic batches (no dataset, no DALI) for measuring model throughput.
 
-Batches follow docs/architecture.md, so any LightningModule runs on them unchanged. A handful of distinct
-batches is generated once and cycled through, so a batch costs nothing and a measured speed is the model's.
-There is no annotation file: ``val_annotation_file`` is ``None`` and no COCO mAP can be computed.
+Batches follow docs/architecture.md (any LightningModule runs on them); a few are generated once and cycled
+through, so a measured speed is the model's. No annotation file (``val_annotation_file`` is ``None``): no mAP.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from ssd_lightning.data.categories import CategoryMap
 
-__all__ = ["SyntheticDetectionDataModule", "SyntheticClassificationDataModule", "make_detection_targets"]
+__all__ = ["SyntheticDetectionDataModule", "SyntheticClassificationDataModule"]
 
 _NUM_DISTINCT = 4  # distinct precomputed batches cycled through
 # torch dtypes of the images: no DALI involved, so synthetic data works where DALI is absent
@@ -43,27 +42,6 @@ class _RepeatBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume_at = int(state["yielded"]) % self.steps
-
-
-def make_detection_targets(
-    num_images: int, num_classes: int, generator: torch.Generator, max_objects: int = 4
-) -> tuple[Tensor, Tensor]:
-    """Encoded SSD300 targets: boxes (N, 8732, 4) float32 (cx, cy, w, h), labels (N, 8732) int64, of 1..
-    ``max_objects`` random boxes per image (sides 0.1-0.6 of the image, labels 1..K; IoU threshold 0.5)."""
-    from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
-
-    coder = BoxCoder(dboxes300_coco())
-    all_boxes, all_labels = [], []
-    for _ in range(num_images):
-        m = int(torch.randint(1, max_objects + 1, (1,), generator=generator))
-        wh = 0.1 + 0.5 * torch.rand(m, 2, generator=generator)
-        lt = torch.rand(m, 2, generator=generator) * (1 - wh)
-        gt = torch.cat([lt, lt + wh], dim=1)
-        labels = torch.randint(1, num_classes, (m,), generator=generator)
-        boxes, enc_labels = coder.encode(gt, labels)
-        all_boxes.append(boxes.float())
-        all_labels.append(enc_labels.long())
-    return torch.stack(all_boxes), torch.stack(all_labels)
 
 
 class _SyntheticDataModule(pl.LightningDataModule):
@@ -131,12 +109,21 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._train is not None:
             return
-        g = torch.Generator().manual_seed(self.seed)
+        from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
+
+        coder, g = BoxCoder(dboxes300_coco()), torch.Generator().manual_seed(self.seed)
         n, self._train = self.batch_size, []
         for _ in range(_NUM_DISTINCT):
-            boxes, labels = make_detection_targets(n, self.num_classes, g)
+            targets = []  # 1..4 random boxes per image: sides 0.1-0.6 of the image, labels 1..K
+            for _ in range(n):
+                m = int(torch.randint(1, 5, (1,), generator=g))
+                wh = 0.1 + 0.5 * torch.rand(m, 2, generator=g)
+                lt = torch.rand(m, 2, generator=g) * (1 - wh)
+                labels = torch.randint(1, self.num_classes, (m,), generator=g)
+                targets.append(coder.encode(torch.cat([lt, lt + wh], 1), labels))
+            boxes, labels = (torch.stack([t[i] for t in targets]) for i in (0, 1))
             images = torch.randn(n, 3, 300, 300, generator=g).to(self.dtype)
-            self._train.append({"images": images, "boxes": boxes, "labels": labels})
+            self._train.append({"images": images, "boxes": boxes.float(), "labels": labels.long()})
         m = self.eval_batch_size
         self._val = [
             {

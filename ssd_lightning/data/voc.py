@@ -214,12 +214,10 @@ class VOCConverter:
 
 
 class VOCDALIDataModule(ConvertedDataModule):
-    """SSD300 data from a Pascal VOC folder (e.g. ``VOCdevkit/VOC2007``), read through its COCO copy.
-
-    ``train_split``/``val_split`` name the lists ``ImageSets/Main/<name>.txt`` (VOC 2007: ``trainval``,
-    ``test``); ``classes``: label order (default: the sorted names the files use); ``include_crowd``: also
-    train on ``difficult`` objects; the rest are :class:`~.coco_datamodule.CocoDALIDataModule`'s.
-    """
+    """SSD300 data from a Pascal VOC folder (e.g. ``VOCdevkit/VOC2007``), read through its COCO copy:
+    ``train_split``/``val_split`` name ``ImageSets/Main/<name>.txt`` (VOC 2007: ``trainval``, ``test``);
+    ``classes``: label order (default: the sorted names the files use); ``include_crowd``: also train on
+    ``difficult`` objects; the rest are :class:`~.coco_datamodule.CocoDALIDataModule`'s."""
 
     def __init__(
         self,

@@ -86,9 +86,8 @@ class YOLOConverter:
         return names, {split: self._split_images(config, split, base) for split in ("train", "val")}
 
     def _base(self, path: Any) -> Path:
-        """The folder ``train``/``val`` are relative to: ``path`` (relative to ``data.root``) or, where that
-        folder does not exist here (ultralytics' ``path: coco8`` under its datasets folder, a path on the
-        machine that exported the dataset), ``data.root``."""
+        """``path`` (relative to ``data.root``), else ``data.root`` (also where ``path`` does not exist here:
+        ultralytics' ``path: coco8`` under its datasets folder, a path on the exporting machine)."""
         if not path:
             return self.root
         base = self.root / str(path)
@@ -147,7 +146,19 @@ class YOLOConverter:
         out = {}
         for split, paths in images.items():
             image_dir = Path(os.path.commonpath([p.parent for p in paths]))
-            _check_labels_found(self.data_yaml, split, paths)
+            # no label file at all: labels not where ultralytics looks; some missing: images without objects
+            missing = [image for image in paths if not label_path(image).is_file()]
+            if len(missing) == len(paths):
+                raise DataError(
+                    f"{self.data_yaml}: {split}: none of its {len(paths)} images has a label file; the "
+                    f"first one's would be {label_path(paths[0])} (the last /images/ of the image's path "
+                    "replaced by /labels/, .txt)"
+                )
+            if missing:
+                log.warning(
+                    f"{self.data_yaml}: {len(missing)} of {len(paths)} {split} images have no label file "
+                    f"(images without objects), e.g. {label_path(missing[0])}"
+                )
             entries, annotations = [], []
             for image_id, path in enumerate(paths, 1):
                 width, height = image_size(path)
@@ -160,22 +171,6 @@ class YOLOConverter:
                         annotations.append({"image_id": image_id, "category_id": category_id, "bbox": bbox})
             out[split] = (image_dir, coco_dict(entries, annotations, names))
         return out
-
-
-def _check_labels_found(data_yaml: Path, split: str, images: list[Path]) -> None:
-    """A split without any label file is an error (labels not where ultralytics looks); some missing, a
-    warning (they are images without objects)."""
-    missing = [image for image in images if not label_path(image).is_file()]
-    if len(missing) == len(images):
-        raise DataError(
-            f"{data_yaml}: {split}: none of its {len(images)} images has a label file; the first one's would "
-            f"be {label_path(images[0])} (the last /images/ of the image's path replaced by /labels/, .txt)"
-        )
-    if missing:
-        log.warning(
-            f"{data_yaml}: {len(missing)} of {len(images)} {split} images have no label file (images without "
-            f"objects), e.g. {label_path(missing[0])}"
-        )
 
 
 def _read_labels(path: Path, names: dict[int, str]) -> list[tuple[int, tuple[float, float, float, float]]]:
@@ -225,8 +220,7 @@ def _read_labels(path: Path, names: dict[int, str]) -> list[tuple[int, tuple[flo
 
 
 class YOLODALIDataModule(ConvertedDataModule):
-    """SSD300 data from the YOLO (ultralytics) dataset ``root/data_yaml``, read through its COCO copy
-    (``kwargs``: :class:`~.coco_datamodule.CocoDALIDataModule`'s)."""
+    """SSD300 data from the YOLO dataset ``root/data_yaml`` through its COCO copy (+ CocoDALIDataModule's)."""
 
     def __init__(self, root: str | os.PathLike, *, data_yaml: str = "data.yaml", **kwargs: Any) -> None:
         super().__init__(YOLOConverter(root, data_yaml=data_yaml), **kwargs)

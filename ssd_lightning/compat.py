@@ -1,8 +1,7 @@
 """Every private attribute of Lightning, Hydra and torch that ssd_lightning touches, behind named accessors.
 
 Each accessor looks its attribute up strictly (:class:`CompatError` when an upgrade renamed it);
-:func:`check_installed` runs all those look-ups on a fresh Trainer before ``fit``. Lightning, Hydra and
-torch are imported only by the accessors that need them (config composition stays light).
+:func:`check_installed` runs them all on a fresh Trainer before ``fit``. Imports stay inside the accessors.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class CompatError(UserError, RuntimeError):
 
 
 def _supported(package: str) -> str:
-    """The requirement ssd_lightning's metadata states for ``package`` (``pytorch-lightning>=2.6,<2.7``)."""
+    """ssd_lightning's requirement for ``package`` (``pytorch-lightning>=2.6,<2.7``)."""
     distribution = _DISTRIBUTIONS[package]
     try:
         requirements = importlib.metadata.requires("ssd_lightning") or []
@@ -56,13 +55,11 @@ def _supported(package: str) -> str:
 
 
 def _missing(package: str, what: str) -> CompatError:
-    """The error for ``what`` (``Class.attribute``) absent from the installed ``package``."""
     version = getattr(importlib.import_module(package), "__version__", "?")
     return CompatError(f"{package} {version} has no {what}; ssd_lightning supports {_supported(package)}")
 
 
 def _attr(owner: object, name: str, where: str, package: str = _PL) -> Any:
-    """``owner.<name>``, or :class:`CompatError` naming ``<where>.<name>``."""
     try:
         return getattr(owner, name)
     except AttributeError:
@@ -75,8 +72,7 @@ def _signal_connector(trainer: pl.Trainer) -> Any:
 
 
 def set_sigterm_received(trainer: pl.Trainer, value: bool) -> None:
-    """Raise or lower Lightning's "stop after this step" flag (``SIGTERMException`` at the step's end; read
-    publicly as ``trainer.received_sigterm``)."""
+    """Raise or lower Lightning's "stop after this step" flag (``trainer.received_sigterm``)."""
     connector = _signal_connector(trainer)
     _attr(connector, "received_sigterm", "Trainer._signal_connector")
     connector.received_sigterm = bool(value)
@@ -85,10 +81,8 @@ def set_sigterm_received(trainer: pl.Trainer, value: bool) -> None:
 def replace_signal_handlers(
     trainer: pl.Trainer, *, sigterm: SignalHandler, slurm_requeue: SignalHandler
 ) -> None:
-    """Make Lightning register ``sigterm`` for SIGTERM and ``slurm_requeue`` for its SLURM auto-requeue signal
-    in place of its own handlers, which broadcast (SIGTERM, under DDP) or save (SIGUSR1) from inside the
-    handler. Call in ``on_fit_start`` (Lightning registers them after it); undone by
-    :func:`restore_signal_handling`."""
+    """Make Lightning register ``sigterm``/``slurm_requeue`` instead of its handlers (which broadcast or save
+    inside the handler); call in ``on_fit_start``, undo with :func:`restore_signal_handling`."""
     connector = _signal_connector(trainer)
     for name, handler in ((_SIGTERM_NOTIFIER, sigterm), (_SLURM_SIGUSR_HANDLER, slurm_requeue)):
         _attr(connector, name, "Trainer._signal_connector")
@@ -96,8 +90,7 @@ def replace_signal_handlers(
 
 
 def skip_per_step_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Switch off the broadcast of the SIGTERM flag Lightning does before every training step under DDP
-    (a device-to-host sync per step); undone by :func:`restore_signal_handling`."""
+    """No broadcast of the SIGTERM flag before every DDP training step (a sync per step); undoable."""
     epoch_loop = trainer.fit_loop.epoch_loop
     _attr(epoch_loop, _SIGTERM_BROADCAST, "Trainer.fit_loop.epoch_loop")
     setattr(epoch_loop, _SIGTERM_BROADCAST, lambda: None)
@@ -120,15 +113,14 @@ def _subprocess_script_launcher_class() -> type:
 
 
 def subprocess_script_launcher(trainer: pl.Trainer) -> Any | None:
-    """The trainer's launcher if it is Lightning's own (starting the ranks as subprocesses), else None."""
+    """The trainer's launcher if Lightning's own starts the ranks as subprocesses, else None."""
     launcher = trainer.strategy.launcher
     return launcher if isinstance(launcher, _subprocess_script_launcher_class()) else None
 
 
 def take_launched_processes(trainer: pl.Trainer) -> list[subprocess.Popen]:
-    """The rank processes Lightning's launcher started from this process (``[]`` elsewhere), taken out of the
-    very list its process observer watches: otherwise the observer, finding one ended by a signal, SIGKILLs
-    this process before it can report its own error or wait for them."""
+    """The rank processes Lightning's launcher started here (``[]`` elsewhere), taken out of the list its
+    observer watches: it would SIGKILL this process on finding one ended by a signal."""
     launcher = subprocess_script_launcher(trainer)
     if launcher is None:
         return []
@@ -140,8 +132,7 @@ def take_launched_processes(trainer: pl.Trainer) -> list[subprocess.Popen]:
 
 # -- Lightning: loops and validation schedule ----------------------------------------------------------------
 def load_pending_loader_states(trainer: pl.Trainer) -> None:
-    """Give the train loaders the states the checkpoint holds for them, if Lightning has not yet (it does so
-    only when it first sets up the train dataloader after loading the checkpoint)."""
+    """Give the train loaders the checkpoint's states for them, if Lightning has not yet."""
     fit_loop = trainer.fit_loop
     pending = _attr(fit_loop, "_combined_loader_states_to_load", "Trainer.fit_loop")
     loader = _attr(fit_loop, "_combined_loader", "Trainer.fit_loop")
@@ -151,8 +142,7 @@ def load_pending_loader_states(trainer: pl.Trainer) -> None:
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:
-    """Training batches that ended with an optimizer step, over the whole run (restored from checkpoints):
-    Lightning's logging step, the ``step`` column of ``metrics.csv``."""
+    """Lightning's logging step (the ``step`` column of ``metrics.csv``), restored from checkpoints."""
     return int(_attr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", "Trainer.fit_loop.epoch_loop"))
 
 
@@ -170,8 +160,7 @@ def _fetch_action_in(loop_class: type) -> bool:
 
 
 def train_fetch_action(trainer: pl.Trainer) -> str:
-    """:data:`TRAIN_FETCH_ACTION`, checked against the source of the trainer's training epoch loop: the
-    profiler action Lightning starts and stops around each ``next()`` of the training loader."""
+    """:data:`TRAIN_FETCH_ACTION`, checked against the source of the trainer's training epoch loop."""
     loop_class = type(trainer.fit_loop.epoch_loop)
     if not _fetch_action_in(loop_class):
         raise _missing(_PL, f'{loop_class.__name__} profiler action "{TRAIN_FETCH_ACTION}"')
@@ -180,8 +169,7 @@ def train_fetch_action(trainer: pl.Trainer) -> str:
 
 # -- Lightning: the CSV logger -------------------------------------------------------------------------------
 def csv_logger_experiment(logger: Any, writer_class: type) -> Any:
-    """The body of ``CSVLogger.experiment`` with ``writer_class`` (a subclass of Lightning's
-    ``ExperimentWriter`` overriding its ``_check_log_dir_exists``) in place of ``ExperimentWriter``."""
+    """``CSVLogger.experiment`` with ``writer_class`` (overriding ``_check_log_dir_exists``) as its writer."""
     from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 
     _attr(ExperimentWriter, "_check_log_dir_exists", "ExperimentWriter")
@@ -221,15 +209,13 @@ def norm_base_class() -> type:
 
 # -- Hydra ---------------------------------------------------------------------------------------------------
 def job_return_value(job_return: Any) -> Any:
-    """What a Hydra job returned or, for a failed job, the exception it raised (``JobReturn.return_value``
-    re-raises it instead)."""
+    """A Hydra job's return value or exception (``JobReturn.return_value`` re-raises the latter)."""
     return _attr(job_return, "_return_value", "JobReturn", _HYDRA)
 
 
 # -- all at once ---------------------------------------------------------------------------------------------
 def check_installed(trainer: pl.Trainer) -> None:
-    """Look up every private attribute the accessors touch, on ``trainer`` (before ``fit``) and the installed
-    classes; :class:`CompatError` for the first one missing."""
+    """Look up every private attribute the accessors touch; :class:`CompatError` for the first missing."""
     from hydra.core.utils import JobReturn
     from pytorch_lightning.loggers import CSVLogger
     from pytorch_lightning.loggers.csv_logs import ExperimentWriter

@@ -1,7 +1,6 @@
 """Errors that mean "the input is wrong", as opposed to a bug.
 
-``python train.py`` prints these as one message naming the config key or file and what to do, the traceback
-going to the run's log file only (docs/reliability.md).
+``python train.py`` prints them as one message, the traceback to the log file only (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -47,9 +46,7 @@ class NonFiniteLossError(UserError, FloatingPointError):
 
 # -- how command-line entry points report them --------------------------------------------------------
 def is_user_error(error: BaseException) -> bool:
-    """Input errors, as opposed to bugs: ours, Lightning's ``MisconfigurationException`` (it names Trainer
-    arguments), and Hydra's ``InstantiationException`` of a constructor that rejected a value (``ValueError``
-    or ours; a ``TypeError`` there is a bug or a wrong key)."""
+    """Input errors, not bugs: ours, Lightning's misconfiguration, Hydra's wrapping of a ValueError."""
     from hydra.errors import InstantiationException
     from lightning_fabric.utilities.exceptions import MisconfigurationException
 
@@ -58,30 +55,24 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, InstantiationException) and isinstance(error.__cause__, (ValueError, UserError))
 
 
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank_prefix() -> str:
-    """``"[rank N] "`` in a multi-process job, else nothing."""
     import torch.distributed as dist
     from lightning_fabric.utilities.rank_zero import rank_zero_only
 
     rank = getattr(rank_zero_only, "rank", 0)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    return f"[rank {rank}] " if distributed or rank > 0 else ""
-
-
-def _peer_failed(error: BaseException) -> bool:
-    """A collective broke because another process of the job died (gloo says so; NCCL would time out)."""
-    import torch.distributed as dist
-
-    text = str(error)
-    in_a_job = dist.is_available() and dist.is_initialized()
-    return in_a_job and ("Connection closed by peer" in text or "Connection reset by peer" in text)
+    return f"[rank {rank}] " if (_in_process_group() and dist.get_world_size() > 1) or rank > 0 else ""
 
 
 @contextlib.contextmanager
 def user_errors_as_messages() -> Iterator[None]:
-    """Print user errors as one ``Error: ...`` message, the traceback to the log files only
-    (``HYDRA_FULL_ERROR=1`` re-raises instead), and exit 2 (config) or 1 (data, files, environment); other
-    errors keep their traceback. Ctrl-C outside training exits 130 with one line."""
+    """Print user errors as one ``Error: ...`` line (traceback to the log files; ``HYDRA_FULL_ERROR=1``
+    re-raises) and exit 2 (config) or 1; others keep their traceback. Ctrl-C exits 130."""
     try:
         yield
     except KeyboardInterrupt:
@@ -90,7 +81,9 @@ def user_errors_as_messages() -> Iterator[None]:
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        if isinstance(error, RuntimeError) and _peer_failed(error):
+        # a collective broke because another process of the job died (gloo says so; NCCL would time out)
+        peer = any(f"Connection {w} by peer" in str(error) for w in ("closed", "reset"))
+        if isinstance(error, RuntimeError) and peer and _in_process_group():
             sys.stderr.write(
                 f"{_rank_prefix()}Stopped: another process of this job failed; its message is above.\n"
             )

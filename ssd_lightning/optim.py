@@ -27,9 +27,8 @@ def scale_lr(
     batch_size: int,
     reference_batch_size: int = 32,
 ) -> float:
-    """Scale a base learning rate to the global batch actually used: ``linear`` is the NVIDIA SSD300 rule
-    ``lr = base_lr * world_size * batch_size / reference_batch_size`` (``batch_size`` per device, as the
-    reference's ``--bs``), ``sqrt`` takes the square root of that ratio, ``none`` returns ``base_lr``."""
+    """``base_lr`` times ``world_size * batch_size / reference_batch_size`` (``linear``, the NVIDIA SSD300
+    rule; ``batch_size`` per device, the reference's ``--bs``), its square root (``sqrt``) or 1 (``none``)."""
     if rule not in LR_SCALING_RULES:
         raise ConfigError(f"lr_scaling.rule must be one of {LR_SCALING_RULES}, got {rule!r}")
     if batch_size <= 0 or world_size <= 0 or reference_batch_size <= 0:
@@ -50,11 +49,8 @@ def scale_ema_decay(
     every_n_steps: int = 1,
     epochs: int,
 ) -> float:
-    """The EMA decay applied per EMA update. ``torchvision`` is its classification reference's rule
-    (``--model-ema-decay``): ``1 - decay`` is multiplied by ``world_size * batch_size * every_n_steps /
-    epochs`` (capped at 1), so the averaging horizon follows the global batch, the update interval and the
-    schedule's length; e.g. 0.99998 on 8 x 32 images, every 32 steps, 300 epochs gives 1 - 2e-5 * 27.3 =
-    0.999454. ``none`` applies ``decay`` as given."""
+    """The decay per EMA update: ``torchvision`` multiplies ``1 - decay`` by ``world_size * batch_size *
+    every_n_steps / epochs`` (capped at 1; its reference's ``--model-ema-decay``); ``none``: as given."""
     if scaling not in EMA_DECAY_SCALINGS:
         raise ConfigError(f"ema_decay_scaling must be one of {EMA_DECAY_SCALINGS}, got {scaling!r}")
     if scaling == "none":
@@ -77,10 +73,8 @@ def param_groups(
     bias_weight_decay: float | None = 0.0,
     depthwise_weight_decay: float | None = None,
 ) -> list[dict]:
-    """Weight-decay groups (named ``norm``, ``bias``, ``depthwise``, ``other``; empty ones dropped, frozen
-    parameters left out): parameters of normalisation layers (BatchNorm, GroupNorm, LayerNorm, ...), other
-    biases, depthwise-convolution weights; ``None`` means "same as ``weight_decay``". The NVIDIA SSD300
-    recipe is ``weight_decay=5e-4`` with 0 on BatchNorm and biases."""
+    """Weight-decay groups ``norm`` (normalisation layers), ``bias``, ``depthwise`` (depthwise-convolution
+    weights), ``other``; empty ones dropped, frozen parameters left out; ``None``: ``weight_decay``."""
     norm_types = (compat.norm_base_class(), nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
     decays = {
         "norm": weight_decay if norm_weight_decay is None else norm_weight_decay,
@@ -115,8 +109,7 @@ def build_optimizer(
     weight_decay: float,
     **group_decays: float | None,
 ) -> torch.optim.Optimizer:
-    """Instantiate a (partial) optimizer on :func:`param_groups` of ``model`` (``group_decays``: its
-    ``norm_weight_decay``, ``bias_weight_decay``, ``depthwise_weight_decay``) with the effective ``lr``."""
+    """The (partial) optimizer on :func:`param_groups` of ``model`` (``group_decays``: its keywords)."""
     return optimizer(param_groups(model, weight_decay, **group_decays), lr=lr)
 
 
@@ -135,8 +128,7 @@ def is_int(value: object) -> bool:
 
 
 def increasing_epochs(value: object) -> bool:
-    """A list (any non-string iterable) of strictly increasing non-negative integers: LR milestones,
-    evaluation epochs."""
+    """A non-string iterable of strictly increasing non-negative integers (milestones, evaluation epochs)."""
     if isinstance(value, str) or not isinstance(value, Iterable):
         return False
     items = list(value)
@@ -144,8 +136,7 @@ def increasing_epochs(value: object) -> bool:
 
 
 def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.optimizer") -> None:
-    """Raise :class:`ConfigError` naming ``{key}.lr``/``{key}.weight_decay`` unless each is ``None`` (not set)
-    or a number >= 0, as torch's optimizers take them (``lr=0`` evaluates fixed weights)."""
+    """:class:`ConfigError` unless ``lr`` and ``weight_decay`` are each ``None`` or a number >= 0."""
     if lr is not None and not (_is_number(lr) and lr >= 0):
         raise ConfigError(f"{key}.lr={lr!r}: must be a number >= 0 (the base LR before scaling)")
     if weight_decay is not None and not (_is_number(weight_decay) and weight_decay >= 0):
@@ -153,9 +144,7 @@ def check_optimizer_args(lr: object, weight_decay: object, *, key: str = "model.
 
 
 def check_scheduler_args(scheduler: Mapping, *, key: str = "model.scheduler") -> None:
-    """Raise :class:`ConfigError` naming ``{key}.<name>`` for a ``warmup_steps`` that is no integer >= 0, a
-    ``gamma`` outside (0, 1] or ``milestones`` that are not strictly increasing non-negative epochs (absent
-    or ``None`` ones are not checked)."""
+    """:class:`ConfigError` for a bad ``warmup_steps``, ``gamma`` or ``milestones`` (``None``: unchecked)."""
     warmup, gamma, milestones = (scheduler.get(k) for k in ("warmup_steps", "gamma", "milestones"))
     if warmup is not None and not (is_int(warmup) and warmup >= 0):
         raise ConfigError(f"{key}.warmup_steps={warmup!r}: must be an integer >= 0 (optimizer steps)")
@@ -179,10 +168,9 @@ def lr_factor(
     step_size: int = 1,
     min_factor: float = 0.0,
 ) -> float:
-    """Multiplier of the peak LR at optimizer ``step`` (0-based): linear warm-up over the first
-    ``warmup_steps`` as the NVIDIA reference (``step / warmup_steps``: the first step has LR 0), then
-    ``multistep`` (× ``gamma`` at each epoch in ``milestones``), ``step`` (× ``gamma`` every ``step_size``
-    epochs), ``cosine`` (to ``min_factor`` at ``total_steps``, measured after warm-up) or ``constant``."""
+    """Multiplier of the peak LR at 0-based optimizer ``step``: warm-up ``step / warmup_steps`` (LR 0 first,
+    as the reference), then ``multistep`` (× ``gamma`` at each of ``milestones``), ``step`` (× ``gamma``
+    every ``step_size`` epochs), ``cosine`` (to ``min_factor`` at ``total_steps``) or ``constant``."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"scheduler.name must be one of {SCHEDULES}, got {schedule!r}")
     warm = step / warmup_steps if warmup_steps > 0 and step < warmup_steps else 1.0
@@ -201,35 +189,27 @@ def lr_factor(
 
 
 def warmup_iterations(steps_per_epoch: int, warmup_steps: int = 0, warmup_epochs: float = 0.0) -> int:
-    """The LR warm-up in optimizer steps: ``warmup_steps`` plus ``warmup_epochs`` (may be fractional) of
-    ``steps_per_epoch``, rounded; the schedule, the EMA's restarts and the log line all use it."""
+    """The LR warm-up in optimizer steps: ``warmup_steps`` plus ``warmup_epochs`` (fractional) epochs."""
     return int(warmup_steps or 0) + round(float(warmup_epochs or 0.0) * steps_per_epoch)
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
-    schedule: str,
     steps_per_epoch: int,
     max_epochs: int,
     warmup_steps: int = 0,
     warmup_epochs: float = 0.0,
     milestones: Iterable[int] = (),
-    gamma: float = 0.1,
-    step_size: int = 1,
-    min_factor: float = 0.0,
+    **schedule: object,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-iteration ``LambdaLR`` implementing :func:`lr_factor`, warm-up from :func:`warmup_iterations`."""
-    warmup = warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs)
+    """A per-iteration ``LambdaLR`` of :func:`lr_factor` (``schedule``: its other keywords)."""
     fn = functools.partial(
         lr_factor,
-        schedule=schedule,
         steps_per_epoch=steps_per_epoch,
-        warmup_steps=warmup,
+        warmup_steps=warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs),
         total_steps=steps_per_epoch * max_epochs,
         milestones=tuple(milestones),
-        gamma=gamma,
-        step_size=step_size,
-        min_factor=min_factor,
+        **schedule,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -12,10 +12,7 @@ log = logging.getLogger(__name__)
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """Keeps one checkpoint, ``<dirpath>/<filename>.ckpt``, of the validation with the best ``monitor`` value,
-    rewritten (atomically) when a later evaluation beats it; its score survives a resume. A validation that
-    does not log ``monitor`` (``~callbacks.coco_map``) writes none and says so once, where
-    ``ModelCheckpoint`` would fail."""
+    """``<dirpath>/<filename>.ckpt`` of the best ``monitor``; without ``monitor`` none, said once."""
 
     def __init__(
         self, dirpath: str | os.PathLike, monitor: str, mode: str = "max", filename: str = "best"

@@ -9,10 +9,7 @@ __all__ = ["EarlyStopping"]
 
 
 class EarlyStopping(LightningEarlyStopping):
-    """Lightning's ``EarlyStopping`` on ``monitor``, checked after each validation only, off when ``patience``
-    is None: ``patience`` counts evaluations without an improvement over ``min_delta``, not epochs (under
-    ``EvalSchedule`` epochs without validation are not checked). The decision is Lightning's; its counters
-    are saved in checkpoints, so a resumed run keeps counting."""
+    """Lightning's ``EarlyStopping`` after validations only (``patience`` counts them); None: off."""
 
     def __init__(
         self, monitor: str, *, patience: int | None = None, min_delta: float = 0.0, mode: str = "max"

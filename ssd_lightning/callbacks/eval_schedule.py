@@ -18,14 +18,9 @@ _NEVER = sys.maxsize
 
 
 class EvalSchedule(Callback):
-    """Run the validation loop only after the listed 0-based ``eval_epochs`` (strictly increasing) and, with
-    ``always_last``, the last one (of a finite ``max_epochs``).
-
-    Before each epoch (and at ``on_train_start``, for a run resumed mid-epoch) it sets
-    ``trainer.check_val_every_n_epoch`` to 1 on scheduled epochs and to a value no epoch reaches otherwise
-    (restored at the end of ``fit``): the schedule depends only on ``current_epoch``, so a resumed run keeps
-    it. ``val_check_interval < 1`` keeps working inside scheduled epochs; time-based validation is refused.
-    A ``ModelCheckpoint`` with ``save_on_train_epoch_end=None`` then saves only after validated epochs.
+    """Validate only after the 0-based ``eval_epochs`` (strictly increasing) and, with ``always_last``, the
+    last one. Before each epoch it sets ``trainer.check_val_every_n_epoch`` to 1 or to a value no epoch
+    reaches (restored after ``fit``), from ``current_epoch`` alone, so a resumed run keeps the schedule.
     """
 
     def __init__(self, eval_epochs: Iterable[int], *, always_last: bool = True) -> None:

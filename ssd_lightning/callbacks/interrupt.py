@@ -28,17 +28,13 @@ __all__ = ["INTERRUPTED_FILE", "InterruptCheckpoint", "read_interruption", "sche
 
 # what the ranks reduce, by position; the last one present wins (a requeue signal over a plain stop)
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
-# SLURM's time-limit/preemption signals: submitit's (USR2, 120 s before the limit) and Lightning's
-# auto-requeue (USR1); after the save, the handler that was there before (submitit's) requeues the job
+# SLURM's time-limit/preemption signals: submitit's (USR2) and Lightning's auto-requeue (USR1)
 _REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-# next to the checkpoint: which signal stopped the run, where, and in which scheduler job
 INTERRUPTED_FILE = "interrupted.json"
 
 
 def scheduler_job_id() -> str | None:
-    """The id a scheduler keeps when it restarts a job (``scontrol requeue``, SLURM's preemption requeue,
-    submitit's local retries; a new submission gets a new one): submitit_local's, SLURM's (array) job; else
-    None."""
+    """The job id a scheduler keeps across a requeue (submitit_local's, SLURM's (array) job's), else None."""
     if os.environ.get("SUBMITIT_LOCAL_JOB_ID"):
         return f"local_{os.environ['SUBMITIT_LOCAL_JOB_ID']}"
     return _slurm_job_id()
@@ -80,20 +76,12 @@ def _wait_for(children: list[subprocess.Popen], timeout: float) -> None:
 
 class InterruptCheckpoint(pl.Callback):
     """Turn SIGTERM, SIGUSR1/SIGUSR2 and a first Ctrl-C into ``<dirpath>/<filename>`` (default: the
-    ModelCheckpoint's ``last.ckpt``), written at the same step on every DDP rank; the caller then exits 143
+    ModelCheckpoint's ``last.ckpt``) written at the same step on every DDP rank; the caller then exits 143
     (SIGTERM), 130 (Ctrl-C) or hands over to the scheduler's requeue.
 
-    * Handlers only set a flag (no collective, no I/O). The ranks agree at step boundaries through one
-      all-reduce (MAX of the flags), whichever ranks got the signal (``kill <pid>`` of Lightning's launcher
-      reaches only rank 0): every ``check_every_n_steps`` optimizer steps or, when that is None, about every
-      ``check_every_seconds`` (from the reduced step time, so the same on every rank; keep it well below the
-      launcher's wait before SIGKILL). Lightning's per-step broadcast of its SIGTERM flag is switched off.
-    * Lightning's own path then raises ``SIGTERMException`` after that step on every rank;
-      :meth:`on_exception` saves on every rank and rank 0 writes ``interrupted.json`` (signal, epoch, step,
-      :func:`scheduler_job_id`), from which a requeued job continues.
-    * After a SIGUSR2 (submitit's time limit) or SIGUSR1 (Lightning's SLURM auto-requeue) stop,
-      :meth:`hand_over` runs the handler installed before training, or ``scontrol requeue``.
-    * A second Ctrl-C aborts at once, without a checkpoint. A signal during validation takes effect after it.
+    Handlers only set a flag; the ranks agree by one all-reduce every ``check_every_n_steps`` optimizer steps
+    or (None) about every ``check_every_seconds``; then every rank saves after that step and rank 0 writes
+    ``interrupted.json`` for a requeued job. A second Ctrl-C aborts without a checkpoint.
     """
 
     def __init__(
@@ -138,9 +126,8 @@ class InterruptCheckpoint(pl.Callback):
         compat.skip_per_step_sigterm_broadcast(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # here, not in on_fit_start: Lightning records the handlers when it registers its own (after
-        # on_fit_start) and restores them in its teardown, which so also removes ours. Ours replace
-        # Lightning's SLURM handler (it saves from inside) and submitit's (it requeues and exits at once)
+        # here: Lightning records the handlers when it registers its own (after on_fit_start) and restores
+        # them in its teardown, removing ours too. Ours replace its SLURM handler and submitit's
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, *_REQUEUE_SIGNALS):
                 signal.signal(signum, self._on_signal)
@@ -173,8 +160,7 @@ class InterruptCheckpoint(pl.Callback):
     def _stop(self, trainer: pl.Trainer, agreed: str) -> None:
         self.stopped_by = self._received or agreed
         self._agreed = agreed
-        # Lightning's own SIGTERM path: on_advance_end raises SIGTERMException after this step's bookkeeping
-        # (after validation, if this step runs one) on every rank
+        # Lightning's own path: SIGTERMException after this step (and its validation) on every rank
         compat.set_sigterm_received(trainer, True)
 
     def _reset_schedule(self, global_step: int) -> None:
@@ -290,10 +276,7 @@ class InterruptCheckpoint(pl.Callback):
         return "scontrol" if self._slurm_requeue and self._agreed == "SIGUSR1" else None
 
     def hand_over(self) -> None:
-        """After a SIGUSR1/SIGUSR2 stop and its save (the process group released): requeue the job at once,
-        as the signal's own handler would have (submitit's requeues on rank 0 and exits; rank 0 runs
-        ``scontrol requeue`` under Lightning's SLURM auto-requeue). Returns when there is nothing to hand
-        over (the caller exits 128 + signal number)."""
+        """After a SIGUSR1/SIGUSR2 stop and its save: requeue the job as the signal's own handler would."""
         requeuer = self._requeuer()
         if requeuer is None or self.saved_path is None:
             return

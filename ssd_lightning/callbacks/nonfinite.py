@@ -18,13 +18,9 @@ __all__ = ["NonFiniteGuard"]
 class NonFiniteGuard(pl.Callback):
     """Stops a run that trains on NaN/inf, without a host-device sync per step.
 
-    On the device, per step: non-finite losses are counted (and the batch of the first one); when a gradient
-    is NaN/inf, all are zeroed before the optimizer step (``zero_nonfinite_grads``; one bad batch cannot make
-    the weights NaN; with fp16 the GradScaler skips such steps itself, so they are only counted). Every
-    ``check_every_n_steps`` steps (default: ``log_every_n_steps``) and at each epoch end the counters are read
-    once: ``train/nonfinite_losses`` and ``train/nonfinite_grad_steps`` are logged, a warning names the first
-    bad (epoch, batch), and after ``patience`` consecutive non-finite losses every rank raises
-    :class:`NonFiniteLossError` (reduced across ranks), before a checkpoint of NaN weights is written.
+    Non-finite losses are counted on the device and NaN/inf gradients zeroed (``zero_nonfinite_grads``).
+    Every ``check_every_n_steps`` (default: ``log_every_n_steps``) and epoch end the counters are read and
+    logged; ``patience`` consecutive bad losses raise :class:`NonFiniteLossError` before NaN is saved.
     """
 
     def __init__(

@@ -9,8 +9,7 @@ __all__ = ["StepMetricsProgressBar"]
 
 
 class StepMetricsProgressBar(TQDMProgressBar):
-    """Lightning's TQDM bar plus the latest training loss, LR and images/s, read only when the bar redraws
-    (``prog_bar=True`` would read the loss back, waiting for the GPU, after every step)."""
+    """Lightning's TQDM bar plus the latest loss, LR and images/s, read only when the bar redraws."""
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
         metrics = super().get_metrics(trainer, pl_module)

@@ -1,16 +1,8 @@
 """Images/s of training or inference iterations measured inside a Lightning run (the reference's benchmarks).
 
-Timing model: a ``training`` iteration is one training batch (forward, loss, backward, optimizer step), an
-``inference`` one a validation/predict batch (forward + decode/NMS), timed from batch start to batch end:
-data loading and the host-to-device copy are excluded, as in the NVIDIA reference; with
-``include_data_loading=True`` from one batch end to the next. The first ``warmup`` iterations are not timed,
-then ``iterations`` are, after which training stops (``trainer.should_stop``; evaluation loops are bounded
-by the caller's ``limit_val_batches``). On CUDA the device is synchronised right before each clock reading
-that opens or closes a timed region, and nowhere else; on CPU never.
-
-Over ranks, iteration ``i``'s rate is ``sum_r b[r, i] / max_r t[r, i]`` (the slowest rank sets the pace;
-batches summed once), the same on every rank (``all_gather``); rank 0 prints and writes ``benchmark.json``.
-:mod:`~ssd_lightning.callbacks.training_speed` shares the batch-size reader and the per-rank gathering.
+An iteration is a training or validation/predict batch, timed from its start to its end (data loading
+excluded, as in the reference, unless ``include_data_loading``); CUDA syncs only at those readings. Over
+ranks, iteration ``i``'s rate is ``sum_r b[r, i] / max_r t[r, i]``; rank 0 writes ``benchmark.json``.
 """
 
 from __future__ import annotations
@@ -53,12 +45,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[str, float]:
-    """Statistics (floats) of (R ranks, n iterations) seconds ``iteration_times`` and images ``batch_sizes``.
-
-    ``images_per_second_{median,mean,min,max}`` of the n global rates; ``_p90``: the rate 90 % of iterations
-    reached (10th percentile of the rates); ``_average``: all images / the slowest rank's elapsed time (the
-    reference's ``avg_img/sec``); ``latency_ms_{median,mean,p90,p95,p99}`` of the per-iteration max over
-    ranks; ``global_batch_size`` (median), ``iterations``, ``world_size``.
+    """Statistics (floats) of (R ranks, n iterations) seconds ``iteration_times`` and images ``batch_sizes``:
+    ``images_per_second_*`` of the n global rates (``_p90``: the rate 90 % of iterations reached;
+    ``_average``: all images / the slowest rank's time, the reference's ``avg_img/sec``), ``latency_ms_*``
+    of the per-iteration max over ranks, ``global_batch_size`` (median), ``iterations``, ``world_size``.
     """
     if iteration_times.dim() != 2 or iteration_times.shape != batch_sizes.shape:
         raise ValueError(
@@ -94,8 +84,7 @@ def throughput_statistics(iteration_times: Tensor, batch_sizes: Tensor) -> dict[
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
-    """Peak memory in bytes and its kind: CUDA's ``max_memory_allocated``, else the process's peak RSS
-    (``getrusage``: KiB on Linux, bytes on macOS; the whole process lifetime)."""
+    """Peak memory in bytes and its kind: CUDA's ``max_memory_allocated``, else the process's peak RSS."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_memory_allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -173,10 +162,8 @@ def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
 
 
 class ThroughputBenchmark(pl.Callback):
-    """Measure images/s of ``warmup`` (untimed; reference: 100) + ``iterations`` (reference: 200) training
-    or inference batches (``mode``); stop; report to ``output_dir`` (default: ``trainer.default_root_dir``).
-    ``config_summary``'s ``backbone``/``channels_last`` win over the model's (``compile`` is what really ran).
-    After the run, ``results`` holds the ``benchmark.json`` content and ``statistics`` its statistics."""
+    """Images/s of ``iterations`` batches of ``mode`` after ``warmup``, then stop and write ``benchmark.json``
+    (``results``) to ``output_dir``; ``config_summary``'s ``backbone``/``channels_last`` win."""
 
     def __init__(
         self,
@@ -203,7 +190,6 @@ class ThroughputBenchmark(pl.Callback):
         self.config_summary: dict[str, Any] = dict(config_summary or {})
         self.clock, self.print_table = clock, print_table
         self.results: dict[str, Any] | None = None
-        self.results_path: Path | None = None
         self.statistics: dict[str, float] | None = None
         self._reset()
 
@@ -279,9 +265,9 @@ class ThroughputBenchmark(pl.Callback):
         self.results = self._describe(trainer, pl_module, batches, (memory, memory_kind))
         if trainer.is_global_zero:
             out_dir = self.output_dir or Path(trainer.default_root_dir)
-            self.results_path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
+            path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
             if self.print_table:
-                print(format_table(self.results) + f"\nwritten to {self.results_path}", flush=True)
+                print(format_table(self.results) + f"\nwritten to {path}", flush=True)
 
     def _describe(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: Tensor, memory: tuple[int, str]
@@ -318,22 +304,14 @@ class ThroughputBenchmark(pl.Callback):
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
 
-    # -- Lightning hooks: the train loop measures training; the validation and predict loops, inference -
-    on_train_start = _measuring("training", _reset)
-    on_train_epoch_start = _measuring("training", _loop_start)
-    on_train_batch_start = _measuring("training", _batch_start)
-    on_train_batch_end = _measuring("training", _batch_end)
-    on_train_end = _measuring("training", _finish)
-    on_validation_start = _measuring("inference", _reset)
-    on_validation_epoch_start = _measuring("inference", _loop_start)
-    on_validation_batch_start = _measuring("inference", _batch_start)
-    on_validation_batch_end = _measuring("inference", _batch_end)
-    on_validation_end = _measuring("inference", _finish)
-    on_predict_start = _measuring("inference", _reset)
-    on_predict_epoch_start = _measuring("inference", _loop_start)
-    on_predict_batch_start = _measuring("inference", _batch_start)
-    on_predict_batch_end = _measuring("inference", _batch_end)
-    on_predict_end = _measuring("inference", _finish)
+
+# Lightning hooks: the train loop measures training; the validation and predict loops, inference
+for _loop, _mode in (("train", "training"), ("validation", "inference"), ("predict", "inference")):
+    for _hook in ("start", "epoch_start", "batch_start", "batch_end", "end"):
+        _action = {"start": "_reset", "epoch_start": "_loop_start", "end": "_finish"}.get(_hook, f"_{_hook}")
+        setattr(
+            ThroughputBenchmark, f"on_{_loop}_{_hook}", _measuring(_mode, vars(ThroughputBenchmark)[_action])
+        )
 
 
 def _is_jsonable(value: Any) -> bool:

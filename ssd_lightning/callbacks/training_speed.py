@@ -1,10 +1,8 @@
 """Training speed of a real run, logged at the logging interval: ``train/images_per_second`` and
 ``train/data_wait_fraction``.
 
-Every ``log_every_n_steps`` batches, over the interval since the previous logging step: images (all ranks)
-per second of host time in training batches (the slowest rank's), and the fraction of it in the training
-loader's ``__next__`` (the profiler action :data:`FETCH_ACTION`; the largest over the ranks). No device sync
-on ordinary steps. What is measured and why: docs/internals.md.
+Images (all ranks) per second of the slowest rank's host time in training batches, and the largest rank's
+share of it in the loader's ``__next__``; no device sync on ordinary steps (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ def interval_speed(per_rank: list[tuple[float, float, float]]) -> tuple[float, f
 
 
 class TrainingSpeed(pl.Callback):
-    """Log ``train/images_per_second`` and ``train/data_wait_fraction`` every logging interval (module doc),
-    leaving out ``warmup_steps`` batches after every start of ``fit`` (fresh or resumed); ``clock``:
-    monotonic, in seconds. ``last_interval`` holds the latest logged :class:`IntervalSpeed` (every rank)."""
+    """Log both every logging interval, leaving out ``warmup_steps`` batches after every start of ``fit``;
+    ``last_interval`` holds the latest :class:`IntervalSpeed` (every rank)."""
 
     def __init__(self, warmup_steps: int = 10, *, clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__()
@@ -96,8 +93,7 @@ class TrainingSpeed(pl.Callback):
             self._fetch_started = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wrap ``trainer.profiler.start/stop`` (as instance attributes) to time :data:`FETCH_ACTION`;
-        everything is passed on to the profiler unchanged."""
+        """Wrap ``trainer.profiler.start/stop`` (instance attributes) to time :data:`FETCH_ACTION`."""
         compat.train_fetch_action(trainer)  # still the action Lightning times the fetch with
         if self._profiler_patch is not None:
             return

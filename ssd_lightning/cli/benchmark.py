@@ -33,13 +33,9 @@ def run_benchmark_task(
     output_dir: str | os.PathLike,
     config_summary: Mapping[str, Any] | None = None,
 ) -> dict[str, float]:
-    """Run a throughput benchmark; return its statistics (floats; see ``throughput_statistics``).
-
-    ``benchmark_training``: ``trainer.fit`` for exactly ``warmup + iterations`` training batches, without
-    validation and checkpoint callbacks; ``benchmark_inference``: ``trainer.validate`` on that many
-    validation batches (of ``eval_batch_size``). The trainer's :class:`ThroughputBenchmark` (one with the
-    reference's defaults if it has none) measures, set to ``task``'s mode, ``output_dir`` (rank 0 writes
-    ``benchmark.json`` there) and ``config_summary``. ValueError: unknown ``task``, no timed iteration.
+    """Run a throughput benchmark and return its statistics: ``trainer.fit`` on ``warmup + iterations``
+    training batches without validation and checkpoints, or ``trainer.validate`` on that many batches. The
+    trainer's :class:`ThroughputBenchmark` (a default one if none) measures and writes to ``output_dir``.
     """
     if task not in TASK_MODES:
         raise ValueError(f"task={task!r} is not a benchmark task; expected one of {tuple(TASK_MODES)}")
@@ -67,9 +63,7 @@ def run_benchmark_task(
             log.info("benchmark_training: not checkpointing (removed %s)", ", ".join(removed))
             trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]
         trainer.limit_val_batches = 0  # no validation (also not the one `should_stop` would trigger)
-        # Stop after warm-up + iterations even if the callback's `should_stop` were overridden. The epoch
-        # count stays as configured (1 in the experiments): it must give at least `needed` batches, or the
-        # callback reports fewer iterations with a warning.
+        # stop even if `should_stop` were overridden; the configured epochs must give `needed` batches
         trainer.fit_loop.epoch_loop.max_steps = needed
         trainer.fit(model, datamodule=datamodule)
     else:

@@ -1,8 +1,7 @@
 """``validate_config``: the checks of a composed config that no single constructor can make.
 
-A value is checked where it is used; what stays here spans config groups (devices x accelerator, multirun
-x launcher, model x data, ...), is read by the run orchestration itself (``task``, ``seed``), or must fail
-before anything is built. Problems are reported together in one :class:`~ssd_lightning.errors.ConfigError`.
+What spans config groups (devices x accelerator, multirun x launcher, model x data), is read by the run
+orchestration (``task``, ``seed``) or must fail before anything is built; reported in one ConfigError.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ class _Problems(list):
         self.cfg = cfg
 
     def check(self, key: str, ok: Callable[[object], bool], accepted: str) -> None:
-        """A problem when ``key`` is set and ``ok(value)`` is false."""
         value = _select(self.cfg, key)
         if value is not None and not ok(value):
             self.add(key, value, accepted)
@@ -55,8 +53,7 @@ def _check_values(p: _Problems) -> None:
     p.check("seed", is_int, "must be an integer (or null for a random seed)")
     # Lightning's Trainer accepts 0 (trains nothing) and strings
     p.check("trainer.max_epochs", lambda v: is_int(v) and (v >= 1 or v == -1), "must be an integer >= 1")
-    # data/: the synthetic datamodules leave eval_batch_size unchecked, and the messages there name no
-    # data.* key; move both there when they do (tests/test_configs.py pins data.batch_size here)
+    # data/ checks neither with a data.* key yet (tests/test_configs.py pins data.batch_size here)
     for key in ("data.batch_size", "data.eval_batch_size"):
         p.check(key, lambda v: is_int(v) and v > 0, "must be a positive integer (images per device)")
     # model x data: null reads it from the data (train._num_classes_from_data); synthetic data has nothing
@@ -68,8 +65,7 @@ def _check_values(p: _Problems) -> None:
         )
     # callbacks/eval_schedule.py checks it too; tests/test_configs.py pins it here
     p.check("eval_epochs", increasing_epochs, "must be strictly increasing non-negative 0-based epochs")
-    # model x trainer: the model's weight files and the Trainer's checkpoint IO (ckpt_path) both read it,
-    # and cli/train.py passes it to the latter as bool(value), which makes "no" true
+    # read by the model's weight files and, as bool(value) ("no" is true), by the Trainer's checkpoint IO
     p.check("model.trust_checkpoint", lambda v: isinstance(v, bool), "must be true or false")
 
 
@@ -91,28 +87,21 @@ def _check_devices(p: _Problems, cuda_device_count: int) -> None:
             p.add("trainer.devices", devices, f"this machine has {cuda_device_count} CUDA devices")
 
 
-def _check_multirun_launch(p: _Problems, cuda_device_count: int, hydra_cfg: DictConfig | None) -> None:
-    """A multirun job must not start its ranks with Lightning's launcher (cli/launch_check.py)."""
-    if hydra_cfg is None and HydraConfig.initialized():
-        hydra_cfg = HydraConfig.get()
-    if hydra_cfg is not None:
-        problem = multirun_launch_problem(p.cfg, hydra_cfg, cuda_device_count=cuda_device_count)
-        if problem:
-            p.add(*problem)
-
-
 def validate_config(
     cfg: DictConfig, *, cuda_device_count: int | None = None, hydra_cfg: DictConfig | None = None
 ) -> list[str]:
-    """Raise :class:`ConfigError` listing every problem, then ``CheckpointNotFoundError`` for a missing
-    ``model.init_from`` file; return warnings for odd but valid settings. ``cuda_device_count`` defaults to
-    the machine's, ``hydra_cfg`` (the job's ``hydra`` node) to ``HydraConfig.get()`` under Hydra."""
+    """Raise one :class:`ConfigError` listing every problem; return warnings for odd but valid settings."""
     if cuda_device_count is None:
         cuda_device_count = torch.cuda.device_count()
     problems = _Problems(cfg)
     _check_values(problems)
     _check_devices(problems, cuda_device_count)
-    _check_multirun_launch(problems, cuda_device_count, hydra_cfg)
+    if hydra_cfg is None and HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+    if hydra_cfg is not None and (
+        launch := multirun_launch_problem(cfg, hydra_cfg, cuda_device_count=cuda_device_count)
+    ):
+        problems.add(*launch)  # a multirun job must not start its ranks with Lightning's launcher
     if problems:
         raise ConfigError(
             f"{len(problems)} config problem{'s' if len(problems) > 1 else ''}:\n  "
@@ -140,7 +129,7 @@ def validate_config(
 
 
 def check_writable_dir(path: str, key: str) -> None:
-    """Create ``path`` and prove it takes a file, so a read-only or full output dir fails before training."""
+    """Create ``path`` and prove it takes a file, so a read-only output dir fails before training."""
     directory = Path(path)
     probe = directory / f".write_test_{os.getpid()}"
     try:

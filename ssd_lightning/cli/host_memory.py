@@ -1,17 +1,8 @@
 """Host memory reused from step to step: big CPU tensors without the kernel zeroing fresh pages each time.
 
-By default glibc's ``malloc`` serves a CPU step's big activations and gradients (up to 35 MiB) with fresh
-mappings it unmaps on ``free``, so every step the kernel maps and zeroes the same memory again, a 4 KiB
-page fault at a time: ~10 % of the demo's step on a 2-core box (docs/benchmarks.md, "Host memory"). Two
-process-wide settings let an allocation reuse a freed one's pages (a step's faults: ~25,000 -> ~130):
-
-- ``THP_MEM_ALLOC_ENABLE=1``, torch's switch for transparent huge pages on blocks of 2 MiB and more, read
-  at torch's first CPU allocation: ``train.py`` calls :func:`reuse_host_memory` before importing torch
-  (DDP ranks inherit the environment).
-- glibc's ``mallopt``: every block from the heap, and freed memory kept (a request of exactly a freed
-  block's size may still take fresh pages: the aligned allocation's leftover tail may not fit).
-
-The resident size then stays near its peak. Linux only; ``mallopt`` needs glibc.
+glibc's ``malloc`` unmaps big freed blocks, so the kernel zeroes the same memory every step (~10 % of the
+demo's step, docs/benchmarks.md). Torch's ``THP_MEM_ALLOC_ENABLE=1`` (set before torch is imported) and
+glibc's ``mallopt`` (freed memory kept) cut a step's page faults from ~25,000 to ~130. Linux only.
 """
 
 from __future__ import annotations
@@ -33,8 +24,7 @@ NEVER_TRIM = 2**31 - 1  # mallopt takes an int: only a free top above 2 GiB woul
 
 
 def reuse_host_memory() -> list[str]:
-    """Apply both settings where the platform has them (a user's own ``THP_MEM_ALLOC_ENABLE`` wins); return
-    what was applied, in words (empty off Linux)."""
+    """Apply both settings where the platform has them; return what was applied, in words."""
     if platform.system() != "Linux":
         return []
     applied = []

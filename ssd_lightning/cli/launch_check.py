@@ -40,10 +40,7 @@ def multirun_launch_problem(
     cfg: DictConfig, hydra_cfg: DictConfig, *, cuda_device_count: int = 0
 ) -> tuple[str, Any, str] | None:
     """``(key, value, what to do)`` when a multirun job would start its ranks with Lightning's launcher (it
-    re-runs the command line, ``-m`` included, for every extra rank), else None. Fine: a plain run, one
-    process per job, ``ddp_spawn``, or ``hydra/launcher=slurm`` (``srun`` starts the ranks) with
-    ``tasks_per_node``/``nodes`` matching ``trainer.devices``/``trainer.num_nodes``. ``hydra_cfg``: the
-    job's ``hydra`` node."""
+    re-runs the command, ``-m`` included), else None. ``hydra_cfg``: the job's ``hydra`` node."""
     if hydra_cfg.get("mode") != RunMode.MULTIRUN:
         return None
     trainer = cfg.get("trainer") or {}

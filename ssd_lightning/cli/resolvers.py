@@ -1,8 +1,7 @@
 """OmegaConf resolvers that ``configs/`` uses, registered without importing torch or Lightning.
 
-``${if:cond,a,b}``, ``${eval_resize:weights,default}`` and the run directories of ``resume=``/``run_dir=``
-(:mod:`ssd_lightning.cli.run_dir`). Every resolver stays registered while earlier run directories hold it in
-``.hydra/config.yaml``. Light so that ``train.py --cfg job`` and ``--help`` do not load the training stack.
+``${if:cond,a,b}``, ``${eval_resize:weights,default}`` and the run directories of ``resume=``/``run_dir=``;
+each stays registered while old run directories use it. Light, for ``train.py --cfg job`` and ``--help``.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ __all__ = ["eval_resize_for_weights", "register_resolvers"]
 
 
 def eval_resize_for_weights(weights: str | None, default: int) -> int:
-    """The resize before the centre crop that torchvision evaluates ``weights`` with (256 for MobileNetV2's
-    IMAGENET1K_V1, 232 for IMAGENET1K_V2); ``default`` without weights."""
+    """Torchvision's resize before the centre crop for ``weights`` (256 for IMAGENET1K_V1, 232 for V2)."""
     if weights is None:
         return default
     from ssd_lightning.models.mobilenetv2 import resolve_weights  # torchvision: only when weights are named

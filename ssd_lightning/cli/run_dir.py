@@ -1,13 +1,10 @@
 """A run directory as the unit users continue and evaluate: ``resume=<run dir>`` and ``run_dir=<run dir>``.
 
-* ``resume=<dir>`` continues that run in place, from its ``last.ckpt``: the config it last ran with and
-  this command line's ``key=value`` overrides on top (group choices it already had are accepted), kept in
-  ``.hydra/resume_<time>/run_config.yaml`` for the next resume (``.hydra/config.yaml`` stays as it was).
-* ``run_dir=<dir>`` (with ``task=validate``) evaluates that run with its own config and ``best.ckpt``
-  (else ``last.ckpt``); the outputs go to ``<dir>/<task>/<time>/``.
-* ``ckpt_path=<file>`` on the command line wins over the checkpoint either would pick.
-* A job a scheduler restarts (SLURM requeue, submitit's retries) continues as ``resume=`` would when
-  ``checkpoints/interrupted.json`` names its scheduler job id (:func:`requeued_run`).
+* ``resume=<dir>`` continues that run in place from ``last.ckpt``, with the config it last ran with plus
+  this command line's overrides (kept in ``.hydra/resume_<time>/run_config.yaml`` for the next resume).
+* ``run_dir=<dir>`` (``task=validate``) evaluates it with its config and ``best.ckpt`` (else ``last.ckpt``),
+  writing to ``<dir>/<task>/<time>/``. ``ckpt_path=<file>`` wins over the checkpoint either would pick.
+* A job a scheduler restarts continues as ``resume=`` would (:func:`requeued_run`).
 """
 
 from __future__ import annotations
@@ -37,13 +34,12 @@ RUN_CONFIG = "run_config.yaml"
 
 @functools.cache
 def _invocation_time() -> str:
-    """This process's start, fixed at first use: Hydra resolves its directory keys more than once."""
+    """This process's start, fixed at first use (Hydra resolves its directory keys more than once)."""
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}"
 
 
 def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: str) -> str:
-    """Hydra's run directory (``configs/hydra/default.yaml``): the resumed run's, ``<run_dir>/<task>/<time>``
-    for an evaluation of a run, else ``default``."""
+    """Hydra's run directory: the resumed run's, ``<run_dir>/<task>/<time>`` (run_dir=), or ``default``."""
     if resume:
         return str(Path(str(resume)).expanduser())
     if run_dir:
@@ -52,8 +48,7 @@ def output_dir_for(resume: str | None, run_dir: str | None, task: str, default: 
 
 
 def hydra_subdir_for(resume: str | None) -> str:
-    """Where Hydra saves this invocation's config: ``.hydra``, or ``.hydra/resume_<time>`` when resuming (a
-    resume reads the run's own ``.hydra/config.yaml``: never overwritten)."""
+    """Where Hydra saves this invocation's config: ``.hydra``, or ``.hydra/resume_<time>`` when resuming."""
     return f".hydra/resume_{_invocation_time()}" if resume else ".hydra"
 
 
@@ -66,14 +61,12 @@ def log_name_for(resume: str | None, task_name: str) -> str:
 
 
 def latest_config_file(run: Path) -> Path:
-    """The config the run last ran with: the newest ``.hydra/resume_<time>/run_config.yaml``, else
-    ``.hydra/config.yaml`` (its first start)."""
+    """The newest ``.hydra/resume_<time>/run_config.yaml``, else ``.hydra/config.yaml`` (the first start)."""
     resumed = sorted((run / ".hydra").glob(f"resume_*/{RUN_CONFIG}"))
     return resumed[-1] if resumed else run / ".hydra" / "config.yaml"
 
 
 def stored_config(run: Path, key: str) -> DictConfig:
-    """The composed config the run last ran with (:func:`latest_config_file`)."""
     file = latest_config_file(run)
     if not file.is_file():
         raise ConfigError(
@@ -91,19 +84,10 @@ def stored_config(run: Path, key: str) -> DictConfig:
     return cfg
 
 
-def _group_choices(run: Path) -> dict[str, str]:
-    """The config group choices the run was composed with (``experiment: demo``, ``trainer: cpu``)."""
-    file = run / ".hydra" / "hydra.yaml"
-    return (
-        dict(OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {}) if file.is_file() else {}
-    )
-
-
 def apply_overrides(
     cfg: DictConfig, overrides: list[str], key: str, choices: dict[str, str] | None = None
 ) -> DictConfig:
-    """Apply this command line's ``key=value`` / ``+key=value`` / ``~key`` overrides to a stored config.
-    A config group choice the run already had (``experiment=demo``) is skipped, another is refused."""
+    """Apply overrides to a stored config; a config group choice only if the run had it (skipped)."""
     choices = choices or {}
     own = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _INVOCATION_KEYS]
     own = [o for o in own if not o.lstrip("+~").startswith("hydra.")]
@@ -130,21 +114,9 @@ def apply_overrides(
     return cfg
 
 
-def _checkpoint(run: Path, names: tuple[str, ...], key: str) -> Path:
-    for name in names:
-        path = run / "checkpoints" / name
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"{key}={run}: no {' or '.join(names)} in {run / 'checkpoints'}; the run saved no checkpoint yet "
-        "(it saves one every epoch and on SIGTERM/Ctrl-C)"
-    )
-
-
 def requeued_run(cfg: DictConfig) -> Path | None:
-    """This job's run directory when the job restarts an interrupted one (``task=fit`` without ``resume=``/
-    ``run_dir=``/``ckpt_path=``), else None: when ``checkpoints/interrupted.json`` there names this process's
-    scheduler job id, which a requeue keeps, a new submission changes, and a run outside a scheduler lacks."""
+    """This job's run directory when it restarts an interrupted fit (``checkpoints/interrupted.json`` names
+    this scheduler job id, which a requeue keeps and a new submission changes), else None."""
     # imported here: the config resolvers import this module without Lightning
     from ssd_lightning.callbacks.interrupt import read_interruption, scheduler_job_id
 
@@ -169,8 +141,8 @@ def requeued_run(cfg: DictConfig) -> Path | None:
 
 
 def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """``cfg`` itself, or for ``resume=``/``run_dir=`` the referenced run's config with ``overrides`` on
-    top, its checkpoint as ``ckpt_path`` (unless given) and this invocation's output directory."""
+    """``cfg``, or for ``resume=``/``run_dir=`` that run's config with ``overrides`` on top, its checkpoint
+    as ``ckpt_path`` (unless given) and this invocation's output directory."""
     resume, run_dir = cfg.get("resume"), cfg.get("run_dir")
     if not resume and not run_dir:
         return cfg
@@ -187,7 +159,11 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             f"resume={run} continues the run in its own directory, but this run writes to "
             f"{cfg.paths.output_dir}; drop hydra.run.dir / paths.output_dir (or set them to {run})"
         )
-    merged = apply_overrides(stored_config(run, key), overrides, key, _group_choices(run))
+    hydra_file = run / ".hydra" / "hydra.yaml"  # the group choices the run was composed with
+    choices = (
+        OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices") if hydra_file.is_file() else {}
+    )
+    merged = apply_overrides(stored_config(run, key), overrides, key, dict(choices or {}))
     if run_dir and merged.get("task") == "fit":
         raise ConfigError(f"run_dir={run} evaluates a run: add task=validate (resume={run} continues it)")
     explicit_ckpt = any(o.lstrip("+").startswith("ckpt_path=") for o in overrides)
@@ -196,7 +172,13 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     merged.paths.output_dir = cfg.paths.output_dir  # this invocation's (for resume= the run's own)
     if not explicit_ckpt:
         names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
-        merged.ckpt_path = str(_checkpoint(run, names, key))
+        found = [run / "checkpoints" / n for n in names if (run / "checkpoints" / n).is_file()]
+        if not found:
+            raise ConfigError(
+                f"{key}={run}: no {' or '.join(names)} in {run / 'checkpoints'}; the run saved no "
+                "checkpoint yet (it saves one every epoch and on SIGTERM/Ctrl-C)"
+            )
+        merged.ckpt_path = str(found[0])
     csv = OmegaConf.select(merged, "logger.csv")
     if resume and csv is not None and csv.get("_target_") == "pytorch_lightning.loggers.CSVLogger":
         csv._target_ = "ssd_lightning.io.loggers.ContinuingCSVLogger"  # keeps metrics.csv
@@ -211,9 +193,7 @@ def save_run_config(cfg: DictConfig, folder: Path) -> None:
 
 
 def record_resolved_values(cfg: DictConfig, values: dict[str, object]) -> None:
-    """Write values decided at run time (``model.net.num_classes`` from the data, the network a ``ckpt_path``
-    records) into the config this invocation saved before the job ran, so that its readers see what the
-    model was built with. Rank 0 only; nothing without a saved config (in-process ``train()``, DDP ranks)."""
+    """Write values decided at run time into the config this invocation saved (rank 0)."""
     if not values or launcher_rank() != 0 or not HydraConfig.initialized():
         return
     subdir = HydraConfig.get().output_subdir

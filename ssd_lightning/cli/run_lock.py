@@ -1,7 +1,6 @@
 """One owner per run directory: ``train.py`` refuses a folder that a live process is training in.
 
-Rank 0 holds an exclusive ``flock`` on ``<run dir>/.owner.lock`` (naming the holder), which the kernel
-drops however the process ends (``kill -9`` too): a dead one never blocks the next resume.
+Rank 0 holds an exclusive ``flock`` on ``<run dir>/.owner.lock``, dropped however the process ends.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ class RunInUseError(UserError):
 
 
 def own_run_dir(run_dir: str | os.PathLike) -> None:
-    """Take ``run_dir`` for this job (rank 0 only), or raise :class:`RunInUseError` naming its owner."""
+    """Take ``run_dir`` (rank 0 only), or raise :class:`RunInUseError` naming its owner."""
     if launcher_rank() != 0 or os.environ.get("NODE_RANK", "0").strip() not in ("", "0"):
         return
     path = Path(run_dir).resolve() / LOCK_NAME

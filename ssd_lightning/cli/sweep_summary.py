@@ -1,10 +1,7 @@
 """``summary.csv`` and ``summary.md`` of a Hydra multirun: one row per job, its overrides and final metrics.
 
-Registered in ``configs/hydra/default.yaml``. Each job (rank 0, where it ran) writes
-``<job dir>/.hydra/job_summary.json`` (number, overrides, status, error, the returned ``optimized_metric``,
-the last values of ``csv/metrics.csv``) and refreshes the tables, so a sweep stopped by a failed job still
-has them; ``on_multirun_end`` writes the final ones. Any launcher gives the same table. Imports only the
-standard library, Hydra, OmegaConf and the package's stdlib-only leaves.
+Each job writes ``<job dir>/.hydra/job_summary.json`` and refreshes the tables, so a sweep stopped by a
+failed job still has them. Imports no torch or Lightning.
 """
 
 from __future__ import annotations
@@ -41,36 +38,13 @@ def _to_float(value: Any) -> float | None:
 
 
 def launcher_rank() -> int:
-    """This process's rank as the launcher set it (``RANK``, ``SLURM_PROCID``, ``LOCAL_RANK``,
-    ``SUBMITIT_LOCAL_GLOBALID``), else 0. Lightning's DDP launcher re-runs ``train.py`` (a multirun too) for
-    the other ranks, and every submitit task runs the Hydra job's callbacks: only rank 0 may write."""
+    """This process's rank as its launcher set it (``RANK``, ``SLURM_PROCID``, ``LOCAL_RANK``,
+    ``SUBMITIT_LOCAL_GLOBALID``), else 0: every rank runs ``train.py`` and Hydra's callbacks."""
     for var in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SUBMITIT_LOCAL_GLOBALID"):
         value = os.environ.get(var, "")
         if value.strip().isdigit():
             return int(value)
     return 0
-
-
-def collect_jobs(sweep_dir: str | Path) -> list[dict]:
-    """Every job record (``job_summary.json``) under ``sweep_dir``, sorted by job number."""
-    records = []
-    for path in Path(sweep_dir).rglob(RECORD_NAME):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # being written by a concurrent job; the next refresh picks it up
-    return sorted(records, key=lambda r: (r.get("num", -1), r.get("output_dir", "")))
-
-
-def _varying_overrides(jobs: Sequence[dict]) -> tuple[list[list[str]], list[str]]:
-    """Per job, the overrides that not every job shares; and the shared ones (all of them for one job)."""
-    lists = [list(job.get("overrides") or []) for job in jobs]
-    if len(lists) < 2:
-        return lists, []
-    common = set(lists[0]).intersection(*map(set, lists[1:]))
-    return [[o for o in overrides if o not in common] for overrides in lists], [
-        o for o in lists[0] if o in common
-    ]
 
 
 def _fmt(value: Any) -> str:
@@ -81,19 +55,22 @@ TABLE_METRICS = ("val/mAP", "val/mAP_50", "val/mAP_best", "val/acc1", "val/acc5"
                  "train/loss_epoch")  # fmt: skip
 
 
-def write_summary(
-    sweep_dir: str | Path, jobs: Sequence[dict] | None = None, table_metrics: Iterable[str] = TABLE_METRICS
-) -> tuple[Path, Path]:
-    """Write ``summary.csv`` (every metric, full precision) and ``summary.md`` in ``sweep_dir``; return them.
-
-    CSV columns: ``job``, ``overrides`` (those that vary across jobs), ``status``, every metric (sorted, the
-    returned ``optimized_metric`` first), ``output_dir``. The markdown table has the returned metric and
-    those matching ``table_metrics`` (``fnmatch``), 4 significant digits, the shared overrides and the errors
-    of failed jobs. ``jobs`` defaults to :func:`collect_jobs` of ``sweep_dir``.
+def write_summary(sweep_dir: str | Path, table_metrics: Iterable[str] = TABLE_METRICS) -> tuple[Path, Path]:
+    """Write ``summary.csv`` (every metric, the ``optimized_metric`` first, full precision; overrides that
+    vary across jobs) and ``summary.md`` (the returned metric and ``table_metrics`` matches, 4 significant
+    digits, shared overrides, failed jobs' errors) in ``sweep_dir``; return their paths.
     """
-    sweep_dir = Path(sweep_dir)
-    jobs = collect_jobs(sweep_dir) if jobs is None else list(jobs)
-    varying, common = _varying_overrides(jobs)
+    sweep_dir, jobs = Path(sweep_dir), []
+    for path in sweep_dir.rglob(RECORD_NAME):
+        try:
+            jobs.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # being written by a concurrent job; the next refresh picks it up
+    jobs.sort(key=lambda r: (r.get("num", -1), r.get("output_dir", "")))
+    lists = [list(job.get("overrides") or []) for job in jobs]
+    shared = set(lists[0]).intersection(*map(set, lists[1:])) if len(lists) > 1 else set()
+    varying = [[o for o in overrides if o not in shared] for overrides in lists]
+    common = [o for o in lists[0] if o in shared] if lists else []
     first = next((j["optimized_metric"] for j in jobs if j.get("optimized_metric")), None)
     names = sorted({k for j in jobs for k in (j.get("metrics") or {})}, key=lambda n: (n != first, n))
 
@@ -125,9 +102,7 @@ def write_summary(
 
 
 class SweepSummary(Callback):
-    """Hydra callback writing ``summary.csv``/``summary.md`` in the sweep directory of a multirun: the
-    ``metrics`` (``fnmatch`` patterns; the returned ``optimized_metric`` always) of each job's
-    ``metrics_file`` (relative to its output directory), those of ``table_metrics`` in ``summary.md``."""
+    """Hydra callback writing a multirun's summaries of each job's ``metrics_file``."""
 
     def __init__(
         self,

@@ -70,8 +70,7 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Run ``cfg.task`` and return the final metrics as plain floats. ``resume=``/``run_dir=`` replace ``cfg``
-    by that run's config with the command line's overrides on top (:mod:`ssd_lightning.cli.run_dir`)."""
+    """Run ``cfg.task`` (``resume=``/``run_dir=``: :mod:`ssd_lightning.cli.run_dir`); return its metrics."""
     _silence_known_harmless_warnings()
     requeued = requeued_run(cfg)  # a scheduler restarted this job after a signal: continue in place
     if requeued is not None:
@@ -147,8 +146,7 @@ def _build_trainer(cfg: DictConfig) -> pl.Trainer:
 def _run_job(
     cfg: DictConfig, trainer: pl.Trainer, model: pl.LightningModule, datamodule: pl.LightningDataModule
 ) -> dict:
-    """``cfg.task`` on ``trainer``: its metrics. A signal's stop exits 128 + signal number (after the
-    scheduler's requeue, if any); after a failure the ranks Lightning started are ended."""
+    """``cfg.task`` on ``trainer``: its metrics; a signal's stop exits 128 + signal number."""
     try:
         if cfg.task == "fit":
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -178,8 +176,8 @@ def _run_job(
 
 
 def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
-    """bf16 (or fp16, run as bf16 on a CPU) on a CPU without native bf16 kernels: float32 instead, 10-15x
-    faster there, unless ``cpu_bf16=always``. Returns the keys set."""
+    """bf16/fp16 on a CPU without native bf16 kernels: float32 instead (10-15x faster there), unless
+    ``cpu_bf16=always``; returns the keys set."""
     precision = str(OmegaConf.select(cfg, "trainer.precision", default=""))
     accelerator = str(OmegaConf.select(cfg, "trainer.accelerator", default="auto"))
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -202,8 +200,7 @@ def _float32_on_cpus_without_bf16(cfg: DictConfig) -> dict[str, str]:
 
 
 def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[str, int]:
-    """``model.net.num_classes=null``: the data's class count, read before the network is built. Returns
-    the keys set."""
+    """``model.net.num_classes=null``: the data's class count; returns the keys set."""
     if OmegaConf.select(cfg, "model.net.num_classes", default=0) is not None:
         return {}
     cfg.model.net.num_classes = int(datamodule.num_classes)  # the key exists: no struct flag in the way
@@ -211,7 +208,6 @@ def _num_classes_from_data(cfg: DictConfig, datamodule: pl.LightningDataModule) 
     return {"model.net.num_classes": cfg.model.net.num_classes}
 
 
-#: The LightningModule of each kind of model record.
 _MODULE_OF_KIND = {
     "detector": "ssd_lightning.modules.ssd.SSDLitModule",
     "classifier": "ssd_lightning.modules.classifier.ClassifierLitModule",
@@ -219,9 +215,7 @@ _MODULE_OF_KIND = {
 
 
 def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
-    """``ckpt_path=<file>``: the network its model record names whatever the config says (so that
-    ``task=validate ckpt_path=<file>`` needs only the file and the data), its EMA setting, and the decoder
-    keys it was validated with where unset. Returns the keys changed; a file without a record changes none."""
+    """``ckpt_path=<file>``: its recorded network, EMA setting and unset decoder keys; the keys changed."""
     path = cfg.get("ckpt_path")
     if not path or "://" in str(path) or not Path(str(path)).expanduser().is_file():
         return {}  # "last"/"best" (Lightning's own), a URL, or a missing file: Lightning's to resolve
@@ -262,8 +256,7 @@ def _model_from_checkpoint(cfg: DictConfig) -> dict[str, object]:
 
 
 def _other_complete_checkpoints(path: Path) -> str:
-    """For the message about an unreadable ``path``: the other complete checkpoints beside it (a file cut
-    short has no zip directory), newest first, and the override that uses one; else ``""``."""
+    """For an unreadable ``path``'s message: the complete checkpoints (zip files) beside it, newest first."""
     others = sorted(path.parent.glob("*.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
     complete = [p for p in others if p.resolve() != path.resolve() and zipfile.is_zipfile(p)]
     if not complete:
@@ -273,8 +266,7 @@ def _other_complete_checkpoints(path: Path) -> str:
 
 
 def _stop_other_ranks(trainer: pl.Trainer) -> None:
-    """This process failed: end the ranks Lightning's launcher started from it (they would wait in a
-    collective); torchrun and SLURM end the other workers of a failed job themselves."""
+    """This process failed: end the ranks Lightning's launcher started from it (torchrun/SLURM do it too)."""
     for proc in compat.take_launched_processes(trainer):  # out of the observer's list before they die
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -282,9 +274,8 @@ def _stop_other_ranks(trainer: pl.Trainer) -> None:
 
 
 def _release_process_group() -> None:
-    """Destroy this rank's process group once its task has finished (not after failures: a peer may still
-    wait in a collective). Lightning does only for NCCL; a live gloo group's threads abort the interpreter's
-    shutdown ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    """Destroy this rank's process group after a finished task (Lightning does only for NCCL; a live gloo
+    group aborts the interpreter's shutdown with SIGABRT); not after failures (a peer may still wait)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

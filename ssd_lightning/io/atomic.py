@@ -1,8 +1,7 @@
 """Files that appear whole or not at all: written to a temporary file in the same folder, then renamed.
 
-A reader sees the previous version or the new one, never a half-written file; a crash leaves at most a
-``.<name>.<random>.tmp`` beside it. Temporary names are unique per call, so writers on other hosts do not
-collide; the last rename wins. (Checkpoints go through :mod:`ssd_lightning.io.checkpoint_io`.)
+A reader sees the previous version or the new one; a crash leaves at most a ``.<name>.<random>.tmp``, unique
+per call, so writers on other hosts do not collide (the last rename wins).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ os.umask(_UMASK)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary: bool = False) -> Path:
-    """Create or replace ``path`` with what ``write`` writes to an open text file (UTF-8, no newline
-    translation, so :mod:`csv` writers work too), or binary file, with the mode a plain ``open`` gives."""
+    """Create or replace ``path`` with what ``write`` writes to an open text (UTF-8) or binary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -23,16 +23,9 @@ __all__ = ["AtomicCheckpointIO"]
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes ``<dir>/.<name>.<pid>.tmp``, fsyncs it, renames it over ``<dir>/<name>``, fsyncs ``<dir>``.
 
-    A run killed during a save, or a disk that fills up, leaves the previous checkpoint of that name intact
-    (a kill -9 can leave a ``.tmp``, never a truncated ``.ckpt``). Write errors become
-    :class:`CheckpointWriteError` naming the file and what to do. Remote URLs (``s3://`` ...) go through
-    Lightning's own fsspec writer.
-
-    Reading (``ckpt_path=``) uses ``torch.load(weights_only=True)`` unless the caller chooses or
-    ``trust_checkpoint=True``: this project's checkpoints hold tensors and plain values only, so a file that
-    needs more is refused with :class:`~ssd_lightning.io.weights.UntrustedCheckpointError` before any of its
-    code runs. (Lightning leaves ``weights_only`` to torch's default, which an environment variable can turn
-    off, and turns it off for http URLs.)
+    A kill or a full disk during a save leaves the previous checkpoint intact; write errors become
+    :class:`CheckpointWriteError`. Reading uses ``weights_only=True`` unless ``trust_checkpoint`` (Lightning
+    leaves it to torch's default, which an environment variable or an http URL turns off).
     """
 
     def __init__(self, trust_checkpoint: bool = False) -> None:

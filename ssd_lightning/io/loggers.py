@@ -1,7 +1,6 @@
 """Loggers that continue their run when the run directory is resumed in place (``resume=<run dir>``).
 
-``logger=csv`` appends to ``metrics.csv``; ``logger=wandb`` and ``logger=mlflow`` keep the tracker's run id in
-the run directory. Their packages are the ``loggers`` extra; a missing one is a :class:`MissingExtraError`.
+``logger=csv`` appends to ``metrics.csv``; ``wandb``/``mlflow`` (the ``loggers`` extra) keep their run id.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ from ssd_lightning.io.atomic import atomic_write, atomic_write_text
 
 
 class _ContinuingWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing ``metrics.csv`` is continued instead of deleted: at the
-    first save, its rows from the first step logged now on are dropped (the resumed run logs them again)."""
+    """Lightning's CSV writer continuing an existing ``metrics.csv``: at the first save, its rows from the
+    first step logged now on are dropped (the resumed run logs them again)."""
 
     def _check_log_dir_exists(self) -> None:  # Lightning's hook, checked by compat.csv_logger_experiment
         self._continued = os.path.isfile(self.metrics_file_path)
@@ -52,8 +51,7 @@ class _ContinuingWriter(ExperimentWriter):
 
 
 class ContinuingCSVLogger(CSVLogger):
-    """``CSVLogger`` that appends to the ``metrics.csv`` of a resumed run (``resume=<run dir>``) rather than
-    deleting it, dropping the rows logged after the checkpoint it resumed from."""
+    """``CSVLogger`` that continues a resumed run's ``metrics.csv`` (``resume=<run dir>``)."""
 
     @property
     @rank_zero_experiment
@@ -89,17 +87,15 @@ def _keep_run_id(run_dir: str | os.PathLike, name: str, run_id: str) -> None:
 
 
 def _checkpoint_paths(callback: ModelCheckpoint) -> dict[str, str]:
-    """``checkpoint/last`` and ``checkpoint/best`` (a callback with a ``monitor``): absolute paths."""
+    """``checkpoint/last`` and ``checkpoint/best`` (with a ``monitor``): absolute paths."""
     best = callback.best_model_path if callback.monitor is not None else ""
     paths = {"checkpoint/last": callback.last_model_path, "checkpoint/best": best}
     return {key: os.path.abspath(path) for key, path in paths.items() if path}
 
 
 class ResumableWandbLogger(WandbLogger):
-    """``WandbLogger`` writing under ``save_dir`` (the run directory), one W&B run per run directory: its
-    id is kept in ``<save_dir>/wandb_run_id``, so ``resume=<run dir>`` continues the same W&B run. The
-    checkpoint paths go to the run's summary after every save. Offline: ``offline=True`` or
-    ``WANDB_MODE=offline`` (upload later with ``wandb sync``)."""
+    """``WandbLogger`` under ``save_dir`` (the run directory), whose W&B run id ``<save_dir>/wandb_run_id``
+    keeps for ``resume=<run dir>``; checkpoint paths go to the run's summary. Offline: ``offline=True``."""
 
     def __init__(self, save_dir: str | os.PathLike, **kwargs: Any) -> None:
         _require("wandb", "logger=wandb")
@@ -119,8 +115,7 @@ class ResumableWandbLogger(WandbLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        """Finish the W&B run at the end of ``fit``/``validate``: its files complete, its id free for a
-        resume that follows at once."""
+        """Finish the W&B run (its files complete, its id free for a resume that follows at once)."""
         super().finalize(status)
         if self._run is not None:
             self._run.finish(exit_code=0 if status in ("success", "finished") else 1)
@@ -149,14 +144,9 @@ def _flat(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
-    """``MLFlowLogger``, one MLflow run per run directory: its id is kept in ``<run_dir>/mlflow_run_id``,
-    so ``resume=<run dir>`` logs into the same MLflow run. The checkpoint paths are the run's tags
-    ``checkpoint/last`` and ``checkpoint/best``, updated after every save.
-
-    The store: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<run_dir>/mlflow.db``
-    with artifacts in ``<run_dir>/mlartifacts``. MLflow parameters cannot change: a resumed run logs the
-    parameters it did not have, and a changed value as the tag ``resumed/<key>``.
-    """
+    """``MLFlowLogger`` whose run id ``<run_dir>/mlflow_run_id`` keeps for ``resume=<run dir>`` (store:
+    ``tracking_uri``, ``MLFLOW_TRACKING_URI`` or ``sqlite:///<run_dir>/mlflow.db``); a resumed run logs
+    changed parameters as tags ``resumed/<key>``, checkpoint paths as ``checkpoint/last``/``best``."""
 
     def __init__(
         self,
@@ -214,8 +204,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def log_image(self, key: str, images: list[str | os.PathLike], step: int | None = None) -> None:
-        """Store the image files as artifacts under ``<key>/step_<step>/`` (``<key>/`` without a step), as
-        ``WandbLogger.log_image`` takes files."""
+        """Store the image files as artifacts under ``<key>/step_<step>/`` (``<key>/`` without a step)."""
         artifact_path = key if step is None else f"{key}/step_{step}"
         for image in images:
             self.experiment.log_artifact(self.run_id, os.fspath(image), artifact_path)
@@ -230,8 +219,7 @@ class _OtherRank(DummyLogger):
 
 
 def mlflow_logger(**kwargs: Any) -> ResumableMLFlowLogger | DummyLogger:
-    """``logger=mlflow``: a :class:`ResumableMLFlowLogger` on global rank 0 and a do-nothing logger on the
-    other ranks, which so never open the store (an MLflow client creates its SQLite database when built)."""
+    """``logger=mlflow``: a :class:`ResumableMLFlowLogger` on global rank 0, a do-nothing one elsewhere."""
     if getattr(rank_zero_only, "rank", 0) != 0:
         _require("mlflow", "logger=mlflow")
         return _OtherRank()

@@ -1,7 +1,7 @@
 """What a checkpoint of this project records about its model, so that the file alone rebuilds and names it.
 
 Every checkpoint a LightningModule here writes holds, under :data:`MODEL_KEY`, a dict of plain values
-(``torch.load(weights_only=True)`` reads it)::
+(``RecipeModule.save_model_record`` writes it; ``torch.load(weights_only=True)`` reads it)::
 
     {"format_version": 1,
      "kind": "detector" | "classifier",
@@ -12,16 +12,15 @@ Every checkpoint a LightningModule here writes holds, under :data:`MODEL_KEY`, a
      "decoder": {...},                      # detectors: the decoder settings validation used
      "training": {...}}                     # informative: scaled LR, global batch, precision, epoch
 
-Detectors: ``names[0]`` is ``"background"`` and ``category_ids[k - 1]`` is the dataset's id of label ``k``.
-Classifiers: ``names[k]`` is label ``k``'s class and ``category_ids`` is ``None``. ``input``: resize the
-shorter side to ``resize`` then centre-crop ``image_size`` (classifiers), or squash to ``image_size``
-square (``resize`` ``None``, detectors); then ``(pixel - mean) / std`` per RGB channel, 0..255 scale.
-Checkpoints of earlier versions have no record; their readers fall back to the run's ``.hydra/config.yaml``.
+Detectors: ``names[0]`` is ``"background"``, ``category_ids[k - 1]`` the dataset's id of label ``k``;
+classifiers: ``names[k]`` is label ``k``'s, ``category_ids`` ``None``. ``input``: shorter side to ``resize``
+then centre crop (classifiers), or squashed to ``image_size`` (detectors); then ``(pixel - mean) / std``.
+Older checkpoints have no record; their readers fall back to the run's ``.hydra/config.yaml``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
@@ -34,50 +33,9 @@ KINDS = ("detector", "classifier")
 _REQUIRED = ("kind", "architecture", "weights", "classes", "input")
 
 
-def make_model_record(
-    *,
-    kind: str,
-    architecture: Mapping[str, Any],
-    weights: str,
-    class_names: Sequence[str],
-    category_ids: Sequence[int] | None,
-    image_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    resize: int | None = None,
-    decoder: Mapping[str, Any] | None = None,
-    training: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The record of one model, as plain values (see the module docstring for the fields)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    record: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "kind": kind,
-        "architecture": {"builder": str(architecture["builder"]), "args": dict(architecture["args"])},
-        "weights": weights,
-        "classes": {
-            "names": [str(n) for n in class_names],
-            "category_ids": None if category_ids is None else [int(i) for i in category_ids],
-        },
-        "input": {
-            "image_size": int(image_size),
-            "resize": None if resize is None else int(resize),
-            "mean": [float(m) for m in mean],
-            "std": [float(s) for s in std],
-        },
-    }
-    if decoder is not None:
-        record["decoder"] = dict(decoder)
-    if training:
-        record["training"] = dict(training)
-    return record
-
-
 def read_model_record(checkpoint: object, *, source: str) -> dict[str, Any] | None:
-    """The model record of a loaded checkpoint; ``None`` for a checkpoint written before records existed.
-    CheckpointReadError when ``source`` (how the caller names the file) is not a checkpoint dict, or its
-    record is of a newer format or incomplete."""
+    """A loaded checkpoint's model record (``None`` in older ones); CheckpointReadError for no checkpoint
+    dict, or a record of a newer format or incomplete."""
     if not isinstance(checkpoint, Mapping):
         raise CheckpointReadError(f"{source} is not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
     record = checkpoint.get(MODEL_KEY)
@@ -100,8 +58,7 @@ def read_model_record(checkpoint: object, *, source: str) -> dict[str, Any] | No
 
 
 def model_weights(checkpoint: Mapping[str, Any], prefix: str, *, source: str) -> dict[str, Tensor]:
-    """The tensors of ``checkpoint["state_dict"]`` under ``prefix`` (``net.``/``ema.module.``), unprefixed;
-    CheckpointReadError when there is no ``state_dict`` or nothing under ``prefix``."""
+    """``checkpoint["state_dict"]``'s tensors under ``prefix``, unprefixed; CheckpointReadError if none."""
     state = checkpoint.get("state_dict")
     if not isinstance(state, Mapping):
         raise CheckpointReadError(

@@ -14,8 +14,7 @@ MOVED_TARGETS = {
 
 
 def update_moved_targets(cfg: DictConfig | ListConfig) -> list[str]:
-    """Point every moved ``_target_`` in ``cfg`` (in place, interpolations untouched) at its current
-    place; returns the dotted keys changed."""
+    """Point every moved ``_target_`` in ``cfg`` at its current place (in place); the keys changed."""
     changed: list[str] = []
 
     def walk(node: DictConfig | ListConfig, prefix: str) -> None:

@@ -1,11 +1,7 @@
 """Weight files: reading them without running their code, their layouts, and partial initialisation.
 
-Every file this package reads weights from (``model.init_from``, ``model.nvidia_checkpoint``,
-``pretrained_path``, ``predict.py``/``export_onnx.py`` checkpoints; ``ckpt_path`` through
-:class:`~ssd_lightning.io.checkpoint_io.AtomicCheckpointIO`) goes through :func:`read_checkpoint`:
-``torch.load(weights_only=True)`` plus the allow-list :data:`SAFE_GLOBALS`; anything else is refused with
-:class:`UntrustedCheckpointError` before any of its code runs, unless ``trust_checkpoint=True``. Nothing
-here knows a network class: checking a state dict against one is :mod:`ssd_lightning.models`' job.
+Every weights file is read with ``torch.load(weights_only=True)`` plus :data:`SAFE_GLOBALS`; anything else is
+refused (:class:`UntrustedCheckpointError`) before its code runs, unless ``trust_checkpoint=True``.
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ from ssd_lightning.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
-#: Classes ``torch.load(weights_only=True)`` may rebuild beyond tensors and plain containers: the NVIDIA
-#: reference's ``main.py`` can keep its ``argparse.Namespace`` of arguments in a checkpoint (rebuilt by
-#: setting attributes, never by calling anything the file names).
+#: What ``weights_only=True`` may rebuild beyond tensors and containers: the NVIDIA reference's checkpoints
+#: can hold its ``argparse.Namespace`` (rebuilt by setting attributes, calling nothing the file names).
 SAFE_GLOBALS: list[type] = [argparse.Namespace]
 
 #: Wrappers' key prefixes: DDP (``module.``), LightningModules (``net.``, ``model.``), torch.compile.
@@ -61,7 +56,6 @@ def untrusted_message(what: str, path: str | os.PathLike, error: BaseException) 
     )
 
 
-#: What ``model.init_from`` may point at, for the messages about it.
 INIT_FROM_FILES = (
     "a .ckpt of a run of this project, an NVIDIA SSD300 checkpoint or a state dict (when resuming with "
     "ckpt_path=, init_from is not read)"
@@ -69,8 +63,7 @@ INIT_FROM_FILES = (
 
 
 def check_checkpoint_file(path: str | os.PathLike, *, what: str, expected: str = "") -> Path:
-    """``path`` expanded, or :class:`CheckpointNotFoundError` naming ``what`` (and ``expected``, what the
-    file should be) when it is no file; also run early by callers that read the file much later."""
+    """``path`` expanded, or :class:`CheckpointNotFoundError` naming ``what`` (and ``expected``)."""
     path = Path(path).expanduser()
     if not path.is_file():
         hint = f"; point {what} at {expected}" if expected else ""
@@ -81,13 +74,8 @@ def check_checkpoint_file(path: str | os.PathLike, *, what: str, expected: str =
 def read_checkpoint(
     path: str | os.PathLike, *, trust_checkpoint: bool = False, what: str = "checkpoint", expected: str = ""
 ) -> Any:
-    """Load the local file ``path`` on the CPU with ``torch.load(weights_only=True)`` and
-    :data:`SAFE_GLOBALS`, or fully unpickled with ``trust_checkpoint`` (which can run code the file names).
-
-    ``what`` is how the caller names the file in messages (the config key, e.g. ``"model.init_from"``).
-    Raises :class:`CheckpointNotFoundError` (:func:`check_checkpoint_file`), :class:`UntrustedCheckpointError`
-    (objects ``weights_only`` refuses; nothing of the file has run) or :class:`CheckpointReadError`.
-    """
+    """``torch.load`` on the CPU, ``weights_only`` unless ``trust_checkpoint``; ``what`` names the file in
+    messages. :class:`UntrustedCheckpointError`: refused before anything of the file ran."""
     path = check_checkpoint_file(path, what=what, expected=expected)
     try:
         if trust_checkpoint:
@@ -110,8 +98,7 @@ def read_checkpoint(
 
 # --------------------------------------------------------------------------- layouts
 def unwrap_distributed_key(key: str) -> str:
-    """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the NVIDIA reference's
-    ``unwrap_distributed``, one key at a time)."""
+    """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the reference's rule)."""
     return re.sub(r"^module\.(1\.)?", "", key)
 
 
@@ -121,10 +108,7 @@ def read_nvidia_state_dict(
     trust_checkpoint: bool = False,
     what: str = "nvidia_checkpoint",
 ) -> dict[str, Tensor]:
-    """The tensors of an NVIDIA SSD300 checkpoint (``main.py --save``, torch.hub ``nvidia_ssd``: the state
-    dict under ``model``) or of a bare state dict, a file (:func:`read_checkpoint`) or already loaded, DDP
-    prefixes removed; ValueError for anything else. :func:`ssd_lightning.models.nvidia_state_dict` checks
-    the result."""
+    """The tensors of an NVIDIA SSD300 checkpoint or a bare state dict, DDP prefixes removed."""
     checkpoint = path_or_checkpoint
     if isinstance(path_or_checkpoint, (str, os.PathLike)):
         checkpoint = read_checkpoint(path_or_checkpoint, trust_checkpoint=trust_checkpoint, what=what)
@@ -137,12 +121,8 @@ def read_nvidia_state_dict(
 
 
 def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Tensor], list[str]]:
-    """The network's tensors in a checkpoint, wrapper prefixes removed, and the keys left out (non-tensors,
-    and entries outside ``net.*``/``model.*``, e.g. an EMA copy); CheckpointReadError when there are none.
-
-    Layouts: a Lightning checkpoint (``state_dict``), an NVIDIA SSD300 or torchvision reference checkpoint
-    (``model``, :func:`unwrap_distributed_key`), or a plain state dict.
-    """
+    """The network's tensors in a Lightning, NVIDIA/torchvision or plain checkpoint, wrapper prefixes removed,
+    and the keys left out (e.g. an EMA copy); CheckpointReadError when there are none."""
     container = checkpoint
     nvidia_layout = False
     if isinstance(checkpoint, Mapping):
@@ -192,7 +172,6 @@ class InitReport:
     loaded_fraction: float = 0.0  # of the model's parameter and buffer elements
 
     def summary(self) -> str:
-        """One line: loaded, re-initialised, ignored."""
         total = len(self.loaded) + len(self.other_shape) + len(self.absent)
         return (
             f"{self.source}: loaded {len(self.loaded)}/{total} tensors ({self.loaded_fraction:.0%} of the "
@@ -208,13 +187,11 @@ def init_from_checkpoint(
     path: str | os.PathLike,
     *,
     trust_checkpoint: bool = False,
-    what: str = "model.init_from",
     log_summary: bool = True,
 ) -> InitReport:
-    """Copy every tensor of the file at ``path`` (:func:`read_checkpoint`) whose name and shape match
-    ``net``'s (the others, e.g. class heads for another class count, keep ``net``'s values) and log one line
-    saying what happened (``log_summary``); ConfigError when not a single parameter of ``net`` matches
-    (another architecture). ``what`` names the file's config key in messages."""
+    """Copy the file's tensors whose name and shape match ``net``'s (the others, e.g. another class count's
+    heads, keep their values) and log one line (``log_summary``); ConfigError when no parameter matches."""
+    what = "model.init_from"
     source = f"{what}={path}"
     checkpoint = read_checkpoint(path, trust_checkpoint=trust_checkpoint, what=what, expected=INIT_FROM_FILES)
     state, left_out = network_state_dict(checkpoint, source=source)

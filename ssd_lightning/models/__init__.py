@@ -1,7 +1,4 @@
-"""Pure nn.Modules and builders for SSD300 v1.1 and MobileNetV2 (config-agnostic, torchvision style).
-
-Nothing here reads files: weight files are read by :mod:`ssd_lightning.io.weights`.
-"""
+"""Pure nn.Modules and builders for SSD300 v1.1 and MobileNetV2 (config-agnostic, torchvision style)."""
 
 from ssd_lightning.models.boxes import BoxCoder, DecoderSettings, DefaultBoxes, dboxes300_coco
 from ssd_lightning.models.loss import SSDLoss

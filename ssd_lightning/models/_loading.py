@@ -19,9 +19,7 @@ def _listed(label: str, items: list[str]) -> str:
 def check_state_dict(
     expected: Mapping[str, Tensor], state: Mapping[str, Tensor], *, source: str, target: str, hint: str = ""
 ) -> None:
-    """Raise ValueError (``<source> does not fit <target>: missing (n): [...]; unexpected (n): [...]; shape
-    mismatch (n): [...]. <hint>``, 10 keys at most per part) unless ``state`` has exactly the keys of
-    ``expected``, each with the same shape."""
+    """ValueError (``<source> does not fit <target>: ...``) unless keys and shapes equal ``expected``'s."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = sorted(
@@ -46,8 +44,7 @@ def load_state_dict_strict(
     hint: str = "",
     skip: Collection[str] = (),
 ) -> None:
-    """:func:`check_state_dict` against ``model.state_dict()``, then copy ``state`` into ``model``; keys in
-    ``skip`` are left out on both sides (they keep the model's values)."""
+    """:func:`check_state_dict`, then load ``state``; keys in ``skip`` keep the model's values."""
     own = {k: v for k, v in model.state_dict().items() if k not in skip}
     state = {k: v for k, v in state.items() if k not in skip}
     check_state_dict(own, state, source=source, target=target, hint=hint)

@@ -1,11 +1,8 @@
 """SSD300 backbones by name (:data:`SSD_BACKBONES`), and the ResNet ones (conv4_x at stride 8, as in NVIDIA
 SSD300 v1.1).
 
-A backbone is an ``nn.Module`` whose ``forward(images)`` returns a ``list[Tensor]`` of feature maps (the
-first SSD levels), whose attribute ``out_channels: list[int]`` lists their channels and whose ``stages()``
-lists its parts in forward order (for ``model.freeze``). A new one is a module under ``models/`` that
-calls :func:`register_backbone` when imported (and an import in ``models/__init__.py``); ``ssd300()``
-finds it by name.
+A backbone's ``forward(images)`` returns the first SSD levels (``list[Tensor]``), ``out_channels`` their
+channels, ``stages()`` its parts in order (``model.freeze``); a new one calls :func:`register_backbone`.
 """
 
 from __future__ import annotations
@@ -23,16 +20,10 @@ __all__ = ["RESNET_NAMES", "SSD_BACKBONES", "ResNetBackbone", "SSDBackbone", "re
 
 @dataclass(frozen=True)
 class SSDBackbone:
-    """What ``ssd300()`` needs to know about a backbone.
-
-    Attributes:
-        build: ``build(weights=<torchvision weights name or None>, width_mult=...)`` -> the backbone module.
-        level_channels: channels of the six SSD levels; the first ``len(module.out_channels)`` come from
-            the backbone, the others from extra blocks of these widths.
-        zero_init: zeroes the last normalisation of every residual branch of the module and returns how
-            many (``model.net.zero_init_residual``); ``None``: the backbone has none, asking is an error.
-        width: whether ``width_mult`` changes the backbone; one without is built at full width, warned.
-    """
+    """What ``ssd300()`` needs to know about a backbone: ``build(weights=, width_mult=)`` -> the module;
+    ``level_channels`` of the six SSD levels (the backbone's own first, then extra blocks'); ``zero_init``
+    zeroes each residual branch's last norm, returning how many (``None``: none to zero); ``width``:
+    whether ``width_mult`` applies."""
 
     build: Callable[..., nn.Module]
     level_channels: tuple[int, ...]
@@ -62,12 +53,8 @@ RESNET_NAMES: dict[str, tuple[int, ...]] = {
 
 
 class ResNetBackbone(nn.Module):
-    """ResNet stem + conv2_x..conv4_x with the first conv4_x block at stride 1: (N, 3, 300, 300) -> one
-    (N, C, 38, 38) map, C = 256 (ResNet-18/34) or 1024 (ResNet-50/101/152).
-
-    It keeps the NVIDIA reference name ``feature_extractor`` (an ``nn.Sequential`` of the torchvision
-    children ``conv1, bn1, relu, maxpool, layer1..layer3``) so reference checkpoints map onto it key for key.
-    """
+    """ResNet up to conv4_x, its first block at stride 1: (N, 3, 300, 300) -> [(N, C, 38, 38)], C = 256 or
+    1024; ``feature_extractor`` as in the NVIDIA reference."""
 
     def __init__(self, net: resnet.ResNet) -> None:
         super().__init__()
@@ -82,15 +69,13 @@ class ResNetBackbone(nn.Module):
         return [self.feature_extractor(images)]
 
     def stages(self) -> list[list[nn.Module]]:
-        """For freezing the first ones: the stem (conv1, bn1), conv2_x, conv3_x, conv4_x."""
+        """For ``model.freeze``: the stem (conv1, bn1), conv2_x, conv3_x, conv4_x."""
         conv1, bn1, _relu, _maxpool, layer1, layer2, layer3 = self.feature_extractor
         return [[conv1, bn1], [layer1], [layer2], [layer3]]
 
 
 def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
-    """A :class:`ResNetBackbone` of torchvision's ``name`` (a key of :data:`RESNET_NAMES`), with the
-    torchvision weights enum member ``weights`` (e.g. ``"IMAGENET1K_V2"``, downloaded on first use) or
-    random initialisation."""
+    """A :class:`ResNetBackbone` of torchvision's ``name``, ``weights`` e.g. ``"IMAGENET1K_V2"``."""
     builder = getattr(resnet, name)
     if weights is not None:
         enum = get_model_weights(builder)
@@ -105,8 +90,7 @@ def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
 
 
 def zero_init_resnet_blocks(module: nn.Module) -> int:
-    """Zero the scale of the last BatchNorm of every ``BasicBlock``/``Bottleneck`` branch (torchvision's
-    ``zero_init_residual``, Goyal et al. 2017): each block starts as the identity. Returns how many."""
+    """Zero every ResNet block's last BatchNorm scale (torchvision's ``zero_init_residual``); how many."""
     norms = [
         b.bn2 if isinstance(b, BasicBlock) else b.bn3
         for b in module.modules()

@@ -1,11 +1,8 @@
 """Default boxes (anchors) of SSD300 v1.1 and the box coder that maps ground truth onto them.
 
-Box formats: ``cxcywh`` (cx, cy, w, h) and ``ltrb`` (left, top, right, bottom; torchvision's ``xyxy``), both
-relative to the image size. ``xywh`` is COCO's (left, top, w, h) in pixels wherever this package uses the
-name; the NVIDIA reference calls the centre form ``xywh`` too.
-
-The default-box order is the NVIDIA reference order: per feature map (38, 19, 10, 5, 3, 1), per box
-size, per location (row-major). The SSD300 heads produce their outputs in exactly this order.
+Box formats: ``cxcywh`` (cx, cy, w, h) and ``ltrb`` (torchvision's ``xyxy``), both relative to the image
+size; ``xywh`` is COCO's (left, top, w, h) in pixels (the NVIDIA reference's ``xywh`` is the centre form).
+Default-box order (the reference's, and the SSD300 heads'): per feature map, per box size, per location.
 """
 
 from __future__ import annotations
@@ -24,15 +21,9 @@ __all__ = ["BoxCoder", "DecoderSettings", "DefaultBoxes", "box_iou", "dboxes300_
 
 @dataclass(frozen=True, eq=False)
 class DecoderSettings(Mapping):
-    """Post-processing settings of :meth:`BoxCoder.decode`; the one place their defaults are written. A
-    read-only mapping: ``coder.decode(locs, logits, **settings)`` works, and it equals a dict of its items.
-
-    Attributes:
-        score_thresh: keep class scores (softmax) strictly greater than this.
-        nms_iou: a candidate is suppressed by a kept box of the same class when IoU >= this.
-        topk_per_class: candidates per (image, class) entering NMS, highest scores first.
-        max_detections: detections kept per image, highest scores first.
-    """
+    """:meth:`BoxCoder.decode`'s settings and their one set of defaults, as a read-only mapping: scores >
+    ``score_thresh``, the best ``topk_per_class`` per class into NMS (IoU >= ``nms_iou`` suppressed), then
+    the best ``max_detections`` per image."""
 
     score_thresh: float = 0.05
     nms_iou: float = 0.5
@@ -48,8 +39,7 @@ class DecoderSettings(Mapping):
 
     @classmethod
     def from_mapping(cls, overrides: Mapping | None = None, base: Mapping | None = None) -> DecoderSettings:
-        """``base`` (default: the defaults) updated with ``overrides``; ``None`` values keep the base value,
-        an unknown key is a ValueError."""
+        """``base`` (default: the defaults) updated with ``overrides`` (``None``: kept); unknown keys fail."""
         v = dict(base or cls())
         for key, value in dict(overrides or {}).items():
             if key not in v:
@@ -94,12 +84,8 @@ def ltrb_to_cxcywh(boxes: Tensor) -> Tensor:
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU of every pair: (..., M, 4) ltrb x (..., K, 4) ltrb -> (..., M, K), leading dims broadcast.
-
-    The package's one IoU (matcher, NMS, data inspection): the arithmetic of the reference's
-    ``calc_iou_tensor`` and ``torchvision.ops.box_iou`` (intersection clamped at 0, no epsilon), so
-    decisions match both bit for bit; torchvision's takes no batch dimensions.
-    """
+    """IoU of every pair: (..., M, 4) ltrb x (..., K, 4) ltrb -> (..., M, K), leading dims broadcast; the
+    arithmetic of the reference's ``calc_iou_tensor`` and ``torchvision.ops.box_iou`` (no batch dims)."""
     lt = torch.maximum(boxes1[..., :, None, :2], boxes2[..., None, :, :2])
     rb = torch.minimum(boxes1[..., :, None, 2:], boxes2[..., None, :, 2:])
     wh = (rb - lt).clamp(min=0)
@@ -114,13 +100,11 @@ def match_boxes(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The package's one matcher: ground truth (n, m, 4) of n images (m >= 1) onto default boxes (B, 4), ltrb.
 
-    Every ground truth is forced onto its best default box (IoU counted as 2; of several forced onto one,
-    the later gets it); every other default box takes its best ground truth and is positive when their IoU
-    is > ``iou_threshold``. Among equal IoUs the smaller index wins (the NVIDIA reference's ``torch.max``),
-    with ``last_wins_ties`` the larger (DALI's ``fn.box_encoder``); both are kept because they differ often:
-    a ground truth overlapping equally sized default boxes equally is forced onto the first or the last.
-    Returns ``gt_index`` (n, B) int64 per default box (meaningful where positive), ``positive`` (n, B) bool
-    and ``best_iou`` (n, m) float32, each ground truth's highest IoU with a default box (before forcing).
+    Every ground truth is forced onto its best default box (IoU counted as 2; the later of several wins);
+    every other default box takes its best ground truth, positive when IoU > ``iou_threshold``. Equal IoUs:
+    the smaller index wins (the reference's ``torch.max``), with ``last_wins_ties`` the larger (DALI's
+    ``fn.box_encoder``). Returns ``gt_index`` (n, B) int64, ``positive`` (n, B) bool and ``best_iou`` (n, m)
+    float32, each ground truth's highest IoU before forcing.
     """
     ious = box_iou(boxes_ltrb, default_ltrb)  # (n, m, B)
     best_iou, forced_at = _max(ious, 2, last_wins_ties)  # per ground truth: (n, m)
@@ -141,13 +125,12 @@ def _max(values: Tensor, dim: int, last: bool) -> tuple[Tensor, Tensor]:
 class DefaultBoxes:
     """The SSD default boxes for one square input of ``fig_size`` pixels.
 
-    Per feature map (side ``feat_size``, pixel stride ``steps``: centres at ``(j + 0.5) * step / fig_size``)
-    the sizes ``s_k`` and ``sqrt(s_k * s_{k+1})`` of ``scales`` (pixels, one more than maps), and for each
-    extra ratio ``a`` of ``aspect_ratios`` the boxes ``(s*sqrt(a), s/sqrt(a))``, ``(s/sqrt(a), s*sqrt(a))``.
-    ``scale_xy``, ``scale_wh``: variances of the centre and log size offsets (0.1 and 0.2 in SSD).
-    ``cxcywh`` (B, 4) float32 is clamped to [0, 1] as the reference does, and ``ltrb`` computed from it
-    (so it may leave [0, 1] slightly at the border, exactly like the reference).
+    Per feature map (side ``feat_size``, pixel stride ``steps``) the sizes ``s_k`` and ``sqrt(s_k * s_{k+1})``
+    of ``scales`` (pixels, one more than maps), plus ``(s*sqrt(a), s/sqrt(a))`` and its transpose for each
+    ratio ``a`` of ``aspect_ratios``. ``cxcywh`` (B, 4) float32 is clamped to [0, 1], ``ltrb`` is not.
     """
+
+    scale_xy, scale_wh = 0.1, 0.2  # variances of the centre and log-size offsets
 
     def __init__(
         self,
@@ -156,8 +139,6 @@ class DefaultBoxes:
         steps: Sequence[int],
         scales: Sequence[float],
         aspect_ratios: Sequence[Sequence[float]],
-        scale_xy: float = 0.1,
-        scale_wh: float = 0.2,
     ) -> None:
         n = len(feat_size)
         if len(steps) != n or len(aspect_ratios) != n:
@@ -167,20 +148,15 @@ class DefaultBoxes:
             )
         if len(scales) != n + 1:
             raise ValueError(f"scales needs len(feat_size) + 1 = {n + 1} entries, got {len(scales)}")
-        self.fig_size, self.feat_size, self.steps = fig_size, list(feat_size), list(steps)
-        self.scales, self.aspect_ratios = list(scales), [list(a) for a in aspect_ratios]
-        self.scale_xy, self.scale_wh = float(scale_xy), float(scale_wh)
         boxes: list[tuple[float, float, float, float]] = []
-        self.num_boxes_per_location: list[int] = []
-        for idx, sfeat in enumerate(self.feat_size):
-            fk = fig_size / self.steps[idx]
-            sk1 = self.scales[idx] / fig_size
-            sk3 = math.sqrt(sk1 * (self.scales[idx + 1] / fig_size))
+        for idx, sfeat in enumerate(feat_size):
+            fk = fig_size / steps[idx]
+            sk1 = scales[idx] / fig_size
+            sk3 = math.sqrt(sk1 * (scales[idx + 1] / fig_size))
             sizes = [(sk1, sk1), (sk3, sk3)]
-            for alpha in self.aspect_ratios[idx]:
+            for alpha in aspect_ratios[idx]:
                 w, h = sk1 * math.sqrt(alpha), sk1 / math.sqrt(alpha)
                 sizes += [(w, h), (h, w)]
-            self.num_boxes_per_location.append(len(sizes))
             for w, h in sizes:
                 for i, j in itertools.product(range(sfeat), repeat=2):
                     boxes.append(((j + 0.5) / fk, (i + 0.5) / fk, w, h))
@@ -189,12 +165,6 @@ class DefaultBoxes:
 
     def __len__(self) -> int:
         return self.cxcywh.shape[0]
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(fig_size={self.fig_size}, feat_size={self.feat_size}, "
-            f"num_boxes={len(self)}, scale_xy={self.scale_xy}, scale_wh={self.scale_wh})"
-        )
 
 
 def dboxes300_coco() -> DefaultBoxes:
@@ -207,14 +177,9 @@ def dboxes300_coco() -> DefaultBoxes:
 class BoxCoder:
     """Maps ground truth onto default boxes (training targets) and network outputs back to detections.
 
-    ``encode`` is the NVIDIA reference ``Encoder.encode``; ``decode`` gives the same detections as the
-    reference ``decode_batch`` (per image, per class: score > threshold, top-k, greedy NMS; then top
-    detections per image) but runs batched on tensors, without a Python loop over images or classes.
-
-    Ties (equal scores) are resolved as a stable sort in the reference would: among equal scores the
-    candidate with the larger default-box index ranks first inside a class, and in the final per-image
-    cut the one from the larger class (then the later NMS pick) ranks first. The reference calls an
-    unstable sort, so its own tie order is implementation-defined.
+    ``encode`` is the NVIDIA reference ``Encoder.encode``, ``decode`` its ``decode_batch`` batched on tensors.
+    Equal scores rank as a stable sort in the reference would: the larger default-box index first inside a
+    class, then in the per-image cut the larger class (then the later NMS pick) first.
     """
 
     def __init__(self, default_boxes: DefaultBoxes) -> None:
@@ -234,9 +199,8 @@ class BoxCoder:
         return self._cache[device]
 
     def encode(self, boxes_ltrb: Tensor, labels: Tensor, iou_threshold: float = 0.5) -> tuple[Tensor, Tensor]:
-        """Match ground truth ``boxes_ltrb`` (M, 4) in [0, 1] with ``labels`` (M,) (1..K) to the default
-        boxes (:func:`match_boxes`, the reference's tie order) -> per default box its matched ground truth,
-        or itself when unmatched, (B, 4) float32 cxcywh, and its label (B,) int64, 0 where unmatched."""
+        """Ground truth ``boxes_ltrb`` (M, 4) in [0, 1], ``labels`` (M,) -> per default box the matched box
+        (itself when unmatched), (B, 4) float32 cxcywh, and its label (B,) int64, 0 where unmatched."""
         if boxes_ltrb.ndim != 2 or boxes_ltrb.shape[-1] != 4:
             raise ValueError(f"boxes_ltrb must have shape (M, 4), got {tuple(boxes_ltrb.shape)}")
         if labels.shape != boxes_ltrb.shape[:1]:
@@ -256,8 +220,7 @@ class BoxCoder:
         return ltrb_to_cxcywh(out_boxes), out_labels
 
     def decode_boxes(self, locs: Tensor) -> Tensor:
-        """Offsets (N, 4, B) -> boxes (N, B, 4) float32 ltrb (not clamped), with the float32 operations of
-        the reference ``scale_back_batch``, in its order."""
+        """Offsets (N, 4, B) -> (N, B, 4) float32 ltrb, the reference ``scale_back_batch``'s operations."""
         _, dboxes_cxcywh = self._dboxes(locs.device)
         dboxes_cxcywh = dboxes_cxcywh.unsqueeze(0)
         boxes = locs.float().clone().permute(0, 2, 1)  # (N, B, 4)
@@ -281,8 +244,7 @@ class BoxCoder:
         image_sizes: Tensor | Sequence[Sequence[int]],
         settings: Mapping | None = None,
     ) -> list[dict[str, Tensor]]:
-        """:meth:`decode` with ``settings`` (default :class:`DecoderSettings`), boxes in pixels of each
-        image (:func:`scale_to_pixels`): the detection path of validation, predict and the ONNX check."""
+        """:meth:`decode` with ``settings``, boxes in each image's pixels (validation, predict, ONNX)."""
         detections = self.decode(locs.float(), logits.float(), **(settings or DecoderSettings()))
         return scale_to_pixels(detections, image_sizes)
 
@@ -296,11 +258,8 @@ class BoxCoder:
         topk_per_class: int = DecoderSettings.topk_per_class,
         max_detections: int = DecoderSettings.max_detections,
     ) -> list[dict[str, Tensor]]:
-        """Box offsets ``locs`` (N, 4, B) and class ``logits`` (N, C, B) (class 0 = background) ->
-        detections per image, sorted by descending score: ``boxes`` (k, 4) float32 ltrb relative to the
-        image (not clamped), ``scores`` (k,) float32, ``labels`` (k,) int64 in 1..C-1. The settings: see
-        :class:`DecoderSettings`.
-        """
+        """``locs`` (N, 4, B), ``logits`` (N, C, B) (class 0 = background) -> per image, best first: ``boxes``
+        (k, 4) float32 relative ltrb (not clamped), ``scores`` (k,), ``labels`` (k,) int64 in 1..C-1."""
         if locs.ndim != 3 or locs.shape[1] != 4 or locs.shape[2] != self.num_boxes:
             raise ValueError(f"locs must have shape (N, 4, {self.num_boxes}), got {tuple(locs.shape)}")
         if logits.ndim != 3 or logits.shape[0] != locs.shape[0] or logits.shape[2] != self.num_boxes:
@@ -347,12 +306,8 @@ class BoxCoder:
 
 
 def _topk_rows(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per row the ``k`` largest values, best first; among equal values the larger column first.
-
-    ``values`` (R, L) -> (values (R, k), column indices (R, k) int64), k clipped to L. That tie order is
-    what a stable ascending sort read from the end gives (the reference's ``sort()`` then ``[-k:]``).
-    ``-inf`` marks absent entries; they come last.
-    """
+    """``values`` (R, L) -> per row the ``k`` largest (values, int64 columns), best first, equal values the
+    larger column first (the reference's stable ``sort()[-k:]``); ``-inf`` (absent) last."""
     length = values.shape[1]
     k = min(k, length)
     kk = min(k + 1, length)  # one more, to see a tie at the cut
@@ -381,12 +336,10 @@ _PAIRS_PER_CHUNK = 1 << 21  # box pairs whose IoU is computed at once (bounds th
 
 
 def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS inside every row, all rows at once, with the reference's arithmetic (:func:`box_iou`)
-    and rule: (G, K, 4) ltrb ``boxes`` in score order, (G, K) ``valid`` (False for padding) -> (G, K) kept.
-
-    A box is suppressed by an earlier kept box of its row when their IoU is not ``< iou_threshold`` (so
-    IoU >= threshold, or NaN). Rows of finite boxes with positive area and a positive threshold look only
-    at pairs that overlap enough along x (:func:`_sweep_pairs`); other rows at all K^2 pairs.
+    """Greedy NMS in every row at once, the reference's arithmetic and rule: (G, K, 4) ltrb ``boxes`` in
+    score order, (G, K) ``valid`` -> (G, K) kept. A box is suppressed by an earlier kept one when their IoU
+    is not ``< iou_threshold`` (NaN too). Rows of regular boxes look only at pairs close along x
+    (:func:`_sweep_pairs`), others at all K^2 pairs.
     """
     width = valid.shape[1]
     if width < 2:
@@ -399,11 +352,9 @@ def _batched_greedy_nms(boxes: Tensor, valid: Tensor, iou_threshold: float) -> T
     sparse = _sweep_pairs(boxes, valid, (needs_nms & sweep).nonzero().squeeze(1), iou_threshold)
     none = torch.zeros(0, dtype=torch.int64, device=boxes.device)
     src, dst = (torch.cat([none, *a, *b]) for a, b in zip(dense, sparse, strict=True))
-    # Greedy outcome on the suppression graph (edges earlier -> later box): a box is kept iff no kept
-    # box has an edge to it. Iterating "kept = valid and not hit by a currently kept box" fixes, pass
-    # after pass, every box whose predecessors are fixed, so it reaches the greedy result after the
-    # longest edge chain + 1 passes; that fixed point is unique (induction over the score order), so
-    # stopping at the first repeat is exact.
+    # Greedy result on the suppression graph (edges earlier -> later box): kept iff no kept box has an
+    # edge to it. Iterating "kept = valid and not hit by a kept box" fixes every box whose predecessors
+    # are fixed, and the fixed point is unique, so stopping at the first repeat is exact.
     valid_flat = valid.flatten()
     alive = valid_flat
     while True:
@@ -431,12 +382,9 @@ def _all_pairs(boxes: Tensor, valid: Tensor, rows: Tensor, iou_threshold: float)
 
 
 def _sweep_pairs(boxes: Tensor, valid: Tensor, rows: Tensor, iou_threshold: float) -> tuple[list, list]:
-    """:func:`_all_pairs` for rows of regular boxes and ``iou_threshold > 0``, by a sweep along x.
-
-    IoU >= t > 0 needs an x-overlap of at least t * max(w_i, w_j) (inter <= ix * min(h_i, h_j) and
-    union >= max(area_i, area_j)). Sort each row by x1 (padding last): the boxes j after i that can
-    reach that overlap with i have x1_j <= x2_i - t * w_i, a contiguous run found by binary search.
-    The bound gets a small slack so float rounding can never drop a real pair.
+    """:func:`_all_pairs` for rows of regular boxes and ``iou_threshold > 0``, by a sweep along x: IoU >= t
+    needs an x-overlap >= t * max(w_i, w_j), so after sorting by x1 the partners j of i are the run with
+    x1_j <= x2_i - t * w_i (binary search; a small slack so rounding never drops a real pair).
     """
     num_rows, width = rows.numel(), valid.shape[1]
     sub_valid = valid[rows]

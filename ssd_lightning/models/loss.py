@@ -12,14 +12,9 @@ __all__ = ["SSDLoss"]
 
 
 class SSDLoss(nn.Module):
-    """The reference ``Loss``, computed in float32 (also under autocast).
-
-    Per image: Smooth-L1 (beta 1, summed over the 4 offsets) on positive default boxes against the
-    encoded ground truth ``[(g_xy - d_xy) / d_wh / scale_xy, log(g_wh / d_wh) / scale_wh]``, plus
-    cross-entropy on the positives and on the ``min(neg_pos_ratio * num_pos, B)`` negatives with the
-    largest cross-entropy; divided by the image's number of positives (images without positives count 0);
-    then the mean over the batch.
-    """
+    """The reference ``Loss`` in float32 (also under autocast): per image, Smooth-L1 on the positives' encoded
+    offsets plus cross-entropy on the positives and the ``neg_pos_ratio * num_pos`` hardest negatives, over
+    the number of positives (0 without); then the batch mean."""
 
     def __init__(self, default_boxes: DefaultBoxes, neg_pos_ratio: int = 3) -> None:
         super().__init__()
@@ -30,8 +25,7 @@ class SSDLoss(nn.Module):
         self.register_buffer("dboxes", default_boxes.cxcywh.t().unsqueeze(0).contiguous(), persistent=False)
 
     def forward(self, locs: Tensor, logits: Tensor, gt_boxes_cxcywh: Tensor, gt_labels: Tensor) -> Tensor:
-        """Offsets ``locs`` (N, 4, B), ``logits`` (N, C, B), the matched ground truth per default box
-        ``gt_boxes_cxcywh`` (N, 4, B) (the batches' ``boxes`` are (N, B, 4): transpose them) and
+        """``locs``, ``logits``, matched ``gt_boxes_cxcywh`` (N, 4, B) (transpose the batches' (N, B, 4)) and
         ``gt_labels`` (N, B) (0 = background) -> scalar float32 loss."""
         num_boxes = self.dboxes.shape[-1]
         n = locs.shape[0]

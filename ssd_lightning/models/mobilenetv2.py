@@ -1,8 +1,7 @@
 """MobileNetV2 (Sandler et al., 2018) as a classifier and as an SSD300 backbone, built on torchvision.
 
-:func:`mobilenet_v2` returns a plain :class:`torchvision.models.MobileNetV2` (torchvision's state dict key
-for key) after validating its arguments; :class:`MobileNetV2SSDBackbone` cuts one into two feature taps.
-Weight files are read above this layer (:func:`ssd_lightning.modules.nets.build_mobilenet_v2`).
+:func:`mobilenet_v2` is torchvision's (state dict key for key), arguments checked;
+:class:`MobileNetV2SSDBackbone` cuts one into two feature taps. Weight files are read in ``modules/nets.py``.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def _validate_setting(setting: object) -> list[list[int]]:
 
 
 def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_Weights | None:
-    """Map a torchvision weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``, ``"DEFAULT"``, or the
-    ``"MobileNet_V2_Weights.<NAME>"`` spelling) to its enum member; ``None`` stays ``None``. No download."""
+    """A torchvision weights name (``"IMAGENET1K_V1"``, ``"DEFAULT"``, ...) as its enum member."""
     if weights is None or isinstance(weights, MobileNet_V2_Weights):
         return weights
     try:
@@ -76,8 +74,7 @@ def resolve_weights(weights: str | MobileNet_V2_Weights | None) -> MobileNet_V2_
 def load_mobilenet_v2_state_dict(
     model: MobileNetV2, state_dict: Mapping[str, Tensor], *, source: str = "state dict"
 ) -> None:
-    """Load ``state_dict`` into ``model`` strictly (ValueError: :func:`check_state_dict`), except for the
-    classifier when class counts differ (it keeps its initialisation)."""
+    """Load ``state_dict`` strictly (ValueError), but for a classifier of another class count (kept)."""
     own = model.state_dict()[_CLASSIFIER_KEYS[0]]
     head_w = state_dict.get(_CLASSIFIER_KEYS[0])
     skip: tuple[str, ...] = ()
@@ -100,15 +97,10 @@ def mobilenet_v2(
     dropout: float = 0.2,
     weights: str | MobileNet_V2_Weights | None = None,
 ) -> MobileNetV2:
-    """Build torchvision's MobileNetV2 (stem 32, last 1280 channels, ReLU6, torchvision init): (N, 3, H, W)
-    ImageNet-normalised images -> (N, num_classes) logits. Parameters with 1000 classes: 3,504,872 (width
-    1.0), 2,636,424 (0.75), 1,968,680 (0.5), 6,108,776 (1.4).
-
-    ``width_mult`` multiplies every layer's channels (the last layer is never thinner than 1280), rounded to
-    a multiple of ``round_nearest``; ``inverted_residual_setting``: ``[t, c, n, s]`` rows (``None``: the
-    paper's table); ``weights``: torchvision ImageNet weights name (``"IMAGENET1K_V1"``, ``"IMAGENET1K_V2"``,
-    downloaded on first use; width 1.0 and the default table only).
-    """
+    """Torchvision's MobileNetV2, arguments checked: (N, 3, H, W) -> (N, num_classes) logits. ``width_mult``
+    multiplies every layer's channels (the last never below 1280), rounded to ``round_nearest``;
+    ``inverted_residual_setting``: ``[t, c, n, s]`` rows (``None``: the paper's); ``weights``: torchvision
+    ImageNet weights name (width 1.0 and the default table only)."""
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     if width_mult <= 0:
@@ -145,15 +137,9 @@ def mobilenet_v2(
 class MobileNetV2SSDBackbone(nn.Module):
     """MobileNetV2 features as an SSD300 backbone with two taps at strides 8 and 16.
 
-    Both taps are expansion layers (1×1 conv + BN + ReLU6) of the first block of a stride-2 stage, the
-    richest maps at their resolution (as torchvision's SSDLite's 19×19 tap): ``stage1`` is ``features[0:7]``
-    + the expansion of ``features[7]`` (192 channels at 38×38 for a 300×300 input and width 1.0),
-    ``stage2`` the rest of ``features[7]``, ``features[8:14]`` and the expansion of ``features[14]`` (576
-    channels at 19×19).
-
-    Later layers are dropped; SSD300's extra layers take over from 19×19. Weights are loaded into the whole
-    classifier before it is cut, so torchvision checkpoints apply unchanged. ``classifier``: cut this
-    MobileNetV2 (e.g. one with weights from a file) instead of building one with ``width_mult``/``weights``.
+    The taps are the expansion layers (1×1 conv + BN + ReLU6) of ``features[7]`` (192 channels at 38×38 for
+    300×300 and width 1.0) and ``features[14]`` (576 at 19×19), as torchvision's SSDLite taps; later layers
+    are dropped. ``classifier``: cut this MobileNetV2 instead of building one (weights load before the cut).
     """
 
     def __init__(
@@ -179,15 +165,13 @@ class MobileNetV2SSDBackbone(nn.Module):
         return [x1, self.stage2(x1)]
 
     def stages(self) -> list[list[nn.Module]]:
-        """For freezing the first ones: the stem and first block (stride 2), the stride-4 blocks, the
-        stride-8 blocks with the first tap, the rest (stride 16)."""
+        """For ``model.freeze``: stem + first block, stride-4 blocks, stride-8 blocks + first tap, rest."""
         first = list(self.stage1)
         return [first[:2], first[2:4], first[4:], list(self.stage2)]
 
 
 def zero_init_inverted_residuals(module: nn.Module) -> int:
-    """Zero the scale of the last BatchNorm of every ``InvertedResidual`` with a skip connection: each
-    starts as the identity. Returns how many."""
+    """Zero the last BatchNorm scale of every residual ``InvertedResidual`` (identity at start); how many."""
     norms = [b.conv[-1] for b in module.modules() if isinstance(b, InvertedResidual) and b.use_res_connect]
     for norm in norms:
         nn.init.zeros_(norm.weight)

@@ -1,7 +1,6 @@
 """NVIDIA DeepLearningExamples SSD300 v1.1 weights -> a state dict of :func:`ssd300`.
 
-:class:`SSD300` keeps the reference module names, so the reference's keys, once free of their DDP prefixes
-(:func:`ssd_lightning.io.weights.read_nvidia_state_dict` removes them), map one to one.
+:class:`SSD300` keeps the reference module names, so its keys (DDP prefixes removed) map one to one.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ def nvidia_state_dict(
     num_classes: int = 81,
     source: str = "checkpoint",
 ) -> dict[str, Tensor]:
-    """Check that ``state`` (reference keys, no ``module.`` prefixes) fits ``ssd300(backbone, num_classes)``
-    (ValueError: :func:`~ssd_lightning.models._loading.check_state_dict`) and return it in the model's key
-    order, dtypes kept: ``model.load_state_dict(result, strict=True)``."""
+    """``state`` checked against ``ssd300(backbone, num_classes)`` (ValueError), in the model's key order."""
     with torch.device("meta"):
         expected = ssd300(backbone=backbone, num_classes=num_classes).state_dict()
     target = f"ssd300(backbone={backbone!r}, num_classes={num_classes})"

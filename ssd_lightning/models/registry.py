@@ -1,9 +1,7 @@
 """Networks by name, so a checkpoint can say how to rebuild its network with plain values.
 
-Each builder of :data:`NETWORK_BUILDERS` records what it built as ``net.architecture``
-(``{"builder": name, "args": {...}}``): the arguments that decide the network's shape, as resolved; those
-that only decide the initial weights are left out (a rebuilt network gets its weights from the checkpoint).
-:func:`build_network` turns such a record back into the network.
+Each builder of :data:`NETWORK_BUILDERS` records ``net.architecture = {"builder": name, "args": {...}}``,
+the arguments that decide the network's shape; :func:`build_network` turns it back into the network.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from ssd_lightning.models.ssd300 import ssd300
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "NETWORK_BUILDERS", "build_network"]
 
-#: Per-channel (RGB) mean and standard deviation, on the 0..255 pixel scale, that every network here
-#: expects its input normalised with: ``(pixel - mean) / std`` (torchvision's ImageNet statistics).
+#: Every network's input is ``(pixel - mean) / std`` per RGB channel, 0..255 scale (torchvision's ImageNet).
 IMAGENET_MEAN: tuple[float, float, float] = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD: tuple[float, float, float] = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
@@ -28,8 +25,7 @@ NETWORK_BUILDERS: dict[str, Callable[..., nn.Module]] = {"ssd300": ssd300, "mobi
 
 
 def build_network(architecture: Mapping[str, Any]) -> nn.Module:
-    """The network a ``net.architecture`` record describes, randomly initialised (nothing downloaded);
-    ValueError for a record that names no known builder or arguments the builder rejects."""
+    """The network a ``net.architecture`` record describes, randomly initialised; ValueError if it cannot."""
     name = architecture.get("builder") if isinstance(architecture, Mapping) else None
     if name not in NETWORK_BUILDERS:
         raise ValueError(f"unknown network builder {name!r}; known: {sorted(NETWORK_BUILDERS)}")

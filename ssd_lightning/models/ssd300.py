@@ -1,7 +1,6 @@
 """SSD300 v1.1: a backbone, extra feature blocks and per-level 3x3 prediction heads.
 
-Submodule names follow the NVIDIA reference (``feature_extractor``, ``additional_blocks``, ``loc``,
-``conf``) so that its checkpoints load key for key (:func:`ssd_lightning.models.nvidia.nvidia_state_dict`).
+Submodule names follow the NVIDIA reference, so its checkpoints load key for key (:mod:`.nvidia`).
 """
 
 from __future__ import annotations
@@ -39,19 +38,11 @@ def _extra_block(in_channels: int, mid_channels: int, out_channels: int, level: 
 
 
 class SSD300(nn.Module):
-    """SSD300 detector over any backbone that follows the backbone protocol (:mod:`.backbones`).
-
-    ``forward(images (N, 3, 300, 300))`` returns ``(locs (N, 4, 8732), logits (N, num_classes, 8732))``;
-    box ``b`` of ``locs``/``logits`` belongs to default box ``b`` of :func:`dboxes300_coco`.
-
-    Args:
-        backbone: its feature maps are the first levels (38x38, then 19x19, ... for a 300x300 input).
-        extra_channels: output channels of the extra blocks that build the remaining levels.
-        num_classes: number of classes including background (81 for COCO).
-        extra_mid_channels: 1x1-conv channels of the extra block producing level i, i = 1..5.
-        background_prior: initial probability of "background" at every default box, set through the class
-            heads' biases (RetinaNet's prior initialisation); ``None`` keeps the reference's biases. It
-            lowers the loss of the first steps from scratch (docs/benchmarks.md, demo section).
+    """SSD300 over a backbone of :mod:`.backbones` (its maps are the first levels), ``extra_channels`` for
+    the extra blocks' levels: images (N, 3, 300, 300) -> ``(locs (N, 4, 8732), logits (N, num_classes,
+    8732))`` in :func:`dboxes300_coco` order; ``num_classes`` includes background. ``background_prior``:
+    initial background probability through the class heads' biases (RetinaNet's prior; ``None``: the
+    reference's), lowering the first steps' loss from scratch.
     """
 
     def __init__(
@@ -59,11 +50,11 @@ class SSD300(nn.Module):
         backbone: nn.Module,
         extra_channels: Sequence[int],
         num_classes: int,
-        num_defaults: Sequence[int] = NUM_DEFAULTS,
         extra_mid_channels: Sequence[int] = EXTRA_MID_CHANNELS,
         background_prior: float | None = None,
     ) -> None:
         super().__init__()
+        num_defaults = NUM_DEFAULTS
         backbone_channels = list(getattr(backbone, "out_channels", []))
         if not backbone_channels:
             raise ValueError("backbone must have a non-empty attribute out_channels: list[int]")
@@ -132,16 +123,9 @@ def ssd300(
     zero_init_residual: bool = False,
     width_mult: float = 1.0,
 ) -> SSD300:
-    """Build SSD300 v1.1 on the backbone named ``backbone`` in :data:`~.backbones.SSD_BACKBONES`.
-
-    Args:
-        weights_backbone: torchvision weights name for the backbone (e.g. ``"IMAGENET1K_V2"``) or ``None``.
-        zero_init_residual: start every residual block of a randomly initialised backbone as the identity
-            (an error for a backbone without them; skipped, logged, with ``weights_backbone``). From scratch
-            the CPU demo reached AP@0.5 0.44 with it instead of 0.33 after 948 steps.
-        width_mult: channel multiplier of the ``mobilenet_v2`` backbone only (heads, extra layers, default
-            boxes and loss unchanged); other backbones are built at full width, with a warning.
-    """
+    """SSD300 v1.1 on the backbone named ``backbone`` in :data:`~.backbones.SSD_BACKBONES`.
+    ``zero_init_residual``: a random backbone's residual blocks start as the identity (the CPU demo: AP@0.5
+    0.44, not 0.33, after 948 steps); ``width_mult``: ``mobilenet_v2``'s channel multiplier (others: full)."""
     spec = SSD_BACKBONES.get(backbone)
     if spec is None:
         raise ValueError(f"unknown backbone {backbone!r}; expected one of {list(SSD_BACKBONES)}")

@@ -1,9 +1,7 @@
 """RecipeModule: the run lifecycle both LightningModules share, written once.
 
-Optimizer on weight-decay groups, the LR rule evaluated at run time, warm-up and per-iteration schedule,
-EMA of the weights, SyncBatchNorm, float32 strided depthwise under CPU bf16, ``init_from``, the states of
-epoch metrics in mid-epoch checkpoints and the record that makes a checkpoint a model. The subclasses
-(``SSDLitModule``, ``ClassifierLitModule``) add the task: steps, metrics, what they decode.
+Weight-decay groups, run-time LR rule and schedule, EMA, SyncBatchNorm, CPU-bf16 depthwise, ``init_from``,
+mid-epoch metric states and the model record; the subclasses add the task (steps, metrics, decoding).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from torchmetrics import Metric
 
 from ssd_lightning import compat, optim
 from ssd_lightning.errors import ConfigError
-from ssd_lightning.io.model_record import MODEL_KEY, make_model_record
+from ssd_lightning.io.model_record import FORMAT_VERSION, MODEL_KEY
 from ssd_lightning.io.weights import init_from_checkpoint
 from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
 from ssd_lightning.models.cpu_bf16 import run_strided_depthwise_in_float32
@@ -34,11 +32,8 @@ EPOCH_METRIC_STATES = "epoch_metric_states"  # the checkpoint's key
 
 
 class BatchMean(Metric):
-    """Mean of per-batch values weighted by their batch sizes, over the epoch and over all DDP ranks.
-
-    ``update`` only adds on the device (no host sync, no collective); ranks are reduced once, in ``compute``
-    at the epoch's end, whereas ``self.log(..., on_step=True, sync_dist=True)`` all-reduces every step.
-    """
+    """Batch-size-weighted mean over the epoch and all DDP ranks: ``update`` adds on the device, ranks are
+    reduced once in ``compute`` (``self.log(..., sync_dist=True)`` would all-reduce every step)."""
 
     full_state_update = False
 
@@ -58,8 +53,7 @@ class BatchMean(Metric):
 def per_device_batch_size(
     trainer: pl.Trainer, rule: str = "LR scaling", switch_off: str = "model.lr_scaling.rule=none"
 ) -> int:
-    """The per-device training batch size (the reference's ``--bs``), read from the datamodule; ``rule``
-    needs it and ``switch_off`` turns that rule off (for the error)."""
+    """The datamodule's per-device batch (the reference's ``--bs``); ``rule``, ``switch_off``: the error's."""
     batch_size = getattr(getattr(trainer, "datamodule", None), "batch_size", None)
     if batch_size is None:
         raise ConfigError(
@@ -101,26 +95,18 @@ def describe_lr(
 
 
 class RecipeModule(pl.LightningModule):
-    """What a training run does besides its task, for both LightningModules.
-
-    The subclass's ``__init__`` arguments become ``hparams`` here (``save_hyperparameters`` collects them
-    from the constructor chain; plain values only, so checkpoints load with ``weights_only=True``).
-    Subclasses set ``num_classes``, add their :meth:`save_model_record` to :meth:`on_save_checkpoint` and
-    take these arguments, which this class reads:
+    """What a training run does besides its task; the subclass's ``__init__`` arguments (plain values) become
+    ``hparams``, of which these are read here:
 
     Args:
         optimizer: partial optimizer holding the base ``lr`` and ``weight_decay``.
         lr_scaling: ``{"rule": "linear"|"sqrt"|"none", "reference_batch_size": int}``.
-        scheduler: ``{"name": ..., "warmup_steps"/"warmup_epochs": ...}`` and the keys of that schedule
+        scheduler: ``{"name", "warmup_steps"/"warmup_epochs"}`` plus that schedule's keys
             (:func:`ssd_lightning.optim.lr_factor`), stepped every iteration; ``None``: constant LR.
-        init_from: start ``fit`` from the weights of this file whose names and shapes match ``net``
-            (:func:`ssd_lightning.io.weights.init_from_checkpoint`); ignored when resuming.
-        trust_checkpoint: unpickle weight files fully instead of ``torch.load(weights_only=True)`` (this can
-            run code from the file).
-        ema_decay: keep an :class:`ExponentialMovingAverage` of ``net`` (``None``: off), updated every
-            ``ema_every_n_steps`` (>= 1) optimizer steps and restarted from the weights during LR warm-up.
-        sync_batchnorm: SyncBatchNorm on several GPU processes (the one place it is done; leave the
-            Trainer's flag off); ignored with a warning on CPU.
+        init_from: start ``fit`` from this file's weights that match ``net`` by name and shape.
+        trust_checkpoint: unpickle weight files fully (can run code from the file).
+        ema_decay: an EMA of ``net`` (``None``: off), updated every ``ema_every_n_steps`` optimizer steps.
+        sync_batchnorm: SyncBatchNorm on several GPU processes (leave the Trainer's flag off); not on CPU.
     """
 
     num_classes: int | None
@@ -150,8 +136,7 @@ class RecipeModule(pl.LightningModule):
         return (self.net if net is None else net)(images)
 
     def log_train_loss(self, loss: torch.Tensor, batch_size: int) -> None:
-        """``train/loss_step`` (this rank's) and ``train/loss_epoch`` (the mean over all ranks, reduced at the
-        epoch's end only); no prog_bar or LR: Lightning would read them back every step (a device sync)."""
+        """``train/loss_step`` (this rank), ``train/loss_epoch`` (all ranks); no prog_bar: a sync a step."""
         self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=batch_size)
         self.train_loss_epoch.update(loss, batch_size)
         self.log("train/loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
@@ -161,8 +146,7 @@ class RecipeModule(pl.LightningModule):
         return {"train_loss_epoch": self.train_loss_epoch}
 
     def configure_model(self) -> None:
-        """SyncBatchNorm when asked for on several GPU processes; under CPU bf16, the strided depthwise
-        convolutions in float32 (:mod:`ssd_lightning.models.cpu_bf16`)."""
+        """SyncBatchNorm if asked for; under CPU bf16, strided depthwise convolutions in float32."""
         trainer = self.trainer
         on_cpu = isinstance(trainer.accelerator, CPUAccelerator)
         has_sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in self.net.modules())
@@ -188,9 +172,7 @@ class RecipeModule(pl.LightningModule):
         )
 
     def on_fit_start(self) -> None:
-        """``model.init_from``: load the file's weights that match ``net`` (and start the EMA from them), on
-        every rank, before the sanity check; skipped when the fit resumes from a checkpoint (its weights win,
-        and the file need not exist any more)."""
+        """``model.init_from`` on every rank before the sanity check (and the EMA); not when resuming."""
         path = self.hparams.init_from
         if path is None:
             return
@@ -209,9 +191,8 @@ class RecipeModule(pl.LightningModule):
             self.ema.reset()
 
     def on_train_start(self) -> None:
-        """Restore resumable training loaders to their mid-epoch position: Lightning restores them only
-        when it first sets up the train dataloader, which :func:`steps_per_epoch` does earlier, so a resumed
-        epoch would restart its data from the first batch."""
+        """Restore the train loaders' mid-epoch position: Lightning would skip it, since
+        :func:`steps_per_epoch` set up the train dataloader before the checkpoint was loaded."""
         compat.load_pending_loader_states(self.trainer)
 
     def weight_decay_groups(self) -> dict[str, float | None]:
@@ -223,9 +204,7 @@ class RecipeModule(pl.LightningModule):
         return self.ema.decay
 
     def configure_optimizers(self) -> dict:
-        """Optimizer on weight-decay groups with the LR scaled here, from ``trainer.world_size`` and the
-        datamodule's per-device batch (so ``trainer.devices``/``num_nodes`` overrides are honoured), plus a
-        per-iteration schedule whose warm-up the EMA uses too."""
+        """Weight-decay groups, the LR scaled to the global batch, and a per-iteration schedule."""
         trainer, hp, factory = self.trainer, self.hparams, self.optimizer_factory
         base = optim.partial_kwarg(factory, "lr")
         if base is None:
@@ -276,12 +255,8 @@ class RecipeModule(pl.LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Put the states of the epoch metrics (not in the ``state_dict``) into a checkpoint written in the
-        middle of an epoch, so a resumed epoch averages all its batches.
-
-        Every state must be a sum (``dist_reduce_fx="sum"``); they are summed over the DDP ranks here (one
-        all-reduce) and :meth:`on_load_checkpoint` gives the sum to rank 0, zeros to the others, so the
-        epoch's end reduces them to the uninterrupted run's value at any world size."""
+        """Mid-epoch checkpoints carry the epoch metrics' states (sums), summed over the ranks here; loading
+        gives the sum to rank 0 and zeros to the others, so the epoch ends as if uninterrupted."""
         trainer = self.trainer
         progress = trainer.fit_loop.epoch_progress.current
         if trainer.state.fn != "fit" or progress.started == progress.processed:  # "epoch unfinished"
@@ -312,10 +287,7 @@ class RecipeModule(pl.LightningModule):
     def save_model_record(
         self, checkpoint: dict, *, kind: str, weights: str, decoder: Mapping | None = None
     ) -> None:
-        """Put the record that rebuilds and names the model (:mod:`ssd_lightning.io.model_record`) into
-        ``checkpoint``, classes and input size from the datamodule (else classes ``class_<k>``). A network
-        without ``architecture`` (not from ``NETWORK_BUILDERS``) gets none: its checkpoints need their run
-        config."""
+        """Put the :mod:`~ssd_lightning.io.model_record` into ``checkpoint`` (if ``net.architecture``)."""
         architecture = getattr(self.net, "architecture", None)
         if architecture is None:
             return
@@ -344,16 +316,22 @@ class RecipeModule(pl.LightningModule):
                 None if batch is None else trainer.world_size * int(batch) * trainer.accumulate_grad_batches
             ),
         }
-        checkpoint[MODEL_KEY] = make_model_record(
-            kind=kind,
-            architecture=architecture,
-            weights=weights,
-            class_names=names,
-            category_ids=ids,
-            image_size=getattr(datamodule, "image_size", 300 if detector else 224),
-            resize=None if detector else getattr(datamodule, "val_resize", None),
-            mean=IMAGENET_MEAN,
-            std=IMAGENET_STD,
-            decoder=decoder,
-            training=training,
-        )
+        resize = None if detector else getattr(datamodule, "val_resize", None)
+        checkpoint[MODEL_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "architecture": {"builder": str(architecture["builder"]), "args": dict(architecture["args"])},
+            "weights": weights,
+            "classes": {
+                "names": [str(n) for n in names],
+                "category_ids": None if ids is None else [int(i) for i in ids],
+            },
+            "input": {
+                "image_size": int(getattr(datamodule, "image_size", 300 if detector else 224)),
+                "resize": None if resize is None else int(resize),
+                "mean": list(IMAGENET_MEAN),
+                "std": list(IMAGENET_STD),
+            },
+            **({} if decoder is None else {"decoder": dict(decoder)}),
+            "training": training,
+        }

@@ -50,20 +50,15 @@ def _eval_metrics(num_classes: int) -> nn.ModuleDict:
 class ClassifierLitModule(RecipeModule):
     """Trains and evaluates an image classifier on ``{"images": (N, 3, H, W), "labels": (N,) int64}``.
 
-    Logged: ``train/loss_step`` (label-smoothed CE, this rank), ``train/loss_epoch`` and
-    ``train/acc1_epoch`` (means over every rank's batches), ``lr-*`` (LearningRateMonitor);
-    ``val/loss`` (plain CE), ``val/acc1``, ``val/acc5``, ``val/acc1_best`` (best epoch so far, kept in
-    the checkpoint so it survives a resume), the same with ``_ema`` for the EMA weights, and ``test/*``.
+    Logged: ``train/loss_step`` (label-smoothed CE), ``train/*_epoch``; ``val/loss`` (plain CE), ``val/acc1``,
+    ``val/acc5``, ``val/acc1_best`` (kept in checkpoints), ``_ema`` variants, ``test/*``.
 
     Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`, ``configs/model/mobilenetv2.yaml``):
-        net: module mapping (N, 3, H, W) images to (N, num_classes) logits.
         norm_weight_decay, bias_weight_decay, depthwise_weight_decay: ``None``: the optimizer's.
-        ema_decay: with ``ema_decay_scaling="torchvision"`` scaled when the optimizer is built
-            (:func:`ssd_lightning.optim.scale_ema_decay`); with ``"none"`` the decay per update as given.
-        num_classes: output size of ``net``; inferred from its last ``nn.Linear`` when ``None``.
-        confusion_matrix: after each validation draw the row-normalised confusion matrix of ``net`` (summed
-            over every rank) to ``<run dir>/analysis/epoch_<e>/classification_confusion.png`` (and
-            TensorBoard) and log the three most frequent confusions.
+        ema_decay: scaled by :func:`ssd_lightning.optim.scale_ema_decay` per ``ema_decay_scaling``.
+        num_classes: output size of ``net``; ``None``: its last ``nn.Linear``'s.
+        confusion_matrix: after each validation, draw ``net``'s row-normalised confusion matrix to
+            ``<run dir>/analysis/epoch_<e>/classification_confusion.png`` and log the top confusions.
     """
 
     def __init__(
@@ -176,7 +171,7 @@ class ClassifierLitModule(RecipeModule):
                 self._report_confusion(matrix)
 
     def _report_confusion(self, matrix: Tensor) -> None:
-        """Rank 0: the normalised picture in the run directory (and TensorBoard) and the top confusions."""
+        """Rank 0: the picture in the run directory (and TensorBoard) and the top confusions."""
         counts = matrix.detach().to("cpu", torch.int64).numpy()
         names = getattr(self.trainer.datamodule, "class_names", None)
         names = [str(n) for n in names] if names is not None and len(names) == len(counts) else None

@@ -10,11 +10,9 @@ __all__ = ["ExponentialMovingAverage"]
 
 
 class ExponentialMovingAverage(AveragedModel):
-    """``AveragedModel`` keeping ``ema = decay * ema + (1 - decay) * current`` for every parameter and
-    floating-point buffer (BatchNorm running statistics); integer buffers (``num_batches_tracked``) are
-    copied. The first :meth:`update_parameters` after construction or after :meth:`reset` copies the
-    network (``model``, deep-copied). The copy never requires gradients, so DDP and the optimizer never
-    see it.
+    """``AveragedModel`` keeping ``ema = decay * ema + (1 - decay) * current`` for parameters and float
+    buffers (integer ones copied); the first update after construction or :meth:`reset` copies the
+    network. It never requires gradients, so DDP and the optimizer never see it.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -35,9 +33,8 @@ class ExponentialMovingAverage(AveragedModel):
                 avg.copy_(cur)
 
     def update_at_step(self, model: nn.Module, step: int, *, every_n_steps: int, warmup_steps: int) -> None:
-        """Update from ``model`` after optimizer step ``step`` when ``step % every_n_steps == 0``, once per
-        step (accumulation micro-batches share one); up to ``warmup_steps`` the average restarts from the
-        weights after every update (LR warm-up), as torchvision's reference does."""
+        """Update once after optimizer ``step`` when ``step % every_n_steps == 0``; up to ``warmup_steps``
+        the average restarts from the weights after every update, as torchvision's reference does."""
         if step == getattr(self, "_last_step", -1) or step % every_n_steps != 0:
             return
         self._last_step = step

@@ -1,8 +1,6 @@
 """``model.freeze``: keep the first stages of a backbone (or all of it) fixed while the rest trains.
 
-Frozen parameters get ``requires_grad=False`` (so ``optim.param_groups`` leaves them out) and the BatchNorm
-layers inside frozen parts stay in eval mode during training. Weights loaded later (``model.init_from``, a
-resumed checkpoint) are frozen at their loaded values.
+Frozen parameters get ``requires_grad=False`` and their BatchNorm layers stay in eval mode.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ __all__ = ["freeze_backbone", "frozen_modules", "keep_frozen_norms_in_eval"]
 def freeze_backbone(
     net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
 ) -> list[nn.Module]:
-    """Freeze ``net.feature_extractor``'s first ``freeze`` stages (``"backbone"``: all); returns the frozen
-    modules (:func:`frozen_modules`)."""
+    """Freeze ``net``'s first ``freeze`` backbone stages (``"backbone"``: all); returns their modules."""
     frozen = frozen_modules(net, freeze, key=key)
     for module in frozen:
         module.requires_grad_(False)
@@ -27,9 +24,8 @@ def freeze_backbone(
 
 
 def frozen_modules(net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze") -> list[nn.Module]:
-    """The modules of the first ``freeze`` backbone stages as they are now in ``net`` (look them up again
-    after layers were replaced, e.g. by SyncBatchNorm conversion); ConfigError for a ``freeze`` that is
-    neither ``"backbone"``, ``None`` nor a stage count the backbone has."""
+    """The modules of the first ``freeze`` backbone stages as they are now in ``net`` (again after a
+    SyncBatchNorm conversion); ConfigError for a ``freeze`` not ``"backbone"``, ``None`` or a stage count."""
     if freeze is None:
         return []
     stages = getattr(getattr(net, "feature_extractor", None), "stages", None)

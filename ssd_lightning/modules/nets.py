@@ -20,13 +20,8 @@ log = logging.getLogger(__name__)
 def build_mobilenet_v2(
     *, pretrained_path: str | os.PathLike | None = None, trust_checkpoint: bool = False, **kwargs: Any
 ) -> MobileNetV2:
-    """:func:`ssd_lightning.models.mobilenet_v2` (``kwargs``), then the weights of ``pretrained_path``.
-
-    ``pretrained_path`` is a local file with a state dict (plain, or under ``state_dict``/``model``, keys
-    possibly prefixed ``module.``/``model.``/``net.``), read by
-    :func:`~ssd_lightning.io.weights.read_checkpoint` (``trust_checkpoint``: unpickled fully) and loaded
-    strictly (ValueError); with another class count the classifier keeps its initialisation (logged).
-    """
+    """:func:`ssd_lightning.models.mobilenet_v2` (``kwargs``), then the local file ``pretrained_path``'s state
+    dict, strictly but for a classifier of another class count."""
     if kwargs.get("weights") is not None and pretrained_path is not None:
         raise ValueError(
             "give either weights= (torchvision download) or pretrained_path= (local file), not both"

@@ -19,14 +19,11 @@ class SSDLitModule(RecipeModule):
     """Trains and evaluates an SSD300-family network.
 
     Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`, ``configs/model/ssd300.yaml``):
-        net: module mapping images (N, 3, 300, 300) to ``(locs (N, 4, 8732), logits (N, C, 8732))``.
         decoder: overrides of :class:`~ssd_lightning.models.DecoderSettings` (``None`` values: the default).
         nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict).
-        ema_decay: both sets of weights are evaluated at every validation (the second set's detections
-            under ``"detections_secondary"``) and both are in every checkpoint.
-        use_ema: with EMA on, the EMA weights are the run's weights (``"detections"``, ``val/*``, test,
-            predict, detectors loaded from checkpoints), the raw ones the second set (``val_raw/*``);
-            ``False``: the other way round (``val_ema/*``).
+        ema_decay: both weight sets are validated (the second under ``"detections_secondary"``) and saved.
+        use_ema: the EMA weights are the run's (``val/*``, test, predict, checkpoints' model), the raw ones
+            the second set (``val_raw/*``); ``False``: the other way round (``val_ema/*``).
     """
 
     def __init__(
@@ -132,9 +129,8 @@ class SSDLitModule(RecipeModule):
 
 
 def reconcile_ema_weights(state: dict, *, has_ema: bool) -> None:
-    """Make a checkpoint's ``state_dict`` fit a module with or without EMA, in place: without EMA weights
-    in the file, the average starts from its weights (the next update copies them); EMA weights in the file
-    but no EMA in the module is an error, since the run's weights may be the EMA ones."""
+    """Fit a checkpoint's ``state_dict`` to a module with or without EMA, in place: the average starts from
+    the file's weights when it has none; EMA weights without EMA in the module are an error."""
     has_saved_ema = any(k.startswith("ema.") for k in state)
     if has_ema and not has_saved_ema:
         for key in [k for k in state if k.startswith("net.")]:

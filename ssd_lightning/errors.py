@@ -11,9 +11,17 @@ import os
 import sys
 from collections.abc import Iterator
 
-__all__ = ["UserError", "ConfigError", "DataError", "MissingDataError", "CheckpointWriteError",
-           "DatasetConflictError", "NonFiniteLossError",
-           "is_user_error", "user_errors_as_messages"]  # fmt: skip
+__all__ = [
+    "UserError",
+    "ConfigError",
+    "DataError",
+    "MissingDataError",
+    "CheckpointWriteError",
+    "DatasetConflictError",
+    "NonFiniteLossError",
+    "is_user_error",
+    "user_errors_as_messages",
+]
 
 
 class UserError(Exception):

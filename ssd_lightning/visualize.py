@@ -164,12 +164,8 @@ def _found_series(
     """``(key, xs, ys)`` of the first of ``candidates`` (else of the ``prefix*`` columns); None if no data."""
     keys = set().union(*rows)
     found = [k for k in candidates if k in keys] or sorted(k for k in keys if prefix and k.startswith(prefix))
-    if found:
-        key = found[0]
-        xs, ys = _series(rows, key, x)
-        if len(xs):
-            return key, xs, ys
-    return None
+    xs, ys = _series(rows, found[0], x) if found else ((), ())
+    return (found[0], xs, ys) if len(xs) else None
 
 
 def _plot_run(axes, rows: Sequence[Mapping[str, float]], label: str, colour: str, single: bool) -> dict:
@@ -263,11 +259,10 @@ def plot_pr_curves(
     output: str | os.PathLike,
     *,
     title: str | None = None,
-    max_legend_classes: int = 20,
 ) -> Path:
     """One panel per IoU threshold: ``precision`` (I, K, R) over ``recall`` (R,) per class (NaN: not drawn),
-    ``ap`` (I, K) in the legend, and the all-classes line, thick and black. Beyond ``max_legend_classes``,
-    the legend names the best and worst half of them, the others grey. Written to the PNG ``output``."""
+    ``ap`` (I, K) in the legend, and the all-classes line, thick and black. Beyond 20 classes, the legend
+    names the best and worst 10, the others grey. Written to the PNG ``output``."""
     from matplotlib.figure import Figure
 
     precision, ap = np.asarray(precision, dtype=np.float64), np.asarray(ap, dtype=np.float64)
@@ -276,11 +271,10 @@ def plot_pr_curves(
         raise ValueError(f"{len(class_names)} class names for {n_cls} classes")
     fig = Figure(figsize=(6.5 * n_iou, 5.2), dpi=100, layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, n_iou))
-    half = max_legend_classes // 2
     for i, ax in enumerate(axes):
         defined = np.flatnonzero(~np.isnan(ap[i]))
         ranked = defined[np.argsort(-ap[i, defined], kind="stable")]  # best first
-        shown = ranked if len(ranked) <= max_legend_classes else [*ranked[:half], *ranked[-half:]]
+        shown = ranked if len(ranked) <= 20 else [*ranked[:10], *ranked[-10:]]
         named = set(np.asarray(shown).tolist())
         for rank, k in enumerate(ranked):
             if k in named:
@@ -312,16 +306,12 @@ def plot_confusion_matrix(
     output: str | os.PathLike,
     *,
     title: str | None = None,
-    true_label: str = "true",
-    predicted_label: str = "predicted",
-    annotate_max: int = 25,
-    max_classes: int = 60,
 ) -> Path:
     """The ``(C, C)`` counts ``matrix`` (rows true, columns predicted) as shares of their row, to the PNG
-    ``output`` (returned); the shares written in the cells up to ``annotate_max`` classes. Beyond
-    ``max_classes`` only the most confused ones are drawn (most off-diagonal counts in their row and column),
-    said in the title: 1,000 ImageNet classes in full took ~55 s and a 300-megapixel picture.
-    """
+    ``output`` (returned); the shares written in the cells up to 25 classes. Beyond 60 only the 60 most
+    confused are drawn (most off-diagonal counts in their row and column), said in the title: 1,000 ImageNet
+    classes in full took ~55 s and a 300-megapixel picture."""
+    annotate_max, max_classes = 25, 60
     from matplotlib.figure import Figure
 
     counts = np.asarray(matrix, dtype=np.float64)
@@ -348,10 +338,10 @@ def plot_confusion_matrix(
     ax = fig.add_axes((margin / width, margin / height, side / width, side / height))
     shown = ax.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
     colour_bar = fig.add_axes(((margin + side + 0.2) / width, margin / height, 0.2 / width, side / height))
-    fig.colorbar(shown, cax=colour_bar, label=f"share of the {true_label} row")
+    fig.colorbar(shown, cax=colour_bar, label="share of the true row")
     ax.set_xticks(range(size), [str(n) for n in class_names], rotation=90, fontsize=font)
     ax.set_yticks(range(size), [str(n) for n in class_names], fontsize=font)
-    ax.set(xlabel=predicted_label, ylabel=true_label)
+    ax.set(xlabel="predicted", ylabel="true")
     if size <= annotate_max:
         for r, c in zip(*np.nonzero(counts), strict=True):
             colour = "white" if shares[r, c] > 0.5 else "black"

@@ -79,7 +79,7 @@ def test_load_detector_rebuilds_the_run_network(fake_run):
     assert detector.class_names[0] == "background" and set(detector.class_names[1:]) == SHAPE_NAMES
     for key, value in net.state_dict().items():
         assert torch.equal(detector.net.state_dict()[key], value), key
-    assert detector.decoder == DECODER  # from the checkpoint's hyper_parameters
+    assert dict(detector.settings) == DECODER  # from the checkpoint's hyper_parameters
     assert not detector.net.training
 
 
@@ -413,7 +413,7 @@ def test_onnx_export_predicts_what_the_checkpoint_predicts(fake_run, images, onn
     from_onnx = load_detector(onnx=onnx_export)
     assert from_onnx.session is not None and from_onnx.net is None
     assert from_onnx.class_names == from_ckpt.class_names and from_onnx.category_ids == from_ckpt.category_ids
-    assert from_onnx.decoder == DECODER  # the checkpoint's decoder, stored in the file
+    assert dict(from_onnx.settings) == DECODER  # the checkpoint's decoder, stored in the file
     inputs = collect_inputs(images)
     expected, _ = predict_images(from_ckpt, inputs, tmp_path / "ckpt", batch_size=2)
     got, failures = predict_images(from_onnx, inputs, tmp_path / "onnx", batch_size=2)
@@ -446,7 +446,8 @@ def test_onnx_loading_errors_say_what_to_do(onnx_export, tmp_path):
         load_detector(onnx=tmp_path / "missing.onnx")
     with pytest.raises(ValueError, match=r"part of its graph.*decoder.max_detections=10"):
         load_detector(onnx=onnx_export, decoder={"max_detections": 10})
-    assert load_detector(onnx=onnx_export, decoder={"max_detections": 30}).decoder == DECODER  # same: fine
+    same = load_detector(onnx=onnx_export, decoder={"max_detections": 30})  # the same setting: fine
+    assert dict(same.settings) == DECODER
     network_only = export_network(ssd300(backbone="resnet18", num_classes=5), tmp_path / "net.onnx")
     with pytest.raises(ValueError, match="outputs locs, logits.*end_to_end=true"):
         load_detector(onnx=network_only)

@@ -12,6 +12,15 @@ from ssd_lightning.callbacks.progress import StepMetricsProgressBar
 from ssd_lightning.callbacks.throughput import ThroughputBenchmark
 from ssd_lightning.callbacks.training_speed import TrainingSpeed
 
-__all__ = ["CocoMAPCallback", "DetectionAnalysis", "EvalSchedule", "InterruptCheckpoint", "NonFiniteGuard",
-           "PredictionPictures", "StepMetricsProgressBar", "ThroughputBenchmark", "TrainingCurves",
-           "TrainingSpeed"]  # fmt: skip
+__all__ = [
+    "CocoMAPCallback",
+    "DetectionAnalysis",
+    "EvalSchedule",
+    "InterruptCheckpoint",
+    "NonFiniteGuard",
+    "PredictionPictures",
+    "StepMetricsProgressBar",
+    "ThroughputBenchmark",
+    "TrainingCurves",
+    "TrainingSpeed",
+]

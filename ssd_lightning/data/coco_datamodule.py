@@ -22,39 +22,27 @@ __all__ = ["CocoDALIDataModule"]
 class CocoDALIDataModule(DALIDataModule):
     """SSD300 data from a COCO-layout directory, decoded and augmented by DALI.
 
-    Args:
-        root: dataset root.
-        train_images, val_images, train_annotations, val_annotations: override the default paths
-            ``<root>/train2017``, ``<root>/val2017``, ``<root>/annotations/instances_{train,val}2017.json``.
-        image_size: square network input side (300 for SSD300).
-        shuffle: global reshuffle every epoch (``shuffle_after_epoch``); off: fixed order per shard.
-        augment: the reference augmentation; False gives decode + resize only (tests, debugging).
-        include_crowd: train on ``iscrowd=1`` boxes like ordinary boxes (the reference does).
-        check_files: check that every listed image exists and looks like an image, in ``setup()``.
-        train_image_ids: add ``"image_ids"`` (N,) int64 to training batches (tests, debugging, checking
-            that a resumed run sees the same images).
-        cache_dir: where the annotation check's results (and normalised or clipped copies of annotation
-            files) are kept, so an unchanged split is checked once per machine (default
-            ``$XDG_CACHE_HOME/ssd_lightning``; :mod:`ssd_lightning.data.split_cache`).
-        val_skip_empty: validate only the images with annotations, as NVIDIA's reference does (4,952 of COCO
-            val 2017's 5,000); the default, False, is the official protocol (detections on the 48 empty
-            images count as false positives, so the same checkpoint scores slightly lower).
-        exif_check, size_check: ``"error"``, ``"warn"`` or ``"off"``: EXIF-rotated images whose boxes cannot
-            line up with what this DALI line decodes; images listed with a width and height other than their
-            file's (DALI reads boxes relative to the listed size; "warn" when the images were resized
-            proportionally after labelling). See :func:`~ssd_lightning.data.coco_validation.check_coco_split`.
-        **kwargs: ``batch_size`` (per device), ``eval_batch_size``, ``num_threads``, ``prefetch_queue_depth``,
-            ``seed``, ``device``, ``output_dtype``: see :class:`.dali_datamodule.DALIDataModule`.
+    Paths default to ``<root>/train2017``, ``<root>/val2017``,
+    ``<root>/annotations/instances_{train,val}2017.json``. ``image_size``: 300 (SSD300's default boxes).
+    ``shuffle``: global reshuffle every epoch, else a fixed order per shard. ``augment``: the reference
+    augmentation (False: decode + resize only). ``include_crowd``: ``iscrowd=1`` boxes as ordinary ones (as
+    the reference). ``check_files``: every listed image exists and looks like an image, in ``setup()``.
+    ``train_image_ids``: ``"image_ids"`` (N,) int64 in training batches (tests, checking a resumed run).
+    ``cache_dir``: where the annotation check's results (and normalised or clipped annotation copies) are
+    kept, one check per machine for an unchanged split (default ``$XDG_CACHE_HOME/ssd_lightning``).
+    ``val_skip_empty``: validate only annotated images as NVIDIA does (4,952 of val 2017's 5,000); the default
+    is the official protocol (detections on empty images count as false positives). ``exif_check``,
+    ``size_check`` (``"error"``, ``"warn"``, ``"off"``): EXIF-rotated images whose boxes cannot line up with
+    what this DALI line decodes; images listed with another size than their file's ("warn" for images resized
+    proportionally after labelling); see :func:`~ssd_lightning.data.coco_validation.check_coco_split`.
+    ``**kwargs``: ``batch_size`` (per device) and the rest of :class:`.dali_datamodule.DALIDataModule`.
 
-    Batches (see docs/architecture.md): training ``{"images" (N, 3, S, S), "boxes" (N, 8732, 4) float32
-    (cx, cy, w, h) in [0, 1], "labels" (N, 8732) int64}``; validation ``{"images", "image_ids" (N,) int64,
-    "image_sizes" (N, 2) int64 (height, width) of the original}``. Training drops the incomplete last
-    batch per rank and skips images without boxes; validation yields every image exactly once across ranks
-    and keeps them (unless ``val_skip_empty``).
-
-    Exports of labelling tools work as written (category ids from 0, ``file_name`` in subfolders, PNGs, no
-    ``iscrowd``/``area``/``id``, string image ids: read through a normalised copy whose image ids ``1..N``
-    the batches and :attr:`val_annotation_file` share); policy: :mod:`ssd_lightning.data.coco_validation`.
+    Batches: training ``{"images" (N, 3, S, S), "boxes" (N, 8732, 4) float32 (cx, cy, w, h) in [0, 1],
+    "labels" (N, 8732) int64}`` (incomplete last batch per rank dropped, images without boxes skipped);
+    validation ``{"images", "image_ids" (N,) int64, "image_sizes" (N, 2) int64 original (height, width)}``,
+    every image once across ranks. Labelling tools' exports work as written (category ids from 0, subfolders,
+    PNGs, no ``iscrowd``/``area``/``id``, string image ids: read through a normalised copy whose image ids
+    ``1..N`` the batches and :attr:`val_annotation_file` share; :mod:`ssd_lightning.data.coco_validation`).
     """
 
     def __init__(
@@ -125,8 +113,7 @@ class CocoDALIDataModule(DALIDataModule):
         """K + 1 (includes background)."""
         return self.category_map.num_classes
 
-    def _paths(self, split: Literal["train", "val"]) -> tuple[Path, Path]:
-        """(image folder, annotation file) of ``split``."""
+    def _paths(self, split: Literal["train", "val"]) -> tuple[Path, Path]:  # (image folder, annotation file)
         if split == "train":
             return self.train_images, self.train_annotations
         return self.val_images, self.val_annotations
@@ -172,10 +159,11 @@ class CocoDALIDataModule(DALIDataModule):
             from ssd_lightning.models import dboxes300_coco
 
             self._anchors = dboxes300_coco().ltrb.flatten().tolist()
+        names = ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else [])
         return self._loader(
             split,
             coco_train_pipeline,
-            ["images", "boxes", "labels"] + (["image_ids"] if with_image_ids else []),
+            names,
             **common,
             anchors_ltrb=self._anchors,
             shuffle=self.shuffle,

@@ -12,15 +12,9 @@ from ssd_lightning.data.coco_validation import find_undecodable_images
 from ssd_lightning.data.dali_iterator import DALILoader
 from ssd_lightning.errors import DataError
 
-__all__ = ["DALIDataModule", "rank_info", "pipeline_device", "decode_error_reporter"]
+__all__ = ["DALIDataModule", "pipeline_device", "decode_error_reporter"]
 
 _DALI_DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "bfloat16": types.FLOAT}  # see _loader
-
-
-def rank_info(module: pl.LightningDataModule) -> tuple[int, int]:
-    """(global rank, world size) of the attached trainer; (0, 1) without one."""
-    trainer = getattr(module, "trainer", None)
-    return (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
 
 
 def pipeline_device(module: pl.LightningDataModule, device: str) -> tuple[str, int | None]:
@@ -67,21 +61,16 @@ class DALIDataModule(pl.LightningDataModule):
     """Base of the DALI datamodules: one sharded :class:`DALILoader` per split and rank.
 
     Subclasses implement ``_split(split)`` (read and check a split once; ``setup`` calls it) and
-    ``make_loader(split, *, shard_id, num_shards)`` (through :meth:`_loader`), which the hooks call with the
-    trainer's global rank and world size. Testing runs on the validation split (COCO and ImageNet publish no
-    test labels).
-
-    Arguments every DALI datamodule takes: ``image_size`` (square network input side); ``batch_size``:
-    training batch PER DEVICE (the reference's ``--bs``; the global batch is ``batch_size * world_size``);
-    ``eval_batch_size`` (default: ``batch_size``); ``num_threads``: DALI CPU threads per pipeline;
-    ``prefetch_queue_depth``: batches DALI prepares ahead; ``seed``: augmentation seed (offset by the global
-    rank) and global shuffle seed (same on all ranks); ``device``: ``"auto"`` (where the trainer runs:
-    :func:`pipeline_device`), ``"cpu"`` or ``"gpu"``; ``output_dtype``: ``"float32"``, ``"float16"`` or
-    ``"bfloat16"`` images.
-
-    Resuming: :meth:`state_dict` (the training loader's stream state) goes into every checkpoint, and the
-    next training loader continues from the state :meth:`load_state_dict` restores, so a resumed run sees the
-    batches of an uninterrupted one (Lightning hands loader states back to them only mid-epoch).
+    ``make_loader(split, *, shard_id, num_shards)`` (through :meth:`_loader`), called with the trainer's
+    global rank and world size; testing runs on the validation split (COCO and ImageNet publish no test
+    labels). Arguments: ``image_size`` (square input side); ``batch_size`` PER DEVICE (the reference's
+    ``--bs``); ``eval_batch_size`` (default ``batch_size``); ``num_threads`` (DALI CPU threads per pipeline);
+    ``prefetch_queue_depth``; ``seed``: augmentation seed (offset by the global rank) and global shuffle
+    seed (same on all ranks); ``device``: ``"auto"`` (:func:`pipeline_device`), ``"cpu"`` or ``"gpu"``;
+    ``output_dtype`` of the images: ``"float32"``, ``"float16"`` or ``"bfloat16"``. Resuming:
+    :meth:`state_dict` (the training loader's stream state) goes into every checkpoint and the next training
+    loader continues from what :meth:`load_state_dict` restores, so a resumed run sees an uninterrupted
+    one's batches (Lightning hands loader states back to them only mid-epoch).
     """
 
     _train_loader: DALILoader | None = None
@@ -120,18 +109,18 @@ class DALIDataModule(pl.LightningDataModule):
         ``graph_kwargs``."""
         device, cuda_index = pipeline_device(self, self.device)
         shard = {"shard_id": shard_id, "num_shards": num_shards}
-        kwargs = {
-            "batch_size": self.batch_size if split == "train" else self.eval_batch_size,
-            "num_threads": self.num_threads,
-            "device_id": cuda_index,
-            "prefetch_queue_depth": self.prefetch_queue_depth,
-            "seed": self.seed + 1009 * shard_id,  # different augmentation per rank
+        kwargs = dict(
+            batch_size=self.batch_size if split == "train" else self.eval_batch_size,
+            device_id=cuda_index,
+            num_threads=self.num_threads,
+            prefetch_queue_depth=self.prefetch_queue_depth,
             **shard,
-            "device": device,
-            "dtype": _DALI_DTYPES[self.output_dtype],
-            "image_size": self.image_size,
+            seed=self.seed + 1009 * shard_id,  # different augmentation per rank
+            device=device,
+            dtype=_DALI_DTYPES[self.output_dtype],
+            image_size=self.image_size,
             **graph_kwargs,
-        }
+        )
         return DALILoader(
             lambda **pipeline_kwargs: pipeline(**kwargs, **pipeline_kwargs),
             names,
@@ -142,6 +131,12 @@ class DALIDataModule(pl.LightningDataModule):
             dtypes={"images": torch.bfloat16} if self.output_dtype == "bfloat16" else {},
         )
 
+    def _sharded(self, split: str) -> DALILoader:
+        """``make_loader`` for the attached trainer's global rank of its world size (0 of 1 without one)."""
+        trainer = getattr(self, "trainer", None)
+        rank, world = (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+        return self.make_loader(split, shard_id=rank, num_shards=world)
+
     def setup(self, stage: str | None = None) -> None:
         if stage in (None, "fit"):
             self._split("train")
@@ -149,8 +144,7 @@ class DALIDataModule(pl.LightningDataModule):
             self._split("val")
 
     def train_dataloader(self) -> DALILoader:
-        rank, world = rank_info(self)
-        loader = self.make_loader("train", shard_id=rank, num_shards=world)
+        loader = self._sharded("train")
         if self._train_state:
             loader.load_state_dict(self._train_state)
             self._train_state = None
@@ -166,8 +160,7 @@ class DALIDataModule(pl.LightningDataModule):
         self._train_state = state_dict.get("train")
 
     def val_dataloader(self) -> DALILoader:
-        rank, world = rank_info(self)
-        return self.make_loader("val", shard_id=rank, num_shards=world)
+        return self._sharded("val")
 
     def test_dataloader(self) -> DALILoader:
         return self.val_dataloader()

@@ -165,8 +165,17 @@ def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np
         half, head = size / 2, size * rng.uniform(0.3, 0.45)
         head_w, shaft_w = size * rng.uniform(0.22, 0.32), size * rng.uniform(0.07, 0.13)
         neck = half - head
-        pts = np.array([[-half, -shaft_w], [neck, -shaft_w], [neck, -head_w], [half, 0.0], [neck, head_w],
-                        [neck, shaft_w], [-half, shaft_w]])  # fmt: skip
+        pts = np.array(
+            [
+                [-half, -shaft_w],
+                [neck, -shaft_w],
+                [neck, -head_w],
+                [half, 0.0],
+                [neck, head_w],
+                [neck, shaft_w],
+                [-half, shaft_w],
+            ]
+        )
     else:
         raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
     return _rotate(pts, angle), ellipse

@@ -45,15 +45,15 @@ class ShapesDataModule(CocoDALIDataModule):
         categories = None if categories is None else resolve_categories(categories)  # fail at config time
         check_max_objects(max_objects_train)
         super().__init__(root, **kwargs)
-        self.dataset_kwargs = {
-            "num_train": num_train,
-            "num_val": num_val,
-            "seed": dataset_seed,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "categories": categories,
-            "max_objects_train": max_objects_train,
-        }
+        self.dataset_kwargs = dict(
+            num_train=num_train,
+            num_val=num_val,
+            seed=dataset_seed,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            categories=categories,
+            max_objects_train=max_objects_train,
+        )
 
     def prepare_data(self) -> None:
         ensure_detection_dataset(self.root, **self.dataset_kwargs)
@@ -73,12 +73,12 @@ class ShapesClassificationDataModule(ImageFolderDALIDataModule):
         **kwargs,
     ) -> None:
         super().__init__(root, **kwargs)
-        self.dataset_kwargs = {
-            "num_train_per_class": num_train_per_class,
-            "num_val_per_class": num_val_per_class,
-            "seed": dataset_seed,
-            "image_size": dataset_image_size,
-        }
+        self.dataset_kwargs = dict(
+            num_train_per_class=num_train_per_class,
+            num_val_per_class=num_val_per_class,
+            seed=dataset_seed,
+            image_size=dataset_image_size,
+        )
 
     def prepare_data(self) -> None:
         ensure_classification_dataset(self.root, **self.dataset_kwargs)

@@ -6,7 +6,6 @@ validation (:meth:`ssd_lightning.models.BoxCoder.detect`) or the exported graph.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -38,7 +37,6 @@ __all__ = [
     "Detector",
     "detector_from_onnx",
     "load_detector",
-    "load_detector_from_settings",
     "load_nvidia_checkpoint",
     "open_onnx",
     "resolve_dtype",
@@ -118,11 +116,6 @@ class Detector:
     @property
     def category_ids(self) -> tuple[int, ...]:
         return self.categories.category_ids
-
-    @property
-    def decoder(self) -> dict[str, Any]:
-        """The keyword arguments of :meth:`BoxCoder.decode`."""
-        return dict(self.settings)
 
     @property
     def runs_on(self) -> str:
@@ -220,10 +213,7 @@ def _from_checkpoint(
         _load_weights(net, checkpoint, record["weights"], ckpt)
         classes = CategoryMap(tuple(record["classes"]["category_ids"]), tuple(record["classes"]["names"]))
         return net, classes, record.get("decoder") or {}, int(record["input"]["image_size"])
-    # <run>/checkpoints/<name>.ckpt -> <run>/.hydra/config.yaml
-    config_path = (
-        Path(run_config) if run_config is not None else ckpt.resolve().parents[1] / ".hydra/config.yaml"
-    )
+    config_path = Path(run_config or ckpt.resolve().parents[1] / ".hydra/config.yaml")  # <run>/checkpoints/x
     if not config_path.is_file():
         raise CheckpointReadError(
             f"{source} records no model (written by an ssd_lightning before checkpoints did, or by another "
@@ -350,9 +340,3 @@ def load_detector(
     source = str(ckpt_path if nvidia_checkpoint is None else nvidia_checkpoint)
     net, dtype = net.eval().to(device), resolve_dtype(dtype, device)[0]
     return Detector(categories, settings, net, source=source, image_size=image_size, dtype=dtype)
-
-
-def load_detector_from_settings(settings: Mapping[str, Any]) -> Detector:
-    """:func:`load_detector` with the keys of ``settings`` (``configs/predict.yaml``) it takes."""
-    names = inspect.signature(load_detector).parameters
-    return load_detector(**{key: value for key, value in settings.items() if key in names})

@@ -273,10 +273,6 @@ def _results_of(
     return entries, {**record, "detections": found}, boxes
 
 
-def _as_input(item: InputImage | str | os.PathLike) -> InputImage:
-    return item if isinstance(item, InputImage) else InputImage(Path(item), Path(item).name)
-
-
 def predict_images(
     detector: Detector,
     inputs: Sequence[InputImage | str | os.PathLike],
@@ -294,26 +290,19 @@ def predict_images(
     gpu_decode: bool = True,
     keep_results: bool = True,
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
-    """Detect objects in ``inputs``; write pictures, ``predictions.jsonl`` and ``predictions.json`` to
-    ``output_dir``; return (the COCO results, ``[]`` without ``keep_results``; unreadable ``(path, reason)``).
-
-    ``predictions.json``: COCO results (:func:`~ssd_lightning.evaluation.to_coco_array`), ``image_id`` =
-    ``image_ids[i]`` for input ``i`` (default ``i``), ids of ``categories`` (default the detector's), bbox
-    in original pixels clipped to the image, plus ``file_name`` (the input's ``name``) and
-    ``category_name``. ``predictions.jsonl`` gets a line per input as it is done: ``image_id``,
-    ``file_name``, ``height``, ``width``, ``detections`` (or ``error``); ``predictions.json`` is streamed
-    from it at the end, so memory does not grow with the inputs. ``fast_decode``: JPEGs decoded at the
-    smallest libjpeg scale keeping both sides >= twice the network input (false, with ``gpu_decode=False``
-    on CUDA: earlier versions' detections). ``gpu_decode``: on CUDA, JPEGs decoded and preprocessed there.
-    Pictures ``<name>.jpg`` (``_1``... for repeated names) show scores >= ``draw_score_thresh``.
-    """
-    items = [_as_input(item) for item in inputs]
-    ids = list(range(len(items))) if image_ids is None else [int(i) for i in image_ids]
-    if len(ids) != len(items):
-        raise ValueError(f"{len(ids)} image_ids for {len(items)} inputs")
-    categories = categories or detector.categories
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    """Detect objects in ``inputs``; write pictures ``<name>.jpg`` (``_1``... for repeated names; scores >=
+    ``draw_score_thresh``), ``predictions.jsonl`` (a line per input as it is done: ``image_id``,
+    ``file_name``, ``height``, ``width``, ``detections`` or ``error``) and, streamed from it,
+    ``predictions.json``: COCO results with ``image_id`` = ``image_ids[i]`` (default ``i``), ids of
+    ``categories`` (default the detector's), bbox in original pixels clipped to the image, ``file_name``,
+    ``category_name``. Returns (those results, ``[]`` without ``keep_results``; unreadable ``(path,
+    reason)``). ``fast_decode``: JPEGs decoded at the smallest libjpeg scale keeping both sides >= twice the
+    network input (false, with ``gpu_decode=False`` on CUDA: earlier versions' detections); ``gpu_decode``: on
+    CUDA, decoded and preprocessed there."""
+    ids = list(range(len(inputs))) if image_ids is None else [int(i) for i in image_ids]
+    if len(ids) != len(inputs):
+        raise ValueError(f"{len(ids)} image_ids for {len(inputs)} inputs")
+    categories, output_dir = categories or detector.categories, Path(output_dir)
     results: list[dict[str, Any]] = []
     used: set[str] = set()
 
@@ -326,11 +315,10 @@ def predict_images(
                 results.extend(entries)
             records.append(record)
             if draw:
-                path = output_dir / _picture_name(read.item.name, used)
                 labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
                 pool.later(
-                    _write_picture, path, read, boxes, labels, scores, picture_size,
-                    class_names=categories.names, score_thresh=draw_score_thresh,
+                    _write_picture, output_dir / _picture_name(read.item.name, used), read, boxes, labels,
+                    scores, picture_size, class_names=categories.names, score_thresh=draw_score_thresh,
                 )  # fmt: skip
         return records
 
@@ -342,11 +330,10 @@ def predict_images(
         shown = picture_size if draw else 0
         read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
         chunk = batch_size
-    options = {"batch_size": batch_size, "workers": workers, "progress": progress, "chunk": chunk}
-    failures = _run_batches(items, ids, read, run, output_dir, **options)
-    count = _results_json_from_lines(output_dir / "predictions.jsonl", output_dir / "predictions.json")
-    done, target = len(items) - len(failures), output_dir / "predictions.json"
-    log.info("%d image(s), %d detection(s) -> %s", done, count, target)
+    failures = _run_batches(inputs, ids, read, run, output_dir, batch_size, workers, progress, chunk)
+    target = output_dir / "predictions.json"
+    count = _results_json_from_lines(output_dir / "predictions.jsonl", target)
+    log.info("%d image(s), %d detection(s) -> %s", len(inputs) - len(failures), count, target)
     return results, failures
 
 
@@ -371,22 +358,25 @@ def _results_json_from_lines(lines: Path, target: Path) -> int:
 
 
 def _run_batches(
-    items: Sequence[InputImage],
+    inputs: Sequence[InputImage | str | os.PathLike],
     ids: Sequence[int],
     read: Callable[[int, Sequence[InputImage]], list[_Read]],
     run: Callable[[list[_Read], _Pool], list[dict[str, Any]]],
     output_dir: Path,
-    *,
     batch_size: int,
     workers: int,
     progress: bool,
     chunk: int = 1,
 ) -> list[tuple[Path, str]]:
-    """Read ``items`` ahead (``chunk`` per task, at most ``max(2 * batch_size, 4 * workers)`` items), call
-    ``run`` per batch and write its records to ``predictions.jsonl`` as they come; unreadable files are
-    logged, recorded there with an ``error`` and returned as ``(path, reason)``. Logs the rate."""
+    """Read ``inputs`` ahead (``chunk`` per task, at most ``max(2 * batch_size, 4 * workers)`` items), call
+    ``run`` per batch and write its records to ``<output_dir>/predictions.jsonl`` as they come; unreadable
+    files are logged, recorded there with an ``error`` and returned as ``(path, reason)``. Logs the rate."""
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size}: must be >= 1")
+    items = [
+        item if isinstance(item, InputImage) else InputImage(Path(item), Path(item).name) for item in inputs
+    ]
+    output_dir.mkdir(parents=True, exist_ok=True)
     failures: list[tuple[Path, str]] = []
     bar = _Progress(len(items), progress)
     pool = _Pool(workers, window=max(2 * batch_size, 4 * workers))
@@ -472,11 +462,8 @@ def classify_images(
     per readable image ``image_id`` (input index), ``file_name``, ``top_k`` (``{"label", "name", "score"}``,
     best first). With the true ``labels``, top-1/top-5 accuracy goes to ``classification_eval.json``.
     Returns (the entries, the unreadable ``(path, reason)``)."""
-    items = [_as_input(item) for item in inputs]
-    names = classifier.class_names
+    names, output_dir = classifier.class_names, Path(output_dir)
     k = max(1, min(int(top_k), len(names)))
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     used: set[str] = set()
     hits = np.zeros((len(names), 3), dtype=np.int64)  # per true class: images, top-1 hits, top-5 hits
@@ -494,18 +481,15 @@ def classify_images(
                 true = labels[read.index]
                 hits[true] += (1, int(label_row[0]) == true, true in label_row[:5].tolist())
             if draw:
-                height, width = read.size
-                path = output_dir / _picture_name(read.item.name, used)
-                frame = [[0, 0, width - 1, height - 1]]
+                frame = [[0, 0, read.size[1] - 1, read.size[0] - 1]]  # the whole image, in its class's colour
                 pool.later(
-                    _write_picture, path, read, frame, [top[0]["label"] + 1], [top[0]["score"]],
-                    picture_size, class_names=("", *names),
+                    _write_picture, output_dir / _picture_name(read.item.name, used), read, frame,
+                    [top[0]["label"] + 1], [top[0]["score"]], picture_size, class_names=("", *names),
                 )  # fmt: skip
         return results[-len(batch) :]
 
     read = _one_at_a_time(partial(_read, transform=classifier.preprocess, min_side=0))
-    options = {"batch_size": batch_size, "workers": workers, "progress": progress}
-    failures = _run_batches(items, range(len(items)), read, run, output_dir, **options)
+    failures = _run_batches(inputs, range(len(inputs)), read, run, output_dir, batch_size, workers, progress)
     atomic_write_json(output_dir / "predictions.json", results)
     if labels is not None:
         _report_accuracy(hits, names, output_dir)
@@ -523,10 +507,8 @@ def _report_accuracy(hits: np.ndarray, names: Sequence[str], output_dir: Path) -
     path = atomic_write_json(output_dir / "classification_eval.json", report, indent=1)
     rows = [(c["name"], c["images"], "-" if c["top1"] is None else f"{c['top1']:.3f}") for c in per_class]
     table = markdown_table(["class", "images", "top-1"], rows, align="lrr", pad=True)
-    top1, top5 = top1 or 0.0, top5 or 0.0
-    log.info(
-        "Classification of %d image(s): top-1 %.4f, top-5 %.4f\n%s\n-> %s", total, top1, top5, table, path
-    )
+    summary = f"Classification of {total} image(s): top-1 {top1 or 0.0:.4f}, top-5 {top5 or 0.0:.4f}"
+    log.info("%s\n%s\n-> %s", summary, table, path)
 
 
 def _category_text(pairs: Mapping[int, str], limit: int = 12) -> str:

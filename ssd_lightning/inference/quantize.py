@@ -68,16 +68,15 @@ def calibration_tensors(
     transform: Callable[[Image.Image], Tensor],
     *,
     min_side: int = 0,
-    key: str = "calibration",
 ) -> tuple[list[Tensor], list[InputImage]]:
     """The first ``count`` readable images of ``source`` (as ``predict.py``'s ``input=``) through
     ``transform``, and their inputs; unreadable ones skipped (logged; DataError when none is readable)."""
     if count < 1:
-        raise ConfigError(f"{key}_images={count}: give how many images to calibrate on (>= 1)")
+        raise ConfigError(f"calibration_images={count}: give how many images to calibrate on (>= 1)")
     try:
         items = collect_inputs(source)
     except FileNotFoundError as e:  # collect_inputs names the key input=; this is calibration=
-        raise type(e)(str(e).replace("input=", f"{key}=", 1)) from None
+        raise type(e)(str(e).replace("input=", "calibration=", 1)) from None
     tensors, used, skipped = [], [], []
     for item in items:
         if len(tensors) == count:
@@ -90,27 +89,13 @@ def calibration_tensors(
         tensors.append(transform(image))
         used.append(item)
     if skipped:
-        log.warning("%s: skipped %d unreadable file(s): %s", key, len(skipped), ", ".join(skipped[:5]))
+        log.warning("calibration: skipped %d unreadable file(s): %s", len(skipped), ", ".join(skipped[:5]))
     if not tensors:
         raise DataError(
-            f"{key}={source}: none of its {len(items)} image file(s) could be read (e.g. {skipped[0]}); "
-            "give images like those the model will see"
+            f"calibration={source}: none of its {len(items)} image file(s) could be read (e.g. "
+            f"{skipped[0]}); give images like those the model will see"
         )
     return tensors, used
-
-
-def _data_reader(tensors: Sequence[Tensor], input_name: str) -> Any:
-    """An onnxruntime ``CalibrationDataReader``: one image at a time."""
-    from onnxruntime.quantization import CalibrationDataReader
-
-    class _Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self._batches = iter([{input_name: t.unsqueeze(0).numpy()} for t in tensors])
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            return next(self._batches, None)
-
-    return _Reader()
 
 
 def network_nodes(model: Any) -> set[str]:
@@ -132,15 +117,14 @@ def quantize_onnx(
     output: str | os.PathLike,
     calibration: Iterable[Tensor],
     *,
-    per_channel: bool = True,
     reduce_range: bool = False,
 ) -> Path:
     """Write an INT8 (QDQ) version of the ONNX export ``fp32_file`` to ``output`` (atomically), calibrated on
     preprocessed (3, S, S) images: the :data:`QUANTIZED_OP_TYPES` nodes of :func:`network_nodes` (weights
-    int8, per output channel with ``per_channel``, 7-bit with ``reduce_range`` for CPUs without VNNI where
-    u8 x s8 products can saturate; activations uint8 per tensor, min/max calibration)."""
+    int8 per output channel, 7-bit with ``reduce_range`` for CPUs without VNNI where u8 x s8 products can
+    saturate; activations uint8 per tensor, min/max calibration)."""
     import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime import quantization as q
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if not (tensors := list(calibration)):
@@ -165,18 +149,20 @@ def quantize_onnx(
         (input_name,) = [i.name for i in model.graph.input]
         onnx.save(model, str(prepared))  # with the node names
         quantized = Path(tmp) / "int8.onnx"
-        quantize_static(
+        batches = iter([{input_name: t.unsqueeze(0).numpy()} for t in tensors])  # one image at a time
+        reader = type("Reader", (q.CalibrationDataReader,), {"get_next": lambda _: next(batches, None)})()
+        q.quantize_static(
             str(prepared),
             str(quantized),
-            _data_reader(tensors, input_name),
-            quant_format=QuantFormat.QDQ,
+            reader,
+            quant_format=q.QuantFormat.QDQ,
             op_types_to_quantize=list(QUANTIZED_OP_TYPES),
-            per_channel=per_channel,
+            per_channel=True,
             reduce_range=reduce_range,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
+            activation_type=q.QuantType.QUInt8,
+            weight_type=q.QuantType.QInt8,
             nodes_to_exclude=outside,
-            calibrate_method=CalibrationMethod.MinMax,
+            calibrate_method=q.CalibrationMethod.MinMax,
             # not CalibMaxIntermediateOutputs: onnxruntime 1.32 drops (does not merge) the ranges of each
             # full chunk, so only the last images would count
         )

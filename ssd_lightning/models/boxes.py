@@ -15,8 +15,17 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["BoxCoder", "DecoderSettings", "DefaultBoxes", "box_iou", "dboxes300_coco", "ltrb_to_cxcywh",
-           "match_boxes", "scale_to_pixels", "cxcywh_to_ltrb"]  # fmt: skip
+__all__ = [
+    "BoxCoder",
+    "DecoderSettings",
+    "DefaultBoxes",
+    "box_iou",
+    "dboxes300_coco",
+    "ltrb_to_cxcywh",
+    "match_boxes",
+    "scale_to_pixels",
+    "cxcywh_to_ltrb",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,9 +178,13 @@ class DefaultBoxes:
 
 def dboxes300_coco() -> DefaultBoxes:
     """The 8732 default boxes of SSD300 v1.1 (NVIDIA reference ``dboxes300_coco``)."""
-    return DefaultBoxes(fig_size=300, feat_size=[38, 19, 10, 5, 3, 1], steps=[8, 16, 32, 64, 100, 300],
-                        scales=[21, 45, 99, 153, 207, 261, 315],
-                        aspect_ratios=[[2], [2, 3], [2, 3], [2, 3], [2], [2]])  # fmt: skip
+    return DefaultBoxes(
+        fig_size=300,
+        feat_size=[38, 19, 10, 5, 3, 1],
+        steps=[8, 16, 32, 64, 100, 300],
+        scales=[21, 45, 99, 153, 207, 261, 315],
+        aspect_ratios=[[2], [2, 3], [2, 3], [2, 3], [2], [2]],
+    )
 
 
 class BoxCoder:

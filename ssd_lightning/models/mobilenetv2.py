@@ -24,8 +24,14 @@ log = logging.getLogger(__name__)
 #: The paper's inverted residual table, one row per stage: expansion t, output channels c, repeats n,
 #: stride s of the first block. Channels are multiplied by ``width_mult`` and rounded to ``round_nearest``.
 DEFAULT_INVERTED_RESIDUAL_SETTING: list[list[int]] = [
-    [1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2], [6, 320, 1, 1],
-]  # fmt: skip
+    [1, 16, 1, 1],
+    [6, 24, 2, 2],
+    [6, 32, 3, 2],
+    [6, 64, 4, 2],
+    [6, 96, 3, 1],
+    [6, 160, 3, 2],
+    [6, 320, 1, 1],
+]
 
 _CLASSIFIER_KEYS = ("classifier.1.weight", "classifier.1.bias")
 

@@ -201,15 +201,21 @@ def build_scheduler(
     warmup_steps: int = 0,
     warmup_epochs: float = 0.0,
     milestones: Iterable[int] = (),
-    **schedule: object,
+    schedule: str,
+    gamma: float = 0.1,
+    step_size: int = 1,
+    min_factor: float = 0.0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A per-iteration ``LambdaLR`` of :func:`lr_factor` (``schedule``: its other keywords)."""
+    """A per-iteration ``LambdaLR`` of :func:`lr_factor`; ``warmup_epochs`` adds to ``warmup_steps``."""
     fn = functools.partial(
         lr_factor,
+        schedule=schedule,
         steps_per_epoch=steps_per_epoch,
-        warmup_steps=warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs),
         total_steps=steps_per_epoch * max_epochs,
+        warmup_steps=warmup_iterations(steps_per_epoch, warmup_steps, warmup_epochs),
         milestones=tuple(milestones),
-        **schedule,
+        gamma=gamma,
+        step_size=step_size,
+        min_factor=min_factor,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

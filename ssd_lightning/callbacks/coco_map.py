@@ -81,8 +81,9 @@ class CocoMAPCallback(Callback):
     """Official COCO bbox mAP of each validation pass (``validation_step``'s ``{"detections": [...]}``, see
     docs/architecture.md), evaluated on rank 0, logged on every rank: ``val/mAP``, ... (``COCO_STAT_NAMES``),
     ``val/mAP_best``/``val/mAP_best_epoch`` while fitting (callback state: survives a resume), with
-    ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. Rank 0 writes ``detections_epoch_<e>.json`` (with
-    ``save_detections``) and ``per_class_epoch_<e>.json`` to ``output_dir`` (default ``trainer.log_dir``)
+    ``per_class`` ``val/AP/<name>``/``val/AP50/<name>``. With ``save_detections``, rank 0 writes
+    ``detections_epoch_<e>.json`` (and with ``per_class`` ``per_class_epoch_<e>.json``) to ``output_dir``
+    (default ``trainer.log_dir``)
     and keeps an :class:`EvaluatedEpoch` for :meth:`take_evaluation`. The sanity check runs the whole path
     but logs nothing; an error on one rank is raised on every rank.
 

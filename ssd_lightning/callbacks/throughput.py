@@ -1,8 +1,15 @@
 """Images/s of training or inference iterations measured inside a Lightning run (the reference's benchmarks).
 
-An iteration is a training or validation/predict batch, timed from its start to its end (data loading
-excluded, as in the reference, unless ``include_data_loading``); CUDA syncs only at those readings. Over
-ranks, iteration ``i``'s rate is ``sum_r b[r, i] / max_r t[r, i]``; rank 0 writes ``benchmark.json``.
+An iteration is one training batch (forward, loss, backward, step) or one validation/predict batch (forward,
+decode), timed from its ``batch_start`` to its ``batch_end`` hook: data loading and the host-to-device copy
+are excluded, as in the NVIDIA reference; ``include_data_loading`` times from one ``batch_end`` to the next.
+The first ``warmup`` iterations are not timed; after ``iterations`` more, training stops
+(``trainer.should_stop``); evaluation loops are bounded by the caller (``limit_val_batches``). On CUDA the
+device is synchronised only at those clock readings; on CPU never.
+
+Over ranks (``t[r, i]`` seconds, ``b[r, i]`` images): iteration ``i``'s rate is ``sum_r b[r, i] / max_r
+t[r, i]`` (the slowest rank sets the pace), the overall rate ``sum b / max_r sum_i t[r, i]``; every rank
+computes the same numbers, rank 0 prints the table and writes ``benchmark.json``.
 """
 
 from __future__ import annotations
@@ -162,8 +169,10 @@ def _measuring(mode: str, action: Callable[..., None]) -> Callable[..., None]:
 
 
 class ThroughputBenchmark(pl.Callback):
-    """Images/s of ``iterations`` batches of ``mode`` after ``warmup``, then stop and write ``benchmark.json``
-    (``results``) to ``output_dir``; ``config_summary``'s ``backbone``/``channels_last`` win."""
+    """Images/s of ``iterations`` batches of ``mode`` after ``warmup`` (the module docstring says what is
+    timed), kept in ``results`` and written to ``output_dir/benchmark.json``; ``config_summary`` (the run's
+    settings) goes into the table and the file, its ``backbone``/``channels_last`` winning over what is read
+    from the model; ``clock`` is the timer (tests pass a fake one); ``print_table``: rank 0 prints it."""
 
     def __init__(
         self,
@@ -304,14 +313,22 @@ class ThroughputBenchmark(pl.Callback):
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
 
-
-# Lightning hooks: the train loop measures training; the validation and predict loops, inference
-for _loop, _mode in (("train", "training"), ("validation", "inference"), ("predict", "inference")):
-    for _hook in ("start", "epoch_start", "batch_start", "batch_end", "end"):
-        _action = {"start": "_reset", "epoch_start": "_loop_start", "end": "_finish"}.get(_hook, f"_{_hook}")
-        setattr(
-            ThroughputBenchmark, f"on_{_loop}_{_hook}", _measuring(_mode, vars(ThroughputBenchmark)[_action])
-        )
+    # Lightning hooks: the train loop measures training; the validation and predict loops, inference
+    on_train_start = _measuring("training", _reset)
+    on_train_epoch_start = _measuring("training", _loop_start)
+    on_train_batch_start = _measuring("training", _batch_start)
+    on_train_batch_end = _measuring("training", _batch_end)
+    on_train_end = _measuring("training", _finish)
+    on_validation_start = _measuring("inference", _reset)
+    on_validation_epoch_start = _measuring("inference", _loop_start)
+    on_validation_batch_start = _measuring("inference", _batch_start)
+    on_validation_batch_end = _measuring("inference", _batch_end)
+    on_validation_end = _measuring("inference", _finish)
+    on_predict_start = _measuring("inference", _reset)
+    on_predict_epoch_start = _measuring("inference", _loop_start)
+    on_predict_batch_start = _measuring("inference", _batch_start)
+    on_predict_batch_end = _measuring("inference", _batch_end)
+    on_predict_end = _measuring("inference", _finish)
 
 
 def _is_jsonable(value: Any) -> bool:

@@ -53,6 +53,8 @@ class DALILoader:
         dtypes: Mapping[str, torch.dtype] | None = None,
         pool_size: int = 4,
     ) -> None:
+        if mode not in ("train", "eval"):
+            raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
         self._factory = pipeline_factory
         self.output_names = list(output_names)
         self.mode, self.shard_id, self.num_shards = mode, shard_id, num_shards
@@ -62,7 +64,10 @@ class DALILoader:
         self._buffers: dict[str, list[Tensor]] = {}  # reusable CPU output buffers, least recently used first
         self._pipe = self._build()
         self.batch_size: int = int(self._pipe.max_batch_size)
-        n = self.num_samples = int(self._pipe.reader_meta("Reader")["epoch_size"])  # whole dataset
+        meta = self._pipe.reader_meta("Reader")
+        if not meta.get("pad_last_batch", False):
+            raise ValueError("the pipeline's reader 'Reader' must be built with pad_last_batch=True")
+        n = self.num_samples = int(meta["epoch_size"])  # whole dataset
         # DALI's split: shard s holds samples [floor(sN/n), floor((s+1)N/n)), padded to the largest shard's
         # batch count, so one reader epoch is this many batches on every shard (the extra ones pure padding)
         self.shard_samples = (shard_id + 1) * n // num_shards - shard_id * n // num_shards

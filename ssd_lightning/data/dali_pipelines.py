@@ -71,15 +71,15 @@ def _ssd_augment(jpegs, bboxes, labels, decoder_device: str, image_device: str, 
         images,
         hue=fn.random.uniform(range=[-0.5, 0.5]),
         saturation=fn.random.uniform(range=[0.5, 1.5]),
-        dtype=types.FLOAT,
-        device=image_device,  # float keeps the intermediate from clipping/quantising
+        dtype=types.FLOAT,  # float keeps the intermediate from clipping/quantising
+        device=image_device,
     )
     images = fn.brightness_contrast(
         images,
         brightness=fn.random.uniform(range=[0.875, 1.125]),
+        contrast=fn.random.uniform(range=[0.5, 1.5]),
         contrast_center=128,
         dtype=types.UINT8,
-        contrast=fn.random.uniform(range=[0.5, 1.5]),
         device=image_device,
     )
     return images, bboxes, labels

@@ -156,9 +156,12 @@ def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np
         return np.stack([outer, inner], axis=1).reshape(10, 2), None
     elif kind == "cross":  # a plus sign: two bars of width 28-42 % of its length
         half, bar = size / 2, size * rng.uniform(0.14, 0.21)
-        pts = np.array([[-bar, -half], [bar, -half], [bar, -bar], [half, -bar], [half, bar], [bar, bar],
-                        [bar, half], [-bar, half], [-bar, bar], [-half, bar], [-half, -bar], [-bar, -bar]],
-                       )  # fmt: skip
+        pts = np.array(
+            [
+                [-bar, -half], [bar, -half], [bar, -bar], [half, -bar], [half, bar], [bar, bar],
+                [bar, half], [-bar, half], [-bar, bar], [-half, bar], [-half, -bar], [-bar, -bar],
+            ]
+        )  # fmt: skip
     elif kind == "hexagon":
         pts = _regular_polygon(6, size / 2, 0.0) * [1.0, rng.uniform(0.75, 1.0)]  # slightly squashed
     elif kind == "arrow":  # shaft and head along +x, the box of its outline centred at the origin
@@ -166,16 +169,9 @@ def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np
         head_w, shaft_w = size * rng.uniform(0.22, 0.32), size * rng.uniform(0.07, 0.13)
         neck = half - head
         pts = np.array(
-            [
-                [-half, -shaft_w],
-                [neck, -shaft_w],
-                [neck, -head_w],
-                [half, 0.0],
-                [neck, head_w],
-                [neck, shaft_w],
-                [-half, shaft_w],
-            ]
-        )
+            [[-half, -shaft_w], [neck, -shaft_w], [neck, -head_w], [half, 0.0],
+             [neck, head_w], [neck, shaft_w], [-half, shaft_w]]
+        )  # fmt: skip
     else:
         raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
     return _rotate(pts, angle), ellipse

@@ -117,8 +117,12 @@ class VOCConverter:
     def _images_by_stem(self) -> tuple[set[str], dict[str, str]]:
         """The file names in ``JPEGImages/`` and, per stem, the first image among them."""
         names = sorted(os.listdir(self.root / "JPEGImages"))
-        images = (os.path.splitext(name) + (name,) for name in reversed(names))  # the first one wins
-        return set(names), {stem: name for stem, suffix, name in images if suffix.lower() in IMAGE_SUFFIXES}
+        by_stem: dict[str, str] = {}
+        for name in names:
+            stem, suffix = os.path.splitext(name)
+            if suffix.lower() in IMAGE_SUFFIXES:
+                by_stem.setdefault(stem, name)
+        return set(names), by_stem
 
     def sources(self) -> list[Path]:
         listed = self._ids  # checks the folders first

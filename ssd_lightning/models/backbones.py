@@ -76,6 +76,8 @@ class ResNetBackbone(nn.Module):
 
 def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
     """A :class:`ResNetBackbone` of torchvision's ``name``, ``weights`` e.g. ``"IMAGENET1K_V2"``."""
+    if name not in RESNET_NAMES:
+        raise ValueError(f"unknown ResNet backbone {name!r}; expected one of {sorted(RESNET_NAMES)}")
     builder = getattr(resnet, name)
     if weights is not None:
         enum = get_model_weights(builder)

@@ -263,7 +263,11 @@ class RecipeModule(pl.LightningModule):
             return
         names, values = [], []
         for name, metric in self.epoch_metrics().items():
-            for key, value in metric.metric_state.items():  # tensors: sums
+            for key, value in metric.metric_state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"{name}.{key}: only tensor (sum) states can be checkpointed, got {type(value)}"
+                    )
                 names.append((name, key, value.dtype, value.shape))
                 values.append(value.detach().reshape(-1).double())  # exact for counts below 2**53
         flat = torch.cat(values)

@@ -21,6 +21,9 @@ class SSDLitModule(RecipeModule):
     Args (the others: :class:`~ssd_lightning.modules.base.RecipeModule`, ``configs/model/ssd300.yaml``):
         decoder: overrides of :class:`~ssd_lightning.models.DecoderSettings` (``None`` values: the default).
         nvidia_checkpoint: a checkpoint from the NVIDIA reference to load into ``net`` (strict).
+        init_from: also an NVIDIA SSD300 checkpoint.
+        freeze: ``"backbone"`` or the number of backbone stages (from the input) kept fixed: no gradients,
+            out of the optimizer, their BatchNorm layers in eval mode; ``None``: everything trains.
         ema_decay: both weight sets are validated (the second under ``"detections_secondary"``) and saved.
         use_ema: the EMA weights are the run's (``val/*``, test, predict, checkpoints' model), the raw ones
             the second set (``val_raw/*``); ``False``: the other way round (``val_ema/*``).

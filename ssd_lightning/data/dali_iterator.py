@@ -74,12 +74,14 @@ class DALILoader:
         self._reader_batches = math.ceil(math.ceil(n / num_shards) / self.batch_size)
         self._real_batches = math.ceil(self.shard_samples / self.batch_size)
         self._len = (n // num_shards) // self.batch_size if mode == "train" else self._real_batches
-        if self._len == 0:
+        if self._len == 0 and mode == "train":
             raise ConfigError(
                 f"{n} training samples cannot fill one batch of {self.batch_size} on each of {num_shards} "
                 "rank(s); lower data.batch_size (per device) or use more data"
-                if mode == "train"
-                else f"shard {shard_id} of {num_shards} is empty ({n} samples); use fewer ranks "
+            )
+        if self._len == 0:
+            raise ConfigError(
+                f"shard {shard_id} of {num_shards} is empty ({n} samples); use fewer ranks "
                 "(trainer.devices, trainer.num_nodes)"
             )
         self._pos = 0  # batches already taken from the current reader epoch

@@ -151,9 +151,7 @@ def draw_detections(
 
 def _series(rows: Sequence[Mapping[str, float]], key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(r[x], r[key]) for r in rows if key in r and x in r and math.isfinite(r[key])]
-    if not pairs:
-        return np.zeros(0), np.zeros(0)
-    xs, ys = np.asarray(pairs, dtype=np.float64).T
+    xs, ys = np.asarray(pairs, dtype=np.float64).reshape(-1, 2).T
     order = np.argsort(xs, kind="stable")
     return xs[order], ys[order]
 

@@ -63,8 +63,6 @@ class DetectionAnalysis(EvaluationArtifacts):
             log.info("DetectionAnalysis: no CocoMAPCallback (callbacks.coco_map) to read from; no analysis")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
         due = self._count_evaluation(trainer)
         coco = self._coco_callback(trainer)
         evaluated = coco.take_evaluation() if coco is not None else None

@@ -19,9 +19,7 @@ class TrainingCurves(EvaluationArtifacts):
     (warned once); a failing plot is warned about once per error type and never stops training."""
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        if self._count_evaluation(trainer) and trainer.is_global_zero:
+        if trainer.state.fn == "fit" and self._count_evaluation(trainer) and trainer.is_global_zero:
             self._write_curves(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

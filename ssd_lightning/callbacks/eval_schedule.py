@@ -38,8 +38,7 @@ class EvalSchedule(Callback):
 
     @staticmethod
     def _last_epoch(trainer: pl.Trainer) -> int | None:
-        max_epochs = trainer.max_epochs
-        return None if max_epochs is None or max_epochs < 0 else max_epochs - 1
+        return None if trainer.max_epochs is None or trainer.max_epochs < 0 else trainer.max_epochs - 1
 
     def should_validate(self, epoch: int, last_epoch: int | None = None) -> bool:
         """Whether validation runs after 0-based ``epoch`` (``last_epoch``: ``max_epochs - 1``, if known)."""

@@ -47,7 +47,9 @@ class EvaluationArtifacts(pl.Callback):
         return last_epoch or trainer.should_stop or (self._evals + 1) % self.every_n_evals == 0
 
     def _count_evaluation(self, trainer: pl.Trainer) -> bool:
-        """Count an evaluation that ended (those of ``fit`` only); returns whether it was due."""
+        """Count an evaluation that ended (of ``fit`` only); returns whether it was due (sanity check: no)."""
+        if trainer.sanity_checking:
+            return False
         due = self._is_due(trainer)
         self._evals += int(trainer.state.fn == "fit")
         return due

@@ -81,8 +81,6 @@ class PredictionPictures(EvaluationArtifacts):
             self._collected.append({"image_id": int(det["image_id"]), **kept})
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
         self._count_evaluation(trainer)
         if trainer.is_global_zero and self._collected:
             try:

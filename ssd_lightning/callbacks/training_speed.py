@@ -21,8 +21,6 @@ from ssd_lightning.callbacks.throughput import _batch_size, gather_rows
 __all__ = ["FETCH_ACTION", "IntervalSpeed", "TrainingSpeed", "interval_speed"]
 
 FETCH_ACTION = compat.TRAIN_FETCH_ACTION  # Lightning's profiler action around the training loader's __next__
-IMAGES_PER_SECOND = "train/images_per_second"
-DATA_WAIT_FRACTION = "train/data_wait_fraction"
 
 
 @dataclass(frozen=True)
@@ -173,5 +171,5 @@ class TrainingSpeed(pl.Callback):
         self.last_interval = IntervalSpeed(
             step, self._batches, images, elapsed, self._wait, rate, wait_fraction
         )
-        for name, value in ((IMAGES_PER_SECOND, rate), (DATA_WAIT_FRACTION, wait_fraction)):
+        for name, value in (("train/images_per_second", rate), ("train/data_wait_fraction", wait_fraction)):
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)

@@ -128,11 +128,6 @@ def _regular_polygon(n: int, radius: float, phase: float) -> np.ndarray:
     return np.stack([radius * np.cos(a), radius * np.sin(a)], axis=1)
 
 
-def _rotate(points: np.ndarray, angle: float) -> np.ndarray:
-    c, s = math.cos(angle), math.sin(angle)
-    return points @ np.array([[c, s], [-s, c]])
-
-
 def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np.ndarray, tuple | None]:
     """``(P, 2)`` (x, y) outline around the origin, extent ~``size``; ellipses' ``(a, b, angle)`` or None."""
     angle, ellipse = rng.uniform(0, 2 * math.pi), None
@@ -174,7 +169,8 @@ def _shape_outline(rng: np.random.Generator, kind: str, size: float) -> tuple[np
         )  # fmt: skip
     else:
         raise ValueError(f"unknown shape kind {kind!r}; expected one of {list(_CATALOGUE_IDS)}")
-    return _rotate(pts, angle), ellipse
+    c, s = math.cos(angle), math.sin(angle)
+    return pts @ np.array([[c, s], [-s, c]]), ellipse  # rotated by angle
 
 
 def _rasterise(
@@ -196,16 +192,6 @@ def _rasterise(
         x_int = ax + (py - ay) * (bx - ax) / (by - ay)  # (h, 1)
         inside ^= crosses & (px < x_int)
     return inside
-
-
-def _pick_colour(rng: np.random.Generator, under: np.ndarray) -> np.ndarray:
-    """Random saturated-ish colour that differs clearly from the mean colour ``under`` it."""
-    colour = rng.integers(0, 256, 3)
-    for _ in range(20):
-        if np.abs(colour - under).sum() > 120:
-            break
-        colour = rng.integers(0, 256, 3)
-    return colour.astype(np.uint8)
 
 
 def _draw_shapes(
@@ -238,7 +224,12 @@ def _draw_shapes(
         mask = _rasterise(polygon, ellipse, x0, y0, x1, y1, centre)
         region = img[y0:y1, x0:x1]
         under = region[mask].mean(axis=0) if mask.any() else np.full(3, 128.0)
-        colour = _pick_colour(rng, under)
+        colour = rng.integers(0, 256, 3)  # redrawn (20 tries) until it differs clearly from the mean under it
+        for _ in range(20):
+            if np.abs(colour - under).sum() > 120:
+                break
+            colour = rng.integers(0, 256, 3)
+        colour = colour.astype(np.uint8)
         region[mask] = colour
         owner[y0:y1, x0:x1][mask] = k
         drawn.append(ShapeObject(_CATALOGUE_IDS[kind], colour, polygon, int(mask.sum()), np.zeros(0, bool)))
@@ -543,8 +534,7 @@ def _ensure(root: str | os.PathLike, kind: str, kwargs: dict) -> Path:
     root, detection = Path(root), kind == "detection"
     if _occupied(root):
         problem = _detection_problem if detection else _classification_problem
-        issue = problem(root)
-        if issue is not None:
+        if (issue := problem(root)) is not None:
             raise DatasetConflictError(
                 f"{root} exists but is not a complete shapes {kind} dataset: {issue}. "
                 f"If it is left over from an interrupted or older run, delete {root} and run again; "

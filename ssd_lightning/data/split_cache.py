@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "default_cache_dir", "file_lock", "writable_cache_dir"]
+__all__ = ["VERSION", "RACY_SECONDS", "SplitCache", "file_lock", "writable_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +38,17 @@ RACY_SECONDS = 2.0
 _ERRORS = {cls.__name__: cls for cls in (errors.DataError, errors.MissingDataError)}
 
 
-def default_cache_dir() -> Path:
-    """``$SSD_LIGHTNING_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssd_lightning`` (``~/.cache/ssd_lightning``)."""
-    if os.environ.get("SSD_LIGHTNING_CACHE_DIR"):
-        return Path(os.environ["SSD_LIGHTNING_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ssd_lightning"
-
-
 def writable_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path | None:
-    """``cache_dir`` (created if needed), else the default, else a per-user temp folder (None: none works)."""
+    """``cache_dir`` (created if needed), else the default (``$SSD_LIGHTNING_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/ssd_lightning``, ``~/.cache/ssd_lightning``), else a per-user temp folder (None: none
+    works)."""
     if cache_dir is not None:
         candidates = [Path(cache_dir)]
     else:
         uid = os.getuid() if hasattr(os, "getuid") else "user"
-        candidates = [default_cache_dir(), Path(tempfile.gettempdir()) / f"ssd_lightning-{uid}"]
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        default = os.environ.get("SSD_LIGHTNING_CACHE_DIR") or os.path.join(xdg, "ssd_lightning")
+        candidates = [Path(default), Path(tempfile.gettempdir()) / f"ssd_lightning-{uid}"]
     for folder in candidates:
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)

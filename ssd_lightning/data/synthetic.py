@@ -7,6 +7,8 @@ through, so a measured speed is the model's. No annotation file (``val_annotatio
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cached_property
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -51,12 +53,13 @@ class _SyntheticDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
+        *,
         batch_size: int,
         num_classes: int,
-        steps_per_epoch: int,
-        eval_batch_size: int | None,
-        output_dtype: str,
-        seed: int,
+        steps_per_epoch: int = 100,
+        eval_batch_size: int | None = None,
+        output_dtype: str = "float32",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if batch_size < 1 or steps_per_epoch < 1 or num_classes < self.min_classes:
@@ -87,32 +90,21 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
 
     min_classes = 2
 
-    def __init__(
-        self,
-        *,
-        batch_size: int,
-        num_classes: int = 81,
-        steps_per_epoch: int = 100,
-        eval_batch_size: int | None = None,
-        output_dtype: str = "float32",
-        seed: int = 0,
-    ) -> None:
-        super().__init__(batch_size, num_classes, steps_per_epoch, eval_batch_size, output_dtype, seed)
+    def __init__(self, *, num_classes: int = 81, **kwargs: Any) -> None:  # kwargs: see _SyntheticDataModule
+        super().__init__(num_classes=num_classes, **kwargs)
         self.val_annotation_file = None  # benchmarking only: no COCO evaluation
-        self._train: list[dict[str, Tensor]] | None = None
-        self._val: list[dict[str, Tensor]] = []
 
     @property
     def category_map(self) -> CategoryMap:
         return CategoryMap.from_names([f"class{k}" for k in range(1, self.num_classes)])
 
-    def setup(self, stage: str | None = None) -> None:
-        if self._train is not None:
-            return
+    @cached_property
+    def _batches(self) -> dict[str, list[dict[str, Tensor]]]:
+        """The distinct batches of each split, made on first use (train first: one generator draws both)."""
         from ssd_lightning.models.boxes import BoxCoder, dboxes300_coco
 
         coder, g = BoxCoder(dboxes300_coco()), torch.Generator().manual_seed(self.seed)
-        n, self._train = self.batch_size, []
+        n, train = self.batch_size, []
         for _ in range(_NUM_DISTINCT):
             targets = []  # 1..4 random boxes per image: sides 0.1-0.6 of the image, labels 1..K
             for _ in range(n):
@@ -123,9 +115,9 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
                 targets.append(coder.encode(torch.cat([lt, lt + wh], 1), labels))
             boxes, labels = (torch.stack([t[i] for t in targets]) for i in (0, 1))
             images = torch.randn(n, 3, 300, 300, generator=g).to(self.dtype)
-            self._train.append({"images": images, "boxes": boxes.float(), "labels": labels.long()})
+            train.append({"images": images, "boxes": boxes.float(), "labels": labels.long()})
         m = self.eval_batch_size
-        self._val = [
+        val = [
             {
                 "images": torch.randn(m, 3, 300, 300, generator=g).to(self.dtype),
                 "image_ids": torch.arange(i * m + 1, (i + 1) * m + 1, dtype=torch.int64),
@@ -133,27 +125,17 @@ class SyntheticDetectionDataModule(_SyntheticDataModule):
             }
             for i in range(_NUM_DISTINCT)
         ]
+        return {"train": train, "val": val}
 
     def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
-        self.setup()
-        return self._train if split == "train" else self._val
+        return self._batches[split]
 
 
 class SyntheticClassificationDataModule(_SyntheticDataModule):
     """Random classification batches: images (N, 3, S, S) ~ N(0, 1), labels (N,) int64 in [0, num_classes)."""
 
-    def __init__(
-        self,
-        *,
-        batch_size: int,
-        num_classes: int = 1000,
-        steps_per_epoch: int = 100,
-        eval_batch_size: int | None = None,
-        output_dtype: str = "float32",
-        image_size: int = 224,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(batch_size, num_classes, steps_per_epoch, eval_batch_size, output_dtype, seed)
+    def __init__(self, *, num_classes: int = 1000, image_size: int = 224, **kwargs: Any) -> None:
+        super().__init__(num_classes=num_classes, **kwargs)
         self.class_names = [f"class{k}" for k in range(num_classes)]
         self.image_size = image_size
 

@@ -149,10 +149,9 @@ class EndToEndSSD(nn.Module):
         max_detections: int = DecoderSettings.max_detections,
     ) -> None:
         super().__init__()
-        settings = DecoderSettings.from_mapping(
-            {"score_thresh": score_thresh, "nms_iou": nms_iou, "topk_per_class": topk_per_class,
-             "max_detections": max_detections}
-        )  # fmt: skip
+        settings = DecoderSettings(
+            float(score_thresh), float(nms_iou), int(topk_per_class), int(max_detections)
+        )
         if not 0 < settings.nms_iou <= 1:
             # at nms_iou <= 0 the decoder suppresses boxes that do not even touch; ONNX NMS never does
             raise ValueError(f"nms_iou must be in (0, 1] for the in-graph NMS, got {settings.nms_iou}")
@@ -185,18 +184,20 @@ def export_end_to_end(
         raise ValueError(f"opset must be >= 11 (NonMaxSuppression, ScatterND), got {opset}")
     output = _trace(model, output, END_TO_END_OUTPUTS, image_size=image_size, opset=opset)
     settings = {"decoder": dict(model.decoder_settings), "image_size": image_size}
-    return _with_metadata(output, {"kind": "detector", **dict(metadata or {}), **settings})
+    return _checked(output, {"kind": "detector", **dict(metadata or {}), **settings})
 
 
-def _with_metadata(output: Path, entries: Mapping[str, Any]) -> Path:
+def _checked(output: Path, metadata: Mapping[str, Any]) -> Path:
+    """``output`` checked by ``onnx.checker``, with the ``metadata`` entries (if any) added."""
     import onnx
 
     proto = onnx.load(str(output))
-    for key, value in entries.items():
+    for key, value in metadata.items():
         prop = proto.metadata_props.add()
         prop.key, prop.value = metadata_entry(key, value)
     onnx.checker.check_model(proto)
-    onnx.save(proto, str(output))
+    if metadata:
+        onnx.save(proto, str(output))
     return output
 
 
@@ -206,7 +207,7 @@ def export_classifier(classifier: Classifier, output: str | os.PathLike, *, opse
     if classifier.net is None:
         raise ValueError(f"{classifier.source} is already an ONNX export")
     output = _trace(classifier.net, output, CLASSIFIER_OUTPUTS, image_size=classifier.image_size, opset=opset)
-    return _with_metadata(output, classifier.metadata())
+    return _checked(output, classifier.metadata())
 
 
 def _trace(
@@ -231,11 +232,7 @@ def export_network(
     net: nn.Module, output: str | os.PathLike, *, opset: int = 17, image_size: int = 300
 ) -> Path:
     """Write ``net`` as ONNX: ``images`` (N, 3, S, S) -> ``locs`` (N, 4, B), ``logits`` (N, C, B)."""
-    import onnx
-
-    output = _trace(net, output, NETWORK_OUTPUTS, image_size=image_size, opset=opset)
-    onnx.checker.check_model(str(output))
-    return output
+    return _checked(_trace(net, output, NETWORK_OUTPUTS, image_size=image_size, opset=opset), {})
 
 
 def network_difference(net: nn.Module, onnx_file: str | os.PathLike, *, image_size: int = 300) -> float:

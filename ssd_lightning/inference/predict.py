@@ -210,7 +210,7 @@ class _Progress:
     """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a log line at every tenth of the inputs."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.next_line, self.bar = total, 0, total / 10, None
+        self.total, self.done, self.bar = total, 0, None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -218,12 +218,11 @@ class _Progress:
         self.lines = enabled and self.bar is None
 
     def update(self, n: int) -> None:
-        self.done += n
+        tenth, self.done = self.done * 10 // self.total, self.done + n
         if self.bar is not None:
             self.bar.update(n)
-        elif self.lines and (self.done >= self.next_line or self.done == self.total):
+        elif self.lines and (self.done * 10 // self.total > tenth or self.done == self.total):
             log.info("%d/%d images", self.done, self.total)
-            self.next_line = (math.floor(self.done * 10 / self.total) + 1) * self.total / 10
 
     def close(self) -> None:
         if self.bar is not None:
@@ -241,7 +240,7 @@ def _picture_name(name: str, used: set[str]) -> str:
 
 
 def _write_picture(
-    path: Path, read: _Read, boxes: Any, labels: Any, scores: Any, picture_size: int, **draw: Any
+    picture_size: int, path: Path, read: _Read, boxes: Any, labels: Any, scores: Any, **draw: Any
 ) -> None:
     """``read``'s image with ``boxes`` (ltrb, full-image pixels) drawn, longer side <= ``picture_size``."""
     from ssd_lightning.visualize import draw_detections
@@ -257,20 +256,20 @@ def _write_picture(
         raise OSError(e.errno, f"cannot write the picture {path}: {e.strerror or e}") from None
 
 
-def _results_of(
+def _record_of(
     read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap
-) -> tuple[list[dict[str, Any]], dict[str, Any], np.ndarray]:
-    """COCO results (boxes clipped to the image), ``predictions.jsonl`` record, clipped ltrb boxes."""
+) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``predictions.jsonl`` record (COCO results, boxes clipped to the image) and what the picture
+    shows: the clipped ltrb boxes, labels, scores."""
     height, width = read.size
     boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
-    labels = det["labels"].cpu().numpy()
-    rows = to_coco_array([image_id], [boxes], [det["scores"].cpu().numpy()], [labels], categories)
-    entries = coco_array_to_results(rows)
-    for entry, label in zip(entries, labels, strict=True):
-        entry.update(file_name=read.item.name, category_name=categories.names[int(label)])
-    found = [{k: v for k, v in e.items() if k not in ("image_id", "file_name")} for e in entries]
+    labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
+    found = coco_array_to_results(to_coco_array([image_id], [boxes], [scores], [labels], categories))
+    for entry, label in zip(found, labels, strict=True):
+        del entry["image_id"]
+        entry["category_name"] = categories.names[int(label)]
     record = {"image_id": image_id, "file_name": read.item.name, "height": height, "width": width}
-    return entries, {**record, "detections": found}, boxes
+    return {**record, "detections": found}, (boxes, labels, scores)
 
 
 def predict_images(
@@ -303,24 +302,10 @@ def predict_images(
     if len(ids) != len(inputs):
         raise ValueError(f"{len(ids)} image_ids for {len(inputs)} inputs")
     categories, output_dir = categories or detector.categories, Path(output_dir)
-    results: list[dict[str, Any]] = []
-    used: set[str] = set()
 
-    def run(batch: list[_Read], pool: _Pool) -> list[dict[str, Any]]:
+    def run(batch: list[_Read]) -> list[tuple[dict[str, Any], tuple]]:
         detections = detector.detect(torch.stack([r.tensor for r in batch]), [r.size for r in batch])
-        records = []
-        for read, det in zip(batch, detections, strict=True):
-            entries, record, boxes = _results_of(read, det, ids[read.index], categories)
-            if keep_results:
-                results.extend(entries)
-            records.append(record)
-            if draw:
-                labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
-                pool.later(
-                    _write_picture, output_dir / _picture_name(read.item.name, used), read, boxes, labels,
-                    scores, picture_size, class_names=categories.names, score_thresh=draw_score_thresh,
-                )  # fmt: skip
-        return records
+        return [_record_of(r, d, ids[r.index], categories) for r, d in zip(batch, detections, strict=True)]
 
     size = detector.image_size
     host = partial(_read, transform=partial(preprocess, size=size), min_side=2 * size if fast_decode else 0)
@@ -330,11 +315,16 @@ def predict_images(
         shown = picture_size if draw else 0
         read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
         chunk = batch_size
-    failures = _run_batches(inputs, ids, read, run, output_dir, batch_size, workers, progress, chunk)
+    picture = partial(
+        _write_picture, picture_size, class_names=categories.names, score_thresh=draw_score_thresh
+    )
+    failures = _run_batches(
+        inputs, ids, read, run, output_dir, batch_size, workers, progress, chunk, picture if draw else None
+    )
     target = output_dir / "predictions.json"
     count = _results_json_from_lines(output_dir / "predictions.jsonl", target)
     log.info("%d image(s), %d detection(s) -> %s", len(inputs) - len(failures), count, target)
-    return results, failures
+    return json.loads(target.read_text(encoding="utf-8")) if keep_results else [], failures
 
 
 def _results_json_from_lines(lines: Path, target: Path) -> int:
@@ -361,16 +351,19 @@ def _run_batches(
     inputs: Sequence[InputImage | str | os.PathLike],
     ids: Sequence[int],
     read: Callable[[int, Sequence[InputImage]], list[_Read]],
-    run: Callable[[list[_Read], _Pool], list[dict[str, Any]]],
+    run: Callable[[list[_Read]], list[tuple[dict[str, Any], tuple]]],
     output_dir: Path,
     batch_size: int,
     workers: int,
     progress: bool,
     chunk: int = 1,
+    picture: Callable[..., None] | None = None,
 ) -> list[tuple[Path, str]]:
     """Read ``inputs`` ahead (``chunk`` per task, at most ``max(2 * batch_size, 4 * workers)`` items), call
-    ``run`` per batch and write its records to ``<output_dir>/predictions.jsonl`` as they come; unreadable
-    files are logged, recorded there with an ``error`` and returned as ``(path, reason)``. Logs the rate."""
+    ``run`` per batch and write the records it returns to ``<output_dir>/predictions.jsonl`` as they come,
+    each read's ``(boxes, labels, scores)`` drawn behind by ``picture(path, read, boxes, labels, scores)``
+    (as ``<name>.jpg``, see :func:`_picture_name`); unreadable files are logged, recorded there with an
+    ``error`` and returned as ``(path, reason)``. Logs the rate."""
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size}: must be >= 1")
     items = [
@@ -378,6 +371,7 @@ def _run_batches(
     ]
     output_dir.mkdir(parents=True, exist_ok=True)
     failures: list[tuple[Path, str]] = []
+    used: set[str] = set()
     bar = _Progress(len(items), progress)
     pool = _Pool(workers, window=max(2 * batch_size, 4 * workers))
     start = time.perf_counter()
@@ -390,6 +384,13 @@ def _run_batches(
             lines.flush()
             bar.update(n)
 
+        def finish(batch: list[_Read]) -> None:
+            outputs = run(batch)
+            if picture is not None:
+                for done, (_, drawn) in zip(batch, outputs, strict=True):
+                    pool.later(picture, output_dir / _picture_name(done.item.name, used), done, *drawn)
+            write([record for record, _ in outputs], len(batch))
+
         try:
             for done in pool.read_ahead(items, read, chunk):
                 if done.reason:
@@ -400,10 +401,10 @@ def _run_batches(
                     continue
                 batch.append(done)
                 if len(batch) == batch_size:
-                    write(run(batch, pool), len(batch))
+                    finish(batch)
                     batch = []
             if batch:
-                write(run(batch, pool), len(batch))
+                finish(batch)
             finished = True
         finally:
             pool.close(wait=finished)
@@ -465,12 +466,12 @@ def classify_images(
     names, output_dir = classifier.class_names, Path(output_dir)
     k = max(1, min(int(top_k), len(names)))
     results: list[dict[str, Any]] = []
-    used: set[str] = set()
     hits = np.zeros((len(names), 3), dtype=np.int64)  # per true class: images, top-1 hits, top-5 hits
 
-    def run(batch: list[_Read], pool: _Pool) -> list[dict[str, Any]]:
+    def run(batch: list[_Read]) -> list[tuple[dict[str, Any], tuple]]:
         probs = classifier.classify(torch.stack([r.tensor for r in batch]))
         scores, ranked = probs.topk(max(k, min(5, len(names))), dim=1)
+        done = []
         for read, score_row, label_row in zip(batch, scores, ranked, strict=True):
             top = [
                 {"label": int(label), "name": names[int(label)], "score": round(float(score), 5)}
@@ -480,16 +481,14 @@ def classify_images(
             if labels is not None:
                 true = labels[read.index]
                 hits[true] += (1, int(label_row[0]) == true, true in label_row[:5].tolist())
-            if draw:
-                frame = [[0, 0, read.size[1] - 1, read.size[0] - 1]]  # the whole image, in its class's colour
-                pool.later(
-                    _write_picture, output_dir / _picture_name(read.item.name, used), read, frame,
-                    [top[0]["label"] + 1], [top[0]["score"]], picture_size, class_names=("", *names),
-                )  # fmt: skip
-        return results[-len(batch) :]
+            frame = [[0, 0, read.size[1] - 1, read.size[0] - 1]]  # the whole image, in its class's colour
+            done.append((results[-1], (frame, [top[0]["label"] + 1], [top[0]["score"]])))
+        return done
 
     read = _one_at_a_time(partial(_read, transform=classifier.preprocess, min_side=0))
-    failures = _run_batches(inputs, range(len(inputs)), read, run, output_dir, batch_size, workers, progress)
+    picture = partial(_write_picture, picture_size, class_names=("", *names)) if draw else None
+    ids = range(len(inputs))
+    failures = _run_batches(inputs, ids, read, run, output_dir, batch_size, workers, progress, 1, picture)
     atomic_write_json(output_dir / "predictions.json", results)
     if labels is not None:
         _report_accuracy(hits, names, output_dir)

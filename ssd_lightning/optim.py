@@ -61,8 +61,7 @@ def scale_ema_decay(
             f"world_size={world_size}, batch_size={batch_size}, every_n_steps={every_n_steps}, "
             f"epochs={epochs}"
         )
-    alpha = min(1.0, (1.0 - decay) * world_size * batch_size * every_n_steps / epochs)
-    return 1.0 - alpha
+    return 1.0 - min(1.0, (1.0 - decay) * world_size * batch_size * every_n_steps / epochs)
 
 
 def param_groups(

@@ -164,7 +164,6 @@ def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, n
             if k < _MAX_TILES:
                 tile = draw_detections(image, boxes, labels, class_names=names)
                 tiles.append(_caption(tile, f"id {image_id}"))
-        folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / f"batch_{i}.json", {"image_size": size, "images": records})
         return tiles
 
@@ -177,8 +176,8 @@ def _save_batches(
     """``batch_<i>.jpg``: the grid of ``draw(i, batch)``'s tiles of the first batches (0: no loader built)."""
     written = []
     for i, batch in enumerate(itertools.islice(make_loader(), num_batches) if num_batches else ()):
-        tiles = draw(i, batch)
         folder.mkdir(parents=True, exist_ok=True)
+        tiles = draw(i, batch)
         written.append(folder / f"batch_{i}.jpg")
         _grid(tiles).save(written[-1], quality=90)
     return written

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import Tensor
+from torchvision.ops import box_convert
 
 __all__ = [
     "BoxCoder",
@@ -21,7 +22,6 @@ __all__ = [
     "DefaultBoxes",
     "box_iou",
     "dboxes300_coco",
-    "ltrb_to_cxcywh",
     "match_boxes",
     "scale_to_pixels",
     "cxcywh_to_ltrb",
@@ -85,11 +85,6 @@ def scale_to_pixels(
 def cxcywh_to_ltrb(boxes: Tensor) -> Tensor:
     cxcy, wh = boxes[..., :2], boxes[..., 2:]
     return torch.cat([cxcy - 0.5 * wh, cxcy + 0.5 * wh], dim=-1)
-
-
-def ltrb_to_cxcywh(boxes: Tensor) -> Tensor:
-    lt, rb = boxes[..., :2], boxes[..., 2:]
-    return torch.cat([0.5 * (lt + rb), rb - lt], dim=-1)
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
@@ -197,13 +192,7 @@ class BoxCoder:
 
     def __init__(self, default_boxes: DefaultBoxes) -> None:
         self.default_boxes = default_boxes
-        self.scale_xy = default_boxes.scale_xy
-        self.scale_wh = default_boxes.scale_wh
         self._cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
-
-    @property
-    def num_boxes(self) -> int:
-        return len(self.default_boxes)
 
     def _dboxes(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(ltrb (B, 4), cxcywh (B, 4)) float32 on ``device``."""
@@ -224,24 +213,21 @@ class BoxCoder:
         dboxes_ltrb, _ = self._dboxes(boxes_ltrb.device)
         boxes_ltrb = boxes_ltrb.float()
         out_boxes = dboxes_ltrb.clone()
-        out_labels = torch.zeros(self.num_boxes, dtype=torch.int64, device=boxes_ltrb.device)
+        out_labels = torch.zeros(len(self.default_boxes), dtype=torch.int64, device=boxes_ltrb.device)
         if boxes_ltrb.shape[0] > 0:
             gt_index, positive, _ = match_boxes(boxes_ltrb[None], dboxes_ltrb, iou_threshold)
             positive, matched_gt = positive[0], gt_index[0, positive[0]]
             out_labels[positive] = labels.to(torch.int64)[matched_gt]
             out_boxes[positive] = boxes_ltrb[matched_gt]
-        return ltrb_to_cxcywh(out_boxes), out_labels
+        return box_convert(out_boxes, "xyxy", "cxcywh"), out_labels
 
     def decode_boxes(self, locs: Tensor) -> Tensor:
         """Offsets (N, 4, B) -> (N, B, 4) float32 ltrb, the reference ``scale_back_batch``'s operations."""
-        _, dboxes_cxcywh = self._dboxes(locs.device)
-        dboxes_cxcywh = dboxes_cxcywh.unsqueeze(0)
-        boxes = locs.float().clone().permute(0, 2, 1)  # (N, B, 4)
-        boxes[:, :, :2] = self.scale_xy * boxes[:, :, :2]
-        boxes[:, :, 2:] = self.scale_wh * boxes[:, :, 2:]
-        boxes[:, :, :2] = boxes[:, :, :2] * dboxes_cxcywh[:, :, 2:] + dboxes_cxcywh[:, :, :2]
-        boxes[:, :, 2:] = boxes[:, :, 2:].exp() * dboxes_cxcywh[:, :, 2:]
-        return cxcywh_to_ltrb(boxes)
+        _, dboxes = self._dboxes(locs.device)  # (B, 4) cxcywh
+        offsets = locs.float().permute(0, 2, 1)  # (N, B, 4)
+        xy = self.default_boxes.scale_xy * offsets[..., :2] * dboxes[:, 2:] + dboxes[:, :2]
+        wh = (self.default_boxes.scale_wh * offsets[..., 2:]).exp() * dboxes[:, 2:]
+        return cxcywh_to_ltrb(torch.cat([xy, wh], dim=-1))
 
     @staticmethod
     def foreground_scores(logits: Tensor) -> Tensor:
@@ -273,14 +259,15 @@ class BoxCoder:
     ) -> list[dict[str, Tensor]]:
         """``locs`` (N, 4, B), ``logits`` (N, C, B) (class 0 = background) -> per image, best first: ``boxes``
         (k, 4) float32 relative ltrb (not clamped), ``scores`` (k,), ``labels`` (k,) int64 in 1..C-1."""
-        if locs.ndim != 3 or locs.shape[1] != 4 or locs.shape[2] != self.num_boxes:
-            raise ValueError(f"locs must have shape (N, 4, {self.num_boxes}), got {tuple(locs.shape)}")
-        if logits.ndim != 3 or logits.shape[0] != locs.shape[0] or logits.shape[2] != self.num_boxes:
+        n_box = len(self.default_boxes)
+        if locs.ndim != 3 or locs.shape[1] != 4 or locs.shape[2] != n_box:
+            raise ValueError(f"locs must have shape (N, 4, {n_box}), got {tuple(locs.shape)}")
+        if logits.ndim != 3 or logits.shape[0] != locs.shape[0] or logits.shape[2] != n_box:
             raise ValueError(
-                f"logits must have shape ({locs.shape[0]}, C, {self.num_boxes}), got {tuple(logits.shape)}"
+                f"logits must have shape ({locs.shape[0]}, C, {n_box}), got {tuple(logits.shape)}"
             )
         DecoderSettings(score_thresh, nms_iou, topk_per_class, max_detections)  # validates
-        n_img, n_cls, n_box = logits.shape
+        n_img, n_cls, _ = logits.shape
         n_fg = n_cls - 1
         device = locs.device
         boxes = self.decode_boxes(locs)  # (N, B, 4)

@@ -54,19 +54,18 @@ class SSD300(nn.Module):
         background_prior: float | None = None,
     ) -> None:
         super().__init__()
-        num_defaults = NUM_DEFAULTS
         backbone_channels = list(getattr(backbone, "out_channels", []))
         if not backbone_channels:
             raise ValueError("backbone must have a non-empty attribute out_channels: list[int]")
         channels = backbone_channels + list(extra_channels)
-        if len(channels) != len(num_defaults):
+        if len(channels) != len(NUM_DEFAULTS):
             raise ValueError(
                 f"backbone levels ({len(backbone_channels)}) + extra_channels ({len(extra_channels)}) "
-                f"must equal the number of levels, {len(num_defaults)}"
+                f"must equal the number of levels, {len(NUM_DEFAULTS)}"
             )
-        if len(extra_mid_channels) != len(num_defaults) - 1:
+        if len(extra_mid_channels) != len(NUM_DEFAULTS) - 1:
             raise ValueError(
-                f"extra_mid_channels needs {len(num_defaults) - 1} entries, got {len(extra_mid_channels)}"
+                f"extra_mid_channels needs {len(NUM_DEFAULTS) - 1} entries, got {len(extra_mid_channels)}"
             )
         if num_classes < 2:
             raise ValueError(f"num_classes counts the background too and must be >= 2, got {num_classes}")
@@ -75,7 +74,7 @@ class SSD300(nn.Module):
         ):
             raise ValueError(f"background_prior must be in (0, 1) or None, got {background_prior!r}")
         self.num_classes = num_classes
-        self.num_defaults = list(num_defaults)
+        self.num_defaults = list(NUM_DEFAULTS)
         self.out_channels = channels
         self.feature_extractor = backbone
 

@@ -13,11 +13,9 @@ from ssd_lightning.errors import ConfigError
 __all__ = ["freeze_backbone", "frozen_modules", "keep_frozen_norms_in_eval"]
 
 
-def freeze_backbone(
-    net: nn.Module, freeze: str | int | None, *, key: str = "model.freeze"
-) -> list[nn.Module]:
+def freeze_backbone(net: nn.Module, freeze: str | int | None) -> list[nn.Module]:
     """Freeze ``net``'s first ``freeze`` backbone stages (``"backbone"``: all); returns their modules."""
-    frozen = frozen_modules(net, freeze, key=key)
+    frozen = frozen_modules(net, freeze)
     for module in frozen:
         module.requires_grad_(False)
     return frozen

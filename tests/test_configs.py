@@ -276,6 +276,20 @@ def test_callback_sets_bring_their_own_run_settings(make_cfg):
     assert bench.callbacks.throughput.include_data_loading is True
 
 
+def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The keyword parameters ``cls(...)`` takes, following ``**kwargs`` up to the base classes' ``__init__``."""
+    parameters: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        found = inspect.signature(klass.__init__).parameters
+        for name, parameter in found.items():
+            parameters.setdefault(name, parameter)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in found.values()):
+            break
+    return parameters
+
+
 @pytest.mark.parametrize(
     ("group", "keys"),
     [
@@ -287,9 +301,8 @@ def test_callback_sets_bring_their_own_run_settings(make_cfg):
 def test_data_options_are_declared_with_the_datamodules_defaults(group, keys, make_cfg):
     """What a user may override is in the data group (no `+`), with the value the datamodule would use."""
     data = make_cfg([f"data={group}"]).data
-    signature = inspect.signature(hydra.utils.get_class(data._target_).__init__).parameters
+    parameters = _init_parameters(hydra.utils.get_class(data._target_))
     for key, value in keys.items():
         assert data[key] == value, key
-        if key in signature:
-            assert signature[key].default == value, key
+        assert parameters[key].default == value, key
     assert make_cfg([f"data={group}", "data.shuffle=false"]).data.shuffle is False

@@ -277,7 +277,7 @@ def test_callback_sets_bring_their_own_run_settings(make_cfg):
 
 
 def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
-    """The keyword parameters ``cls(...)`` takes, following ``**kwargs`` up to the base classes' ``__init__``."""
+    """The keyword parameters ``cls(...)`` takes, following ``**kwargs`` up to the bases' ``__init__``."""
     parameters: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):

@@ -123,6 +123,7 @@ SCRIPT_SIZE: dict[str, list[str]] = {
     "benchmarks/benchmark_onnx.py": ["--batch-sizes", "1", "--repeats", "1", "--warmup", "0"],
     "benchmarks/benchmark_predict.py": [  # rows: the network, predict with pictures, ONNX (each a process)
         *("--small", "4", "--large", "2", "--rows", "'predict draw=true'", "'predict ONNX'"),
+        "'predict replayed network'",
     ],
     "benchmarks/gpu_benchmark.py": [],  # documented with --dry-run: prints the plan, runs nothing
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from functools import partial
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 from PIL import Image
 
-from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES
+from ssd_lightning.data.categories import COCO_CATEGORY_IDS, COCO_CLASS_NAMES, CategoryMap
 from ssd_lightning.inference.detector import load_detector
 from ssd_lightning.inference.predict import collect_inputs, open_image, predict_images, preprocess
 from ssd_lightning.io.weights import CheckpointReadError
@@ -147,8 +148,8 @@ def rotated_photo(tmp_path_factory) -> Path:
     return path
 
 
-def test_predictions_json_is_streamed_from_the_jsonl_records(rotated_photo, tmp_path):
-    """predict.py keeps no results in memory (keep_results=False): predictions.json, made from
+def test_predictions_json_is_written_as_the_records_come(rotated_photo, tmp_path):
+    """predict.py keeps no results in memory (keep_results=False): predictions.json, written beside
     predictions.jsonl, is the text json.dump writes for the results list, failures leaving no entries."""
     bad = tmp_path / "bad.jpg"
     bad.write_text("not an image")
@@ -164,6 +165,40 @@ def test_predictions_json_is_streamed_from_the_jsonl_records(rotated_photo, tmp_
     )
     assert streamed == []
     assert (tmp_path / "streamed" / "predictions.json").read_text() == json.dumps(kept)
+
+
+class _OddNames(BrightBox):
+    """Category names JSON must escape, and a second detection whose score is not a number."""
+
+    categories = CategoryMap((3, 7), ("background", 'say "box"', "boîte\\"))
+
+    def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+        out = super().detect(images, sizes)
+        for found in out:
+            found["boxes"] = torch.cat([found["boxes"], found["boxes"] / 2])
+            found["scores"] = torch.tensor([0.9, float("nan")])
+            found["labels"] = torch.tensor([1, 2])
+        return out
+
+
+def test_both_prediction_files_are_the_text_json_dumps_writes(rotated_photo, tmp_path):
+    """Each detection is formatted once for both files: the text must stay json.dumps's own, for escaped
+    names (category, file) and for a non-finite score (json's NaN)."""
+    odd = tmp_path / 'ph\u00f6to "1".jpg'
+    odd.write_bytes(rotated_photo.read_bytes())
+    kept, _ = predict_images(
+        _OddNames(), [odd, rotated_photo], tmp_path / "out", draw=False, image_ids=[5, 6]
+    )
+    lines = (tmp_path / "out" / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.dumps(json.loads(line)) for line in lines] == lines
+    assert (tmp_path / "out" / "predictions.json").read_text(encoding="utf-8") == json.dumps(kept)
+    assert [(e["image_id"], e["category_id"], e["category_name"]) for e in kept] == [
+        (5, 3, 'say "box"'),
+        (5, 7, "boîte\\"),
+        (6, 3, 'say "box"'),
+        (6, 7, "boîte\\"),
+    ]
+    assert kept[0]["file_name"] == odd.name and math.isnan(kept[1]["score"]) and '"score": NaN' in lines[0]
 
 
 def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_photo(rotated_photo, tmp_path):

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -256,20 +256,41 @@ def _write_picture(
         raise OSError(e.errno, f"cannot write the picture {path}: {e.strerror or e}") from None
 
 
+# one detection as json.dumps spells it (finite numbers); formatted once for both output files
+_DETECTION = '"category_id": %d, "bbox": [%r, %r, %r, %r], "score": %r'
+
+
 def _record_of(
-    read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap
-) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The ``predictions.jsonl`` record (COCO results, boxes clipped to the image) and what the picture
-    shows: the clipped ltrb boxes, labels, scores."""
+    read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap, quoted: Sequence[str]
+) -> tuple[str, list[str], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``predictions.jsonl`` line, the ``predictions.json`` entries (COCO results, boxes clipped to the
+    image) and what the picture shows: the clipped ltrb boxes, labels, scores. The text is what
+    ``json.dumps`` writes (``quoted``: the JSON strings of ``categories.names``), each number formatted
+    once: at 200 detections an image, ``json.dumps`` and re-reading the lines cost ~2 ms an image."""
     height, width = read.size
     boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
     labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
     found = coco_array_to_results(to_coco_array([image_id], [boxes], [scores], [labels], categories))
-    for entry, label in zip(found, labels, strict=True):
-        del entry["image_id"]
-        entry["category_name"] = categories.names[int(label)]
-    record = {"image_id": image_id, "file_name": read.item.name, "height": height, "width": width}
-    return {**record, "detections": found}, (boxes, labels, scores)
+    cores = [
+        _DETECTION % (e["category_id"], *e["bbox"], e["score"])
+        if math.isfinite(e["score"]) and all(map(math.isfinite, e["bbox"]))
+        else json.dumps({k: e[k] for k in ("category_id", "bbox", "score")})[1:-1]  # NaN, Infinity
+        for e in found
+    ]
+    names = [quoted[int(label)] for label in labels]
+    file_name = json.dumps(read.item.name)
+    detections = ", ".join(
+        f'{{{core}, "category_name": {name}}}' for core, name in zip(cores, names, strict=True)
+    )
+    line = (
+        f'{{"image_id": {image_id}, "file_name": {file_name}, "height": {height}, "width": {width}, '
+        f'"detections": [{detections}]}}'
+    )
+    entries = [
+        f'{{"image_id": {image_id}, {core}, "file_name": {file_name}, "category_name": {name}}}'
+        for core, name in zip(cores, names, strict=True)
+    ]
+    return line, entries, (boxes, labels, scores)
 
 
 def predict_images(
@@ -291,22 +312,17 @@ def predict_images(
 ) -> tuple[list[dict[str, Any]], list[tuple[Path, str]]]:
     """Detect objects in ``inputs``; write pictures ``<name>.jpg`` (``_1``... for repeated names; scores >=
     ``draw_score_thresh``), ``predictions.jsonl`` (a line per input as it is done: ``image_id``,
-    ``file_name``, ``height``, ``width``, ``detections`` or ``error``) and, streamed from it,
-    ``predictions.json``: COCO results with ``image_id`` = ``image_ids[i]`` (default ``i``), ids of
-    ``categories`` (default the detector's), bbox in original pixels clipped to the image, ``file_name``,
-    ``category_name``. Returns (those results, ``[]`` without ``keep_results``; unreadable ``(path,
-    reason)``). ``fast_decode``: JPEGs decoded at the smallest libjpeg scale keeping both sides >= twice the
-    network input (false, with ``gpu_decode=False`` on CUDA: earlier versions' detections); ``gpu_decode``: on
-    CUDA, decoded and preprocessed there."""
+    ``file_name``, ``height``, ``width``, ``detections`` or ``error``) and, written alongside and renamed
+    into place when complete, ``predictions.json``: COCO results with ``image_id`` = ``image_ids[i]``
+    (default ``i``), ids of ``categories`` (default the detector's), bbox in original pixels clipped to the
+    image, ``file_name``, ``category_name``. Returns (those results, ``[]`` without ``keep_results``;
+    unreadable ``(path, reason)``). ``fast_decode``: JPEGs decoded at the smallest libjpeg scale keeping
+    both sides >= twice the network input (false, with ``gpu_decode=False`` on CUDA: earlier versions'
+    detections); ``gpu_decode``: on CUDA, decoded and preprocessed there."""
     ids = list(range(len(inputs))) if image_ids is None else [int(i) for i in image_ids]
     if len(ids) != len(inputs):
         raise ValueError(f"{len(ids)} image_ids for {len(inputs)} inputs")
     categories, output_dir = categories or detector.categories, Path(output_dir)
-
-    def run(batch: list[_Read]) -> list[tuple[dict[str, Any], tuple]]:
-        detections = detector.detect(torch.stack([r.tensor for r in batch]), [r.size for r in batch])
-        return [_record_of(r, d, ids[r.index], categories) for r, d in zip(batch, detections, strict=True)]
-
     size = detector.image_size
     host = partial(_read, transform=partial(preprocess, size=size), min_side=2 * size if fast_decode else 0)
     device = _cuda_device_of(detector) if gpu_decode else None
@@ -315,43 +331,44 @@ def predict_images(
         shown = picture_size if draw else 0
         read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
         chunk = batch_size
-    picture = partial(
-        _write_picture, picture_size, class_names=categories.names, score_thresh=draw_score_thresh
+    picture = (
+        partial(_write_picture, picture_size, class_names=categories.names, score_thresh=draw_score_thresh)
+        if draw
+        else None
     )
-    failures = _run_batches(
-        inputs, ids, read, run, output_dir, batch_size, workers, progress, chunk, picture if draw else None
-    )
-    target = output_dir / "predictions.json"
-    count = _results_json_from_lines(output_dir / "predictions.jsonl", target)
-    log.info("%d image(s), %d detection(s) -> %s", len(inputs) - len(failures), count, target)
-    return json.loads(target.read_text(encoding="utf-8")) if keep_results else [], failures
-
-
-def _results_json_from_lines(lines: Path, target: Path) -> int:
-    """``target``: the COCO results of the records in ``lines``, streamed; returns their number."""
+    quoted = [json.dumps(name) for name in categories.names]
+    failures: list[tuple[Path, str]] = []
     count = 0
 
-    def write(out: Any) -> None:
-        nonlocal count
-        out.write("[")
-        with open(lines, encoding="utf-8") as records:
-            for record in map(json.loads, records):
-                for found in record.get("detections", ()):
-                    entry = {"image_id": record["image_id"], **found, "file_name": record["file_name"]}
-                    entry["category_name"] = entry.pop("category_name")  # after file_name
-                    out.write((", " if count else "") + json.dumps(entry))
-                    count += 1
-        out.write("]")
+    def predict_into(coco: IO[str]) -> None:  # the entries as they come; predictions.json when complete
+        def run(batch: list[_Read]) -> list[tuple[str, tuple]]:
+            nonlocal count
+            detections = detector.detect(torch.stack([r.tensor for r in batch]), [r.size for r in batch])
+            done = []
+            for image, det in zip(batch, detections, strict=True):
+                line, entries, drawn = _record_of(image, det, ids[image.index], categories, quoted)
+                if entries:
+                    coco.write((", " if count else "") + ", ".join(entries))
+                    count += len(entries)
+                done.append((line, drawn))
+            return done
 
-    atomic_write(target, write)
-    return count
+        coco.write("[")
+        failures.extend(
+            _run_batches(inputs, ids, read, run, output_dir, batch_size, workers, progress, chunk, picture)
+        )
+        coco.write("]")
+
+    target = atomic_write(output_dir / "predictions.json", predict_into)
+    log.info("%d image(s), %d detection(s) -> %s", len(inputs) - len(failures), count, target)
+    return json.loads(target.read_text(encoding="utf-8")) if keep_results else [], failures
 
 
 def _run_batches(
     inputs: Sequence[InputImage | str | os.PathLike],
     ids: Sequence[int],
     read: Callable[[int, Sequence[InputImage]], list[_Read]],
-    run: Callable[[list[_Read]], list[tuple[dict[str, Any], tuple]]],
+    run: Callable[[list[_Read]], list[tuple[dict[str, Any] | str, tuple]]],
     output_dir: Path,
     batch_size: int,
     workers: int,
@@ -379,8 +396,8 @@ def _run_batches(
     finished = False
     with open(output_dir / "predictions.jsonl", "w", encoding="utf-8") as lines:
 
-        def write(records: Iterable[Mapping[str, Any]], n: int) -> None:
-            lines.writelines(json.dumps(record) + "\n" for record in records)
+        def write(records: Iterable[Mapping[str, Any] | str], n: int) -> None:
+            lines.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
             lines.flush()
             bar.update(n)
 

@@ -271,12 +271,10 @@ def _record_of(
     boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
     labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
     found = coco_array_to_results(to_coco_array([image_id], [boxes], [scores], [labels], categories))
-    cores = [
-        _DETECTION % (e["category_id"], *e["bbox"], e["score"])
-        if math.isfinite(e["score"]) and all(map(math.isfinite, e["bbox"]))
-        else json.dumps({k: e[k] for k in ("category_id", "bbox", "score")})[1:-1]  # NaN, Infinity
-        for e in found
-    ]
+    if np.isfinite(boxes).all() and np.isfinite(scores).all():
+        cores = [_DETECTION % (e["category_id"], *e["bbox"], e["score"]) for e in found]
+    else:  # json's NaN, Infinity
+        cores = [json.dumps({k: e[k] for k in ("category_id", "bbox", "score")})[1:-1] for e in found]
     names = [quoted[int(label)] for label in labels]
     file_name = json.dumps(read.item.name)
     detections = ", ".join(

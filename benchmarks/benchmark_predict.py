@@ -156,7 +156,7 @@ def _run_row(args: argparse.Namespace) -> dict:
         predict.predict_images(detector, inputs, out, **_accepted(predict.predict_images, settings))
     _synchronize(args.device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    if ROWS[args.row] is not None and args.ckpt:
+    if ROWS[args.row] is not None and args.ckpt and args.row != "predict replayed network":
         from ssd_lightning.evaluation import evaluate_coco
 
         annotations = folder / "instances.json"

@@ -168,22 +168,24 @@ def test_predictions_json_is_written_as_the_records_come(rotated_photo, tmp_path
 
 
 class _OddNames(BrightBox):
-    """Category names JSON must escape, and a second detection whose score is not a number."""
+    """Category names JSON must escape, and a second detection whose score is not a number (first image)
+    or becomes infinite when rounded (second image)."""
 
     categories = CategoryMap((3, 7), ("background", 'say "box"', "boîte\\"))
 
     def detect(self, images: torch.Tensor, sizes: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
         out = super().detect(images, sizes)
-        for found in out:
+        for k, found in enumerate(out):
             found["boxes"] = torch.cat([found["boxes"], found["boxes"] / 2])
-            found["scores"] = torch.tensor([0.9, float("nan")])
+            found["scores"] = torch.tensor([0.9, float("nan") if k == 0 else 1e306], dtype=torch.float64)
             found["labels"] = torch.tensor([1, 2])
         return out
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # rounding 1e306 to 5 decimals
 def test_both_prediction_files_are_the_text_json_dumps_writes(rotated_photo, tmp_path):
     """Each detection is formatted once for both files: the text must stay json.dumps's own, for escaped
-    names (category, file) and for a non-finite score (json's NaN)."""
+    names (category, file) and for non-finite scores (json's NaN, Infinity)."""
     odd = tmp_path / 'ph\u00f6to "1".jpg'
     odd.write_bytes(rotated_photo.read_bytes())
     kept, _ = predict_images(
@@ -199,6 +201,9 @@ def test_both_prediction_files_are_the_text_json_dumps_writes(rotated_photo, tmp
         (6, 7, "boîte\\"),
     ]
     assert kept[0]["file_name"] == odd.name and math.isnan(kept[1]["score"]) and '"score": NaN' in lines[0]
+    assert math.isinf(kept[3]["score"]) and '"score": Infinity' in lines[1]
+    assert {type(v) for e in kept for v in (*e["bbox"], e["score"])} == {float}  # 20.0, not 20
+    assert {type(e[k]) for e in kept for k in ("image_id", "category_id")} == {int}
 
 
 def test_fast_decode_reads_a_reduced_jpeg_and_maps_boxes_to_the_full_rotated_photo(rotated_photo, tmp_path):

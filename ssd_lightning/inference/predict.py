@@ -270,8 +270,9 @@ def _record_of(
     height, width = read.size
     boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
     labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
-    found = coco_array_to_results(to_coco_array([image_id], [boxes], [scores], [labels], categories))
-    if np.isfinite(boxes).all() and np.isfinite(scores).all():
+    rows = to_coco_array([image_id], [boxes], [scores], [labels], categories)
+    found = coco_array_to_results(rows)
+    if np.isfinite(rows).all():  # after rounding (a huge score rounds to inf)
         cores = [_DETECTION % (e["category_id"], *e["bbox"], e["score"]) for e in found]
     else:  # json's NaN, Infinity
         cores = [json.dumps({k: e[k] for k in ("category_id", "bbox", "score")})[1:-1] for e in found]

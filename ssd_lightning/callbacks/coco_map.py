@@ -257,9 +257,10 @@ class CocoMAPCallback(Callback):
             return {}
         ev = evaluate_coco_detailed(ann_file, rows, self.backend, verbose=self.verbose, image_ids=image_ids)
         self._evaluated = EvaluatedEpoch(epoch, ev, rows)
-        if self.per_class:
-            self._report_per_class(ev.classes, out_dir, epoch)
-        return {**ev.stats, **(per_class_metrics(ev.classes) if self.per_class else {})}
+        if not self.per_class:
+            return dict(ev.stats)
+        self._report_per_class(ev.classes, out_dir, epoch)
+        return {**ev.stats, **per_class_metrics(ev.classes)}
 
     def _report_per_class(self, classes: Sequence[ClassAP], out_dir: Path | None, epoch: int) -> None:
         """Rank 0: ``per_class_epoch_<epoch>.json`` in ``out_dir`` (if any) and, if verbose, the table."""

@@ -150,11 +150,15 @@ def quantize_onnx(
         onnx.save(model, str(prepared))  # with the node names
         quantized = Path(tmp) / "int8.onnx"
         batches = iter([{input_name: t.unsqueeze(0).numpy()} for t in tensors])  # one image at a time
-        reader = type("Reader", (q.CalibrationDataReader,), {"get_next": lambda _: next(batches, None)})()
+
+        class Reader(q.CalibrationDataReader):
+            def get_next(self) -> dict[str, np.ndarray] | None:
+                return next(batches, None)
+
         q.quantize_static(
             str(prepared),
             str(quantized),
-            reader,
+            Reader(),
             quant_format=q.QuantFormat.QDQ,
             op_types_to_quantize=list(QUANTIZED_OP_TYPES),
             per_channel=True,

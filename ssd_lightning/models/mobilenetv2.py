@@ -132,7 +132,7 @@ def mobilenet_v2(
         "round_nearest": int(round_nearest),
         "dropout": float(dropout),
     }
-    model = MobileNetV2(num_classes, width_mult, setting, round_nearest, dropout=dropout)
+    model = MobileNetV2(**args)
     if resolved is not None:
         state = resolved.get_state_dict(progress=True, check_hash=True)
         load_mobilenet_v2_state_dict(model, state, source=f"torchvision weights {resolved.name}")

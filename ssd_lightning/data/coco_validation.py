@@ -152,11 +152,8 @@ def _read_ends(path: Path, check_ends: bool) -> tuple[bytes, bytes, int]:
         head = os.read(fd, _HEADER_BYTES)
         if not check_ends:
             return head, b"", 0
-        if len(head) < _HEADER_BYTES:  # read whole
+        if len(head) < _HEADER_BYTES or (size := os.fstat(fd).st_size) <= _HEADER_BYTES:  # read whole
             return head, head, len(head)
-        size = os.fstat(fd).st_size
-        if size <= _HEADER_BYTES:
-            return head, head, size
         start = max(size - _TAIL_BYTES, _HEADER_BYTES)
         end = os.pread(fd, size - start, start)
         return head, (head + end)[-_TAIL_BYTES:] if start == _HEADER_BYTES else end, size
@@ -404,10 +401,8 @@ def check_mode_args(**modes: str) -> None:
 
 def _orientation_mismatch(info: CocoSplitInfo) -> str | None:
     oriented = info.exif_listed_upright + info.exif_listed_unrotated
-    if not oriented:
-        return None
     where = f"{info.annotation_file} (images in {info.image_dir})"
-    if not decoder_applies_exif_orientation():
+    if oriented and not decoder_applies_exif_orientation():
         from ssd_lightning.data.dali_compat import DALI_VERSION
 
         return (
@@ -519,8 +514,6 @@ def _compare_sizes(
 ) -> tuple[list[str], list[str], list[str]]:
     """Each image's listed size against its file's: the :class:`CocoSplitInfo` fields ``exif_listed_upright``,
     ``exif_listed_unrotated`` (raises for other rotated ones) and all the ``size_mismatches``."""
-    from PIL import Image
-
     oriented = {path: exif_orientation(path) for path in exif_candidates}
     upright, unrotated, neither, mismatched = [], [], [], []
     for path, (width, height, name) in listed.items():
@@ -537,12 +530,10 @@ def _compare_sizes(
                 neither.append(f"{name} (listed {width:g}x{height:g}, upright {upright_w}x{upright_h})")
             continue
         real = real[1] if real is not None else header_sizes.get(path)
-        if real is None:
-            try:
-                with Image.open(path) as img:  # reads the header only
-                    real = img.size
-            except Exception:  # noqa: BLE001 - unreadable: DALI's decoder names it (find_undecodable_images)
-                continue
+        if real is None and (found := exif_orientation(path)) is not None:  # PIL reads the header
+            real = found[1]
+        if real is None:  # unreadable: DALI's decoder names it (find_undecodable_images)
+            continue
         if abs(width - real[0]) >= 1 or abs(height - real[1]) >= 1:
             mismatched.append(f"{name} (listed {width:g}x{height:g}, file {real[0]}x{real[1]})")
     if neither:
@@ -576,7 +567,7 @@ def _normalise(data: dict[str, Any], annotation_file: Path) -> list[tuple[str, i
                 f"annotation file {annotation_file}: every entry of 'annotations' must be an object with "
                 f"'image_id', 'category_id' and 'bbox', got {ann!r}"
             )
-    changes = dict.fromkeys(("image id", "annotation id", "iscrowd", "area"), 0)
+    changes = dict.fromkeys(_FILLED, 0)
     changes["image id"] = _renumber_images(data, annotation_file)
     ids = [ann.get("id") for ann in annotations]
     if not (all(_is_int_id(i) for i in ids) and len(set(ids)) == len(ids)):  # pycocotools needs unique ids

@@ -53,8 +53,6 @@ class DALILoader:
         dtypes: Mapping[str, torch.dtype] | None = None,
         pool_size: int = 4,
     ) -> None:
-        if mode not in ("train", "eval"):
-            raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
         self._factory = pipeline_factory
         self.output_names = list(output_names)
         self.mode, self.shard_id, self.num_shards = mode, shard_id, num_shards
@@ -65,7 +63,7 @@ class DALILoader:
         self._pipe = self._build()
         self.batch_size: int = int(self._pipe.max_batch_size)
         meta = self._pipe.reader_meta("Reader")
-        if not meta.get("pad_last_batch", False):
+        if not meta.get("pad_last_batch", False):  # the shard arithmetic below relies on it
             raise ValueError("the pipeline's reader 'Reader' must be built with pad_last_batch=True")
         n = self.num_samples = int(meta["epoch_size"])  # whole dataset
         # DALI's split: shard s holds samples [floor(sN/n), floor((s+1)N/n)), padded to the largest shard's

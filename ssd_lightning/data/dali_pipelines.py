@@ -41,6 +41,12 @@ def _reader(read, shard_id: int, num_shards: int, shuffle: bool = False, seed: i
     )
 
 
+def _coco_reader(file_root: str, annotations_file: str, *args, **kwargs):
+    """``fn.readers.coco`` of relative ltrb boxes, through :func:`_reader` (which takes ``args``)."""
+    files = dict(file_root=file_root, annotations_file=annotations_file, ltrb=True, ratio=True)
+    return _reader(fn.readers.coco, *args, **files, **kwargs)
+
+
 def _decode_resize(jpegs, decoder_device: str, image_device: str, image_size: int):
     images = fn.decoders.image(jpegs, device=decoder_device, output_type=types.RGB)
     return fn.resize(images, resize_x=image_size, resize_y=image_size, device=image_device)
@@ -107,16 +113,13 @@ def coco_train_pipeline(
     ``include_crowd``: crowd boxes as ordinary boxes, as in the reference (``include_iscrowd`` is True there).
     """
     decoder_device, image_device = _devices(device)
-    jpegs, bboxes, labels, *image_ids = _reader(
-        fn.readers.coco,
+    jpegs, bboxes, labels, *image_ids = _coco_reader(
+        file_root,
+        annotations_file,
         shard_id,
         num_shards,
         shuffle,
         shuffle_seed,
-        file_root=file_root,
-        annotations_file=annotations_file,
-        ltrb=True,
-        ratio=True,
         skip_empty=True,
         include_iscrowd=include_crowd,
         image_ids=output_image_ids,
@@ -147,16 +150,8 @@ def coco_val_pipeline(
     """Validation graph: every image once per shard (``skip_empty``: only those with boxes, NVIDIA's
     protocol), decode RGB, resize, normalise."""
     decoder_device, image_device = _devices(device)
-    jpegs, _, _, image_ids = _reader(
-        fn.readers.coco,
-        shard_id,
-        num_shards,
-        file_root=file_root,
-        annotations_file=annotations_file,
-        ltrb=True,
-        ratio=True,
-        skip_empty=skip_empty,
-        image_ids=True,
+    jpegs, _, _, image_ids = _coco_reader(
+        file_root, annotations_file, shard_id, num_shards, skip_empty=skip_empty, image_ids=True
     )
     # (H, W, C) of the original, read from the encoded header on the CPU: the shape of a GPU-decoded image
     # would be a GPU->CPU transition, which only DALI's dynamic executor (2.x) can build.

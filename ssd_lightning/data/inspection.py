@@ -205,8 +205,7 @@ def default_box_fit(
     """How the training targets cover the boxes of an annotation file (:func:`match_default_boxes`), as a
     JSON-ready dict; ``max_images`` evenly spaced images (None: all) bound the cost. Per group,
     ``forced_only`` counts boxes with no default box above the criteria, ``unmatched`` those with none."""
-    keep = np.ones(len(arrays.ann_label), bool) if include_crowd else ~arrays.iscrowd
-    rows = np.flatnonzero(keep)
+    rows = np.arange(len(arrays.ann_label)) if include_crowd else np.flatnonzero(~arrays.iscrowd)
     rows = rows[np.argsort(arrays.ann_image[rows], kind="stable")]  # file order inside each image
     images, starts = np.unique(arrays.ann_image[rows], return_index=True)
     if max_images is not None and len(images) > max_images:

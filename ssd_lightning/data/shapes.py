@@ -109,10 +109,9 @@ def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray
     img = c0 + t[..., None] * (c1 - c0)  # (H, W, 3)
     amp = rng.uniform(10, 45)  # blotches: a coarse random field, bilinearly upsampled per channel
     coarse = rng.uniform(-amp, amp, (max(2, height // 40), max(2, width // 40), 3)).astype(np.float32)
-    blot = [
-        Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR) for c in range(3)
-    ]
-    img += np.stack([np.asarray(channel) for channel in blot], axis=-1)
+    for c in range(3):
+        blot = Image.fromarray(coarse[..., c], mode="F").resize((width, height), Image.BILINEAR)
+        img[..., c] += np.asarray(blot)
     out = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), mode="RGB")
     draw = ImageDraw.Draw(out)
     for _ in range(int(rng.integers(3, 13))):
@@ -218,9 +217,8 @@ def _draw_shapes(
         else:
             centre = np.clip(centres[k], [ex, ey], [max(ex, width - ex), max(ey, height - ey)])
         polygon = outline + centre
-        x0, y0 = max(0, int(math.floor(centre[0] - ex))), max(0, int(math.floor(centre[1] - ey)))
-        x1 = min(width, int(math.ceil(centre[0] + ex)) + 1)
-        y1 = min(height, int(math.ceil(centre[1] + ey)) + 1)
+        x0, y0 = max(0, math.floor(centre[0] - ex)), max(0, math.floor(centre[1] - ey))
+        x1, y1 = min(width, math.ceil(centre[0] + ex) + 1), min(height, math.ceil(centre[1] + ey) + 1)
         mask = _rasterise(polygon, ellipse, x0, y0, x1, y1, centre)
         region = img[y0:y1, x0:x1]
         under = region[mask].mean(axis=0) if mask.any() else np.full(3, 128.0)

@@ -73,9 +73,6 @@ class _SyntheticDataModule(pl.LightningDataModule):
         self.steps_per_epoch, self.num_classes = steps_per_epoch, num_classes
         self.dtype, self.seed = _IMAGE_DTYPES[output_dtype], seed
 
-    def _split_batches(self, split: str) -> list[dict[str, Tensor]]:
-        raise NotImplementedError
-
     def train_dataloader(self) -> _RepeatBatches:
         return _RepeatBatches(self._split_batches("train"), self.steps_per_epoch)
 

@@ -167,7 +167,7 @@ class VOCConverter:
                     box = {"bbox": obj["bbox"], "iscrowd": int(obj["difficult"])}
                     annotations.append({"image_id": image_id, "category_id": category[obj["name"]], **box})
             entries = [{"id": i, **image} for i, (image, _) in enumerate(images, 1)]
-            out[split] = (image_dir, coco_dict(entries, annotations, {i: n for n, i in category.items()}))
+            out[split] = (image_dir, coco_dict(entries, annotations, dict(enumerate(classes, 1))))
         return out
 
     def _read(self, image_id: str, line: int, split: str, names: set[str], by_stem: dict[str, str]) -> tuple:

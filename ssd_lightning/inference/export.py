@@ -192,9 +192,7 @@ def _checked(output: Path, metadata: Mapping[str, Any]) -> Path:
     import onnx
 
     proto = onnx.load(str(output))
-    for key, value in metadata.items():
-        prop = proto.metadata_props.add()
-        prop.key, prop.value = metadata_entry(key, value)
+    onnx.helper.set_model_props(proto, dict(metadata_entry(key, value) for key, value in metadata.items()))
     onnx.checker.check_model(proto)
     if metadata:
         onnx.save(proto, str(output))

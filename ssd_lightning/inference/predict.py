@@ -33,7 +33,7 @@ from ssd_lightning.data.categories import CategoryMap
 from ssd_lightning.errors import ConfigError, DataError, user_errors_as_messages
 from ssd_lightning.evaluation import (
     COCO_STAT_NAMES,
-    coco_array_to_results,
+    coco_result_texts,
     evaluate_coco_detailed,
     format_summary,
     per_class_records,
@@ -47,6 +47,7 @@ from ssd_lightning.inference.sources import (
     collect_inputs,
     load_annotation_file,
     match_annotation_ids,
+    preview,
 )
 from ssd_lightning.io.atomic import atomic_write, atomic_write_json
 from ssd_lightning.models import IMAGENET_MEAN, IMAGENET_STD
@@ -256,10 +257,6 @@ def _write_picture(
         raise OSError(e.errno, f"cannot write the picture {path}: {e.strerror or e}") from None
 
 
-# one detection as json.dumps spells it (finite numbers); formatted once for both output files
-_DETECTION = '"category_id": %d, "bbox": [%r, %r, %r, %r], "score": %r'
-
-
 def _record_of(
     read: _Read, det: Mapping[str, Tensor], image_id: int, categories: CategoryMap, quoted: Sequence[str]
 ) -> tuple[str, list[str], tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -271,11 +268,8 @@ def _record_of(
     boxes = det["boxes"].cpu().double().numpy().clip(0, [width, height, width, height])
     labels, scores = det["labels"].cpu().numpy(), det["scores"].cpu().numpy()
     rows = to_coco_array([image_id], [boxes], [scores], [labels], categories)
-    found = coco_array_to_results(rows)
-    if np.isfinite(rows).all():  # after rounding (a huge score rounds to inf)
-        cores = [_DETECTION % (e["category_id"], *e["bbox"], e["score"]) for e in found]
-    else:  # json's NaN, Infinity
-        cores = [json.dumps({k: e[k] for k in ("category_id", "bbox", "score")})[1:-1] for e in found]
+    # '{"image_id": 5, "category_id": ..., "score": ...}' -> '"category_id": ..., "score": ...'
+    cores = [text.partition(", ")[2][:-1] for text in coco_result_texts(rows, separators=(", ", ": "))]
     names = [quoted[int(label)] for label in labels]
     file_name = json.dumps(read.item.name)
     detections = ", ".join(
@@ -330,11 +324,8 @@ def predict_images(
         shown = picture_size if draw else 0
         read = partial(_read_on_gpu, device=device, size=size, picture_size=shown, host=host)
         chunk = batch_size
-    picture = (
-        partial(_write_picture, picture_size, class_names=categories.names, score_thresh=draw_score_thresh)
-        if draw
-        else None
-    )
+    style = {"class_names": categories.names, "score_thresh": draw_score_thresh}
+    picture = partial(_write_picture, picture_size, **style) if draw else None
     quoted = [json.dumps(name) for name in categories.names]
     failures: list[tuple[Path, str]] = []
     count = 0
@@ -454,10 +445,9 @@ def imagefolder_labels(
             "classifier, annotations= is the ImageFolder root whose class folders hold the input images"
         )
     if unknown:
-        shown = ", ".join(class_names[:10]) + (", ..." if len(class_names) > 10 else "")
         raise DataError(
             f"annotations={root}: class folder(s) {sorted(unknown)[:10]} are not classes of the model "
-            f"({shown})"
+            f"({preview(class_names, 10)})"
         )
     return labels
 
@@ -623,8 +613,7 @@ def predict_from_settings(settings: Mapping[str, Any]) -> int:
                 common["categories"] = categories_for_annotations(model.categories, dataset, where=where)
             _, failures = predict_images(model, inputs, output, keep_results=False, **common)
         if failures:
-            shown = ", ".join(str(p) for p, _ in failures[:10]) + (", ..." if len(failures) > 10 else "")
-            log.error("%d file(s) skipped: %s", len(failures), shown)
+            log.error("%d file(s) skipped: %s", len(failures), preview([str(p) for p, _ in failures], 10))
         if len(failures) == len(inputs):
             log.error("no image could be read")
             return 1

@@ -171,8 +171,7 @@ def quantize_onnx(
             # full chunk, so only the last images would count
         )
         result = onnx.load(str(quantized))
-        del result.metadata_props[:]
-        result.metadata_props.extend(metadata)
+        onnx.helper.set_model_props(result, {prop.key: prop.value for prop in metadata})
         onnx.checker.check_model(result)
         atomic_write(output, lambda f: f.write(result.SerializeToString()), binary=True)
     return output

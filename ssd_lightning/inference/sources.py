@@ -142,8 +142,8 @@ def collect_inputs(
     return _first_of_each(found)
 
 
-def _preview(names: Sequence[str]) -> str:
-    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+def preview(names: Sequence[str], limit: int = _SHOWN) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def match_annotation_ids(
@@ -173,14 +173,14 @@ def match_annotation_ids(
     if unmatched:
         raise DataError(
             f"{where}: {len(unmatched)} of the {len(images)} input image(s) are not in its 'images' "
-            f"(matched by path relative to the input folder, then by file name): {_preview(unmatched)}; "
+            f"(matched by path relative to the input folder, then by file name): {preview(unmatched)}; "
             "predict on the annotated images only (a list file, input=@list.txt) or leave out annotations="
         )
     if twice := [name for name, n in Counter(ids).items() if n > 1]:
         names = [image.name for image, i in zip(images, ids, strict=True) if i in set(twice)]
         raise DataError(
             f"{where}: several input images match the same image entry (same file name in different "
-            f"folders): {_preview(names)}; name them by their path relative to the annotation's file_name"
+            f"folders): {preview(names)}; name them by their path relative to the annotation's file_name"
         )
     return ids
 

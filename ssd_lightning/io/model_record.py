@@ -38,8 +38,7 @@ def read_model_record(checkpoint: object, *, source: str) -> dict[str, Any] | No
     dict, or a record of a newer format or incomplete."""
     if not isinstance(checkpoint, Mapping):
         raise CheckpointReadError(f"{source} is not a checkpoint (a {type(checkpoint).__name__}, not a dict)")
-    record = checkpoint.get(MODEL_KEY)
-    if record is None:
+    if (record := checkpoint.get(MODEL_KEY)) is None:
         return None
     version = record.get("format_version") if isinstance(record, Mapping) else None
     if not isinstance(version, int):

@@ -97,48 +97,42 @@ def read_checkpoint(
 
 
 # --------------------------------------------------------------------------- layouts
-def unwrap_distributed_key(key: str) -> str:
+def unwrap_distributed_key(key: object) -> str:
     """``module.1.conf.0.weight`` / ``module.conf.0.weight`` -> ``conf.0.weight`` (the reference's rule)."""
-    return re.sub(r"^module\.(1\.)?", "", key)
+    return re.sub(r"^module\.(1\.)?", "", str(key))
 
 
 def read_nvidia_state_dict(
-    path_or_checkpoint: str | os.PathLike | Mapping[str, object],
-    *,
-    trust_checkpoint: bool = False,
-    what: str = "nvidia_checkpoint",
+    path_or_checkpoint: str | os.PathLike | Mapping[str, object], *, trust_checkpoint: bool = False
 ) -> dict[str, Tensor]:
     """The tensors of an NVIDIA SSD300 checkpoint or a bare state dict, DDP prefixes removed."""
     checkpoint = path_or_checkpoint
-    if isinstance(path_or_checkpoint, (str, os.PathLike)):
-        checkpoint = read_checkpoint(path_or_checkpoint, trust_checkpoint=trust_checkpoint, what=what)
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = read_checkpoint(checkpoint, trust_checkpoint=trust_checkpoint, what="nvidia_checkpoint")
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f"expected a checkpoint dict or a state dict, got {type(checkpoint).__name__}")
     state = checkpoint.get("model", checkpoint)
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint['model'] must be a state dict, got {type(state).__name__}")
-    return {unwrap_distributed_key(str(k)): v for k, v in state.items() if isinstance(v, Tensor)}
+    return {unwrap_distributed_key(k): v for k, v in state.items() if isinstance(v, Tensor)}
 
 
 def network_state_dict(checkpoint: object, *, source: str) -> tuple[dict[str, Tensor], list[str]]:
     """The network's tensors in a Lightning, NVIDIA/torchvision or plain checkpoint, wrapper prefixes removed,
     and the keys left out (e.g. an EMA copy); CheckpointReadError when there are none."""
-    container = checkpoint
-    nvidia_layout = False
+    container, key_of = checkpoint, str
     if isinstance(checkpoint, Mapping):
         if isinstance(checkpoint.get("state_dict"), Mapping):
             container = checkpoint["state_dict"]
-        elif isinstance(checkpoint.get("model"), Mapping):
-            container, nvidia_layout = checkpoint["model"], True
+        elif isinstance(checkpoint.get("model"), Mapping):  # NVIDIA's layout, read_nvidia_state_dict's keys
+            container, key_of = checkpoint["model"], unwrap_distributed_key
     if not isinstance(container, Mapping):
         raise CheckpointReadError(
             f"{source} holds no state dict but a {type(checkpoint).__name__}: expected a dict of tensors "
             "or a checkpoint dict"
         )
-    state = {str(k): v for k, v in container.items() if isinstance(v, Tensor)}
+    state = {key_of(k): v for k, v in container.items() if isinstance(v, Tensor)}
     left_out = [str(k) for k, v in container.items() if not isinstance(v, Tensor)]
-    if nvidia_layout:
-        state = {unwrap_distributed_key(k): v for k, v in state.items()}
     # the first wrapper prefix any key has, again and again: "net._orig_mod.features.0" -> "features.0"
     while prefix := next((p for p in _WRAPPER_PREFIXES if any(k.startswith(p) for k in state)), None):
         left_out += [k for k in state if not k.startswith(prefix)]

@@ -216,7 +216,7 @@ def top_confusions(
     if m.ndim != 2 or m.shape[0] != m.shape[1]:
         raise ValueError(f"a confusion matrix is square, got shape {m.shape}")
     size = m.shape[0] - (0 if include_background else 1)
-    sub = m[:size, :size].astype(np.int64).copy()
+    sub = m[:size, :size].astype(np.int64)  # a copy
     np.fill_diagonal(sub, 0)
     flat = sub.reshape(-1)
     order = np.argsort(-flat, kind="stable")[:n]

@@ -47,5 +47,4 @@ def last_values(rows: Sequence[Mapping[str, float]], patterns: Iterable[str] = (
 
 def read_last_metrics(metrics_csv: str | os.PathLike, patterns: Iterable[str] = ("*",)) -> dict[str, float]:
     """:func:`last_values` of a ``metrics.csv``; ``{}`` without one (logged elsewhere, failed early)."""
-    path = Path(metrics_csv)
-    return last_values(read_metrics_csv(path), patterns) if path.is_file() else {}
+    return last_values(read_metrics_csv(metrics_csv), patterns) if Path(metrics_csv).is_file() else {}

@@ -10,11 +10,9 @@ from typing import Any
 __all__ = ["markdown_row", "markdown_rule", "markdown_table"]
 
 
-def markdown_row(
-    cells: Sequence[Any], widths: Sequence[int] | None = None, align: str | None = None, *, missing: str = ""
-) -> str:
+def markdown_row(cells: Sequence[Any], widths: Sequence[int] | None = None, align: str | None = None) -> str:
     """``| a | b |``; with ``widths``, each cell justified to its width (``align``: ``l``/``r`` per cell)."""
-    texts = [missing if c is None else str(c) for c in cells]
+    texts = ["" if c is None else str(c) for c in cells]
     if widths is not None:
         align = align or "l" * len(texts)
         texts = [t.rjust(w) if a == "r" else t.ljust(w) for t, w, a in zip(texts, widths, align, strict=True)]

@@ -73,25 +73,25 @@ def _label_text(label: int, class_names: Sequence[str] | None, score: float | No
     return name if score is None else f"{name} {score:.2f}"
 
 
-def _rect(draw: ImageDraw.ImageDraw, box: np.ndarray, colour: tuple[int, int, int], width: int):
-    """Outline ``box`` (ltrb, rounded); its ``(l, t, r, b)``, or None when it cannot be drawn."""
+def _box(
+    draw: ImageDraw.ImageDraw, font, box: np.ndarray, colour, width: int, text: str | None, *, above: bool
+) -> None:
+    """Outline ``box`` (ltrb, rounded; not drawn if not finite or inverted) and ``text`` (if any) in a filled
+    tag at its left: above its top (below it when there is no room), or ending at its bottom."""
     if not np.all(np.isfinite(box)):
-        return None
-    left, t, r, b = (round(float(v)) for v in box)
-    if r < left or b < t:
-        return None
-    draw.rectangle((left, t, r, b), outline=colour, width=width)
-    return left, t, r, b
-
-
-def _tag(draw: ImageDraw.ImageDraw, font, text: str, x: int, y: int, colour, *, above: bool) -> None:
-    """``text`` in a filled tag at ``x``: above ``y`` (below it when there is no room), or ending at ``y``."""
-    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
-    tw, th = right - left + 4, bottom - top + 4
-    y0 = (y - th if y - th >= 0 else y) if above else y - th + 1
-    draw.rectangle((x, y0, x + tw - 1, y0 + th - 1), fill=colour)
+        return
+    left, top, right, bottom = (round(float(v)) for v in box)
+    if right < left or bottom < top:
+        return
+    draw.rectangle((left, top, right, bottom), outline=colour, width=width)
+    if text is None:
+        return
+    x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+    tw, th = x1 - x0 + 4, y1 - y0 + 4
+    y = (top - th if top - th >= 0 else top) if above else bottom - th + 1
+    draw.rectangle((left, y, left + tw - 1, y + th - 1), fill=colour)
     dark = 0.299 * colour[0] + 0.587 * colour[1] + 0.114 * colour[2] > 140  # text colour by luminance
-    draw.text((x + 2 - left, y0 + 2 - top), text, fill=(0, 0, 0) if dark else (255, 255, 255), font=font)
+    draw.text((left + 2 - x0, y + 2 - y0), text, fill=(0, 0, 0) if dark else (255, 255, 255), font=font)
 
 
 def draw_detections(
@@ -131,21 +131,17 @@ def draw_detections(
     width = line_width or max(2, round(max(out.size) / 250))
     font = _font(max(10, round(max(out.size) / 40)))
     draw = ImageDraw.Draw(out)
+    gt_labelled = show_labels and gt_labels_a is not None
     for i, box in enumerate(gt_a):
-        drawn = _rect(draw, box, GT_COLOUR, width)
-        if drawn and show_labels and gt_labels_a is not None:
-            text = _label_text(int(gt_labels_a[i]), class_names, None)
-            _tag(draw, font, text, drawn[0], drawn[3], GT_COLOUR, above=False)
+        text = _label_text(int(gt_labels_a[i]), class_names, None) if gt_labelled else None
+        _box(draw, font, box, GT_COLOUR, width, text, above=False)
     order = np.argsort(scores_a, kind="stable") if scores_a is not None else range(len(boxes_a))
     for i in order:
         score = None if scores_a is None else float(scores_a[i])
         if score is not None and score < score_thresh:
             continue
-        colour = class_colour(int(labels_a[i]))
-        drawn = _rect(draw, boxes_a[i] * scale, colour, width)
-        if drawn and show_labels:
-            text = _label_text(int(labels_a[i]), class_names, score)
-            _tag(draw, font, text, drawn[0], drawn[1], colour, above=True)
+        text = _label_text(int(labels_a[i]), class_names, score) if show_labels else None
+        _box(draw, font, boxes_a[i] * scale, class_colour(int(labels_a[i])), width, text, above=True)
     return out
 
 
@@ -172,8 +168,8 @@ def _plot_run(axes, rows: Sequence[Mapping[str, float]], label: str, colour: str
     drawn = {}
     if found := _found_series(rows, ["train/loss_step", "train/loss"], "step"):
         drawn["loss"], xs, ys = found
-        window = max(1, len(ys) // 50)
-        if window >= 2 and len(ys) >= 3 * window:  # a faint raw line under a running mean
+        window = len(ys) // 50
+        if window >= 2:  # a faint raw line under a running mean
             ax_loss.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
             ys = np.convolve(
                 np.concatenate([np.full(window - 1, ys[0]), ys]), np.ones(window) / window, "valid"
@@ -272,8 +268,7 @@ def plot_pr_curves(
     for i, ax in enumerate(axes):
         defined = np.flatnonzero(~np.isnan(ap[i]))
         ranked = defined[np.argsort(-ap[i, defined], kind="stable")]  # best first
-        shown = ranked if len(ranked) <= 20 else [*ranked[:10], *ranked[-10:]]
-        named = set(np.asarray(shown).tolist())
+        named = set(ranked[:10].tolist() + ranked[-10:].tolist())  # the best and worst 10: all of up to 20
         for rank, k in enumerate(ranked):
             if k in named:
                 label = f"{ap[i, k]:.3f} {class_names[k]}"

@@ -1,5 +1,4 @@
-"""Callbacks: COCO mAP, error analysis, eval schedule, benchmark, training speed, pictures, curves, interrupt,
-NaN guard."""
+"""Lightning callbacks of the training runs; those in ``__all__`` are importable from here."""
 
 from ssd_lightning.callbacks.analysis import DetectionAnalysis
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback

@@ -207,8 +207,7 @@ class CocoMAPCallback(Callback):
                 payload = ("error", "; ".join(errors))
             else:
                 try:
-                    stats = self._evaluate(gathered, ann_file, out_dir, epoch, sanity)
-                    payload = ("ok", None if sanity else stats)
+                    payload = ("ok", self._evaluate(gathered, ann_file, out_dir, epoch, sanity))
                 except Exception as e:  # tell the other ranks instead of leaving them waiting in broadcast
                     payload, local_error = ("error", f"rank 0: {type(e).__name__}: {e}"), e
         payload = trainer.strategy.broadcast(payload, src=0)

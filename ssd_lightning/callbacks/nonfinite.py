@@ -35,14 +35,12 @@ class NonFiniteGuard(pl.Callback):
         self._counters: torch.Tensor | None = None
         self._reported_losses = 0
 
-    # device counters: consecutive bad losses, bad losses, skipped steps, index of the first bad batch
-    def _reset(self, device: torch.device) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = pl_module.device
+        # device counters: consecutive bad losses, bad losses, skipped steps, index of the first bad batch
         self._counters = torch.tensor([0, 0, 0, -1], dtype=torch.long, device=device)
         self._step_skipped = torch.zeros((), dtype=torch.bool, device=device)
         self._reported_losses = 0
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reset(pl_module.device)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer

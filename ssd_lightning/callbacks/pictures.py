@@ -77,7 +77,6 @@ class PredictionPictures(EvaluationArtifacts):
             return
         for det in outputs["detections"][: self.max_images - len(self._collected)]:
             kept = {k: det[k].detach().cpu() for k in ("boxes", "scores", "labels")}
-            kept["boxes"], kept["scores"] = kept["boxes"].float(), kept["scores"].float()
             self._collected.append({"image_id": int(det["image_id"]), **kept})
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

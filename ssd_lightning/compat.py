@@ -49,8 +49,7 @@ def _supported(package: str) -> str:
     for requirement in requirements:
         found = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*([^;]*)", requirement.split(";")[0].strip())
         if found and found[1] == distribution and found[2]:
-            specifiers = sorted(found[2].split(","), key=lambda s: not s.startswith(">"))
-            return distribution + ",".join(specifiers)
+            return distribution + ",".join(sorted(found[2].split(","), key=lambda s: not s.startswith(">")))
     return f"the {distribution} versions pyproject.toml pins"
 
 

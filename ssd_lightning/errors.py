@@ -11,18 +11,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-__all__ = [
-    "UserError",
-    "ConfigError",
-    "DataError",
-    "MissingDataError",
-    "CheckpointWriteError",
-    "DatasetConflictError",
-    "NonFiniteLossError",
-    "is_user_error",
-    "user_errors_as_messages",
-]
-
 
 class UserError(Exception):
     """Bad configuration, data or environment: the message says which key/file and how to fix it."""

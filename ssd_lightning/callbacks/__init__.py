@@ -1,4 +1,5 @@
-"""Lightning callbacks of the training runs; those in ``__all__`` are importable from here."""
+"""Callbacks: COCO mAP, error analysis, eval schedule, benchmark, training speed, pictures, curves, interrupt,
+NaN guard."""
 
 from ssd_lightning.callbacks.analysis import DetectionAnalysis
 from ssd_lightning.callbacks.coco_map import CocoMAPCallback

@@ -10,10 +10,12 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import Checkpoint
 
 from ssd_lightning.callbacks.throughput import RESULTS_FILENAME, ThroughputBenchmark
@@ -58,8 +60,7 @@ def run_benchmark_task(
     needed = callback.total_iterations
 
     if mode == "training":
-        removed = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, Checkpoint)]
-        if removed:
+        if removed := [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, Checkpoint)]:
             log.info("benchmark_training: not checkpointing (removed %s)", ", ".join(removed))
             trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]
         trainer.limit_val_batches = 0  # no validation (also not the one `should_stop` would trigger)
@@ -78,21 +79,19 @@ def run_benchmark_task(
     return dict(callback.statistics)
 
 
-def config_summary_from_cfg(cfg: Any) -> dict[str, Any]:
+def config_summary_from_cfg(cfg: DictConfig) -> dict[str, Any]:
     """Facts of a composed run config worth recording next to the numbers (plain JSON values)."""
-    net = cfg.model.get("net", {}) if "model" in cfg else {}
-    data = cfg.get("data", {})
     return {
         "task_name": cfg.get("task_name"),
-        "backbone": net.get("backbone"),
-        "width_mult": net.get("width_mult"),
-        "num_classes": net.get("num_classes"),
-        "channels_last": bool(cfg.model.get("channels_last", False)) if "model" in cfg else False,
+        "backbone": OmegaConf.select(cfg, "model.net.backbone"),
+        "width_mult": OmegaConf.select(cfg, "model.net.width_mult"),
+        "num_classes": OmegaConf.select(cfg, "model.net.num_classes"),
+        "channels_last": bool(OmegaConf.select(cfg, "model.channels_last", default=False)),
         "compile": bool(cfg.get("compile", False)),
-        "data": data.get("_target_"),
-        "batch_size": data.get("batch_size"),
-        "eval_batch_size": data.get("eval_batch_size"),
-        "precision": cfg.trainer.get("precision") if "trainer" in cfg else None,
+        "data": OmegaConf.select(cfg, "data._target_"),
+        "batch_size": OmegaConf.select(cfg, "data.batch_size"),
+        "eval_batch_size": OmegaConf.select(cfg, "data.eval_batch_size"),
+        "precision": OmegaConf.select(cfg, "trainer.precision"),
     }
 
 
@@ -105,9 +104,7 @@ def collect_results(root: str | os.PathLike) -> list[dict[str, Any]]:
         {**json.loads(p.read_text(encoding="utf-8")), "path": str(p)}
         for p in sorted(root.rglob(RESULTS_FILENAME))
     ]
-    return sorted(
-        results, key=lambda r: (r["mode"], r["precision"], r["world_size"], r["batch_size_per_device"])
-    )
+    return sorted(results, key=itemgetter("mode", "precision", "world_size", "batch_size_per_device"))
 
 
 SWEEP_COLUMNS = ("mode", "precision", "devices", "batch/device", "img/s median", "img/s mean", "img/s p90",

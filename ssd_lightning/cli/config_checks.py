@@ -57,12 +57,9 @@ def _check_values(p: _Problems) -> None:
     for key in ("data.batch_size", "data.eval_batch_size"):
         p.check(key, lambda v: is_int(v) and v > 0, "must be a positive integer (images per device)")
     # model x data: null reads it from the data (train._num_classes_from_data); synthetic data has nothing
-    if _select(p.cfg, "model.net.num_classes") is None and "num_classes" in (_select(p.cfg, "data") or {}):
-        p.add(
-            "model.net.num_classes",
-            None,
-            "null reads it from annotations or image folders; set it for this data",
-        )
+    key = "model.net.num_classes"
+    if _select(p.cfg, key) is None and "num_classes" in (_select(p.cfg, "data") or {}):
+        p.add(key, None, "null reads it from annotations or image folders; set it for this data")
     # callbacks/eval_schedule.py checks it too; tests/test_configs.py pins it here
     p.check("eval_epochs", increasing_epochs, "must be strictly increasing non-negative 0-based epochs")
     # read by the model's weight files and, as bool(value) ("no" is true), by the Trainer's checkpoint IO
@@ -72,8 +69,7 @@ def _check_values(p: _Problems) -> None:
 def _check_devices(p: _Problems, cuda_device_count: int) -> None:
     accelerator = str(_select(p.cfg, "trainer.accelerator") or "auto")
     devices = _select(p.cfg, "trainer.devices")
-    wants_gpu = accelerator in _GPU_ACCELERATORS
-    if wants_gpu and cuda_device_count == 0:
+    if accelerator in _GPU_ACCELERATORS and cuda_device_count == 0:
         p.add("trainer.accelerator", accelerator, "this machine has no CUDA device; use trainer=cpu")
     elif accelerator in ("auto", *_GPU_ACCELERATORS) and is_int(devices) and devices > 1:
         if cuda_device_count == 0:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -170,9 +171,7 @@ def _detection_batches(dm: CocoDALIDataModule, folder: Path, num_batches: int, n
     return _save_batches(lambda: dm.make_loader("train", with_image_ids=True), folder, num_batches, draw)
 
 
-def _save_batches(
-    make_loader: Callable[[], Iterable[dict]], folder: Path, num_batches: int, draw
-) -> list[Path]:
+def _save_batches(make_loader: Callable[[], Iterable], folder: Path, num_batches: int, draw) -> list[Path]:
     """``batch_<i>.jpg``: the grid of ``draw(i, batch)``'s tiles of the first batches (0: no loader built)."""
     written = []
     for i, batch in enumerate(itertools.islice(make_loader(), num_batches) if num_batches else ()):
@@ -189,14 +188,11 @@ def _inspect_classification(dm: ImageFolderDALIDataModule, out: Path, num_batche
         if split == "val" and not Path(directory).is_dir():
             continue
         classes, files = list_image_folder(Path(directory))
-        counts = np.bincount(np.array([label for _, label in files], dtype=np.int64), minlength=len(classes))
+        counts = Counter(label for _, label in files)
         stats[split] = {
             "folder": str(directory),
             "images": len(files),
-            "classes": [
-                {"label": k, "name": c, "images": int(n)}
-                for k, (c, n) in enumerate(zip(classes, counts, strict=True))
-            ],
+            "classes": [{"label": k, "name": c, "images": counts[k]} for k, c in enumerate(classes)],
         }
     atomic_write_json(out / "data_stats.json", stats)
     _plot_class_counts(stats, out / "data_stats.png")

@@ -30,8 +30,7 @@ def _strategy_name(strategy: Any) -> tuple[str, bool]:
     """A readable name of ``trainer.strategy`` and whether Lightning spawns its workers from this process."""
     if isinstance(strategy, DictConfig | dict):
         target = str(strategy.get("_target_", ""))
-        start_method = str(strategy.get("start_method", "popen"))
-        return target.rsplit(".", 1)[-1] or "?", start_method in _SPAWNING
+        return target.rsplit(".", 1)[-1] or "?", str(strategy.get("start_method", "popen")) in _SPAWNING
     name = str(strategy)
     return name, any(word in name for word in (*_SPAWNING, "notebook"))
 

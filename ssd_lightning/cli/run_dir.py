@@ -76,10 +76,7 @@ def stored_config(run: Path, key: str) -> DictConfig:
     cfg = OmegaConf.load(file)
     if moved := update_moved_targets(cfg):
         log.info(
-            "%s: %s point(s) at classes that have moved since the run was written: %s",
-            file,
-            len(moved),
-            moved,
+            f"{file}: {len(moved)} point(s) at classes that have moved since the run was written: {moved}"
         )
     return cfg
 
@@ -166,11 +163,10 @@ def resolve_run_reference(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     merged = apply_overrides(stored_config(run, key), overrides, key, dict(choices or {}))
     if run_dir and merged.get("task") == "fit":
         raise ConfigError(f"run_dir={run} evaluates a run: add task=validate (resume={run} continues it)")
-    explicit_ckpt = any(o.lstrip("+").startswith("ckpt_path=") for o in overrides)
     merged.resume = str(run) if resume else None
     merged.run_dir = str(run) if run_dir else None
     merged.paths.output_dir = cfg.paths.output_dir  # this invocation's (for resume= the run's own)
-    if not explicit_ckpt:
+    if not any(o.lstrip("+").startswith("ckpt_path=") for o in overrides):  # else the given one wins
         names = ("last.ckpt",) if resume else ("best.ckpt", "last.ckpt")
         found = [run / "checkpoints" / n for n in names if (run / "checkpoints" / n).is_file()]
         if not found:

@@ -10,6 +10,7 @@ import csv
 import fnmatch
 import io
 import json
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -26,15 +27,6 @@ from ssd_lightning.metrics_csv import read_last_metrics
 from ssd_lightning.tables import markdown_table
 
 RECORD_NAME = "job_summary.json"
-
-
-def _to_float(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def launcher_rank() -> int:
@@ -123,9 +115,9 @@ class SweepSummary(Callback):
         optimized = config.get("optimized_metric")
         error = None
         if job_return.status == JobStatus.COMPLETED:
-            returned = _to_float(job_return.return_value)
-            if optimized and returned is not None:
-                metrics[optimized] = returned  # what train() returned is the reference value
+            returned = job_return.return_value  # train.main's: a float or None
+            if optimized and isinstance(returned, numbers.Real) and not isinstance(returned, bool):
+                metrics[optimized] = float(returned)  # what train() returned is the reference value
         else:
             exc = compat.job_return_value(job_return)  # the property re-raises for failed jobs
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

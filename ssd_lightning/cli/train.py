@@ -64,9 +64,7 @@ def _silence_known_harmless_warnings() -> None:
 
 def instantiate_group(group: DictConfig | None) -> list:
     """Instantiate every entry of a ``callbacks``/``logger`` group that has a ``_target_``."""
-    if not group:
-        return []
-    return [hydra.utils.instantiate(entry) for entry in group.values() if entry and "_target_" in entry]
+    return [hydra.utils.instantiate(item) for item in (group or {}).values() if item and "_target_" in item]
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -289,13 +287,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _print_summary(cfg: DictConfig, trainer: pl.Trainer, metrics: dict[str, float], elapsed: float) -> None:
-    out = Path(cfg.paths.output_dir)
-    lines = [f"{cfg.task} finished in {elapsed / 60:.1f} min. Outputs in {out}"]
+    lines = [f"{cfg.task} finished in {elapsed / 60:.1f} min. Outputs in {Path(cfg.paths.output_dir)}"]
     key = cfg.get("optimized_metric")
     if key and key in metrics:
         lines.append(f"  {key} = {metrics[key]:.4f}")
-    ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "")
-    if ckpt:
+    if ckpt := getattr(trainer.checkpoint_callback, "last_model_path", ""):
         lines.append(f"  last checkpoint: {ckpt}")
     lines += [f"  {type(logger).__name__}: {logger.log_dir}" for logger in trainer.loggers]
     log.info("\n".join(lines))

@@ -28,10 +28,8 @@ def check_state_dict(
         if k in state and tuple(state[k].shape) != tuple(v.shape)
     )
     if missing or unexpected or mismatched:
-        parts = zip(
-            ("missing", "unexpected", "shape mismatch"), (missing, unexpected, mismatched), strict=True
-        )
-        listed = "; ".join(_listed(label, items) for label, items in parts)
+        kinds = {"missing": missing, "unexpected": unexpected, "shape mismatch": mismatched}
+        listed = "; ".join(_listed(label, items) for label, items in kinds.items())
         raise ValueError(f"{source} does not fit {target}: {listed}" + (f". {hint}" if hint else ""))
 
 

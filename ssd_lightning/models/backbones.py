@@ -93,11 +93,8 @@ def resnet_backbone(name: str, *, weights: str | None = None) -> ResNetBackbone:
 
 def zero_init_resnet_blocks(module: nn.Module) -> int:
     """Zero every ResNet block's last BatchNorm scale (torchvision's ``zero_init_residual``); how many."""
-    norms = [
-        b.bn2 if isinstance(b, BasicBlock) else b.bn3
-        for b in module.modules()
-        if isinstance(b, BasicBlock | Bottleneck)
-    ]
+    blocks = [b for b in module.modules() if isinstance(b, BasicBlock | Bottleneck)]
+    norms = [b.bn2 if isinstance(b, BasicBlock) else b.bn3 for b in blocks]
     for norm in norms:
         nn.init.zeros_(norm.weight)
     return len(norms)

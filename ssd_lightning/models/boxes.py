@@ -16,17 +16,6 @@ import torch
 from torch import Tensor
 from torchvision.ops import box_convert
 
-__all__ = [
-    "BoxCoder",
-    "DecoderSettings",
-    "DefaultBoxes",
-    "box_iou",
-    "dboxes300_coco",
-    "match_boxes",
-    "scale_to_pixels",
-    "cxcywh_to_ltrb",
-]
-
 
 @dataclass(frozen=True, eq=False)
 class DecoderSettings(Mapping):
@@ -262,13 +251,11 @@ class BoxCoder:
         n_box = len(self.default_boxes)
         if locs.ndim != 3 or locs.shape[1] != 4 or locs.shape[2] != n_box:
             raise ValueError(f"locs must have shape (N, 4, {n_box}), got {tuple(locs.shape)}")
-        if logits.ndim != 3 or logits.shape[0] != locs.shape[0] or logits.shape[2] != n_box:
-            raise ValueError(
-                f"logits must have shape ({locs.shape[0]}, C, {n_box}), got {tuple(logits.shape)}"
-            )
+        n_img = locs.shape[0]
+        if logits.ndim != 3 or logits.shape[0] != n_img or logits.shape[2] != n_box:
+            raise ValueError(f"logits must have shape ({n_img}, C, {n_box}), got {tuple(logits.shape)}")
         DecoderSettings(score_thresh, nms_iou, topk_per_class, max_detections)  # validates
-        n_img, n_cls, _ = logits.shape
-        n_fg = n_cls - 1
+        n_fg = logits.shape[1] - 1
         device = locs.device
         boxes = self.decode_boxes(locs)  # (N, B, 4)
 

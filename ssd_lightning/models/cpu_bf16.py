@@ -23,11 +23,8 @@ class Float32Conv2d(nn.Conv2d):
 
 def run_strided_depthwise_in_float32(net: nn.Module) -> int:
     """Make every strided depthwise ``nn.Conv2d`` of ``net`` a :class:`Float32Conv2d`; returns how many."""
-    layers = [
-        m
-        for m in net.modules()
-        if type(m) is nn.Conv2d and m.groups == m.in_channels > 1 and max(m.stride) > 1
-    ]
+    convs = [m for m in net.modules() if type(m) is nn.Conv2d]
+    layers = [c for c in convs if c.groups == c.in_channels > 1 and max(c.stride) > 1]
     for layer in layers:
         layer.__class__ = Float32Conv2d
     return len(layers)

@@ -63,6 +63,5 @@ class SSDLoss(nn.Module):
                 selected = rank < num_neg[:, None]
             conf_loss = torch.where(positive | selected, ce, torch.zeros_like(ce)).sum(dim=1)
 
-            has_pos = num_pos > 0
-            per_image = (loc_loss + conf_loss) * has_pos.float() / num_pos.float().clamp(min=1e-6)
+            per_image = (loc_loss + conf_loss) * (num_pos > 0).float() / num_pos.float().clamp(min=1e-6)
             return per_image.mean(dim=0)

@@ -48,18 +48,14 @@ def _validate_setting(setting: object) -> list[list[int]]:
     if not setting:
         raise ValueError(f"{name} must not be empty; give at least one [t, c, n, s] row")
     rows = [list(row) if _is_list(row) else row for row in setting]
-    for i, values in enumerate(rows):
-        ints = isinstance(values, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in values
-        )
-        if not ints or len(values) != 4:
-            raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {values!r}")
-        if min(values[:3]) < 1:
-            raise ValueError(
-                f"{name}[{i}] = {values}: expansion t, channels c and repeats n must be positive"
-            )
-        if values[3] not in (1, 2):
-            raise ValueError(f"{name}[{i}] = {values}: stride s must be 1 or 2, got {values[3]}")
+    for i, row in enumerate(rows):
+        ints = isinstance(row, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in row)
+        if not ints or len(row) != 4:
+            raise ValueError(f"{name}[{i}] must be a [t, c, n, s] list of 4 ints, got {row!r}")
+        if min(row[:3]) < 1:
+            raise ValueError(f"{name}[{i}] = {row}: expansion t, channels c and repeats n must be positive")
+        if row[3] not in (1, 2):
+            raise ValueError(f"{name}[{i}] = {row}: stride s must be 1 or 2, got {row[3]}")
     return rows
 
 

@@ -27,7 +27,6 @@ def nvidia_state_dict(
     with torch.device("meta"):
         expected = ssd300(backbone=backbone, num_classes=num_classes).state_dict()
     target = f"ssd300(backbone={backbone!r}, num_classes={num_classes})"
-    check_state_dict(
-        expected, state, source=source, target=target, hint="Check the backbone and num_classes arguments"
-    )
+    hint = "Check the backbone and num_classes arguments"
+    check_state_dict(expected, state, source=source, target=target, hint=hint)
     return {k: state[k] for k in expected}

@@ -157,8 +157,7 @@ class RecipeModule(pl.LightningModule):
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         if on_cpu and getattr(trainer, "precision", None) == "bf16-mixed":
             nets = [self.net] + ([self.ema.module] if self.ema is not None else [])
-            changed = sum(run_strided_depthwise_in_float32(net) for net in nets)
-            if changed:
+            if changed := sum(run_strided_depthwise_in_float32(net) for net in nets):
                 log.info("CPU bf16: %d strided depthwise convolutions run in float32 (faster there)", changed)
 
     def setup(self, stage: str) -> None:
@@ -173,16 +172,12 @@ class RecipeModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         """``model.init_from`` on every rank before the sanity check (and the EMA); not when resuming."""
-        path = self.hparams.init_from
+        path, ckpt = self.hparams.init_from, self.trainer.ckpt_path
         if path is None:
             return
-        if self.trainer.ckpt_path:
+        if ckpt:
             if self.trainer.is_global_zero:
-                log.info(
-                    "model.init_from=%s not applied: resuming from %s, whose weights win",
-                    path,
-                    self.trainer.ckpt_path,
-                )
+                log.info("model.init_from=%s not applied: resuming from %s, whose weights win", path, ckpt)
             return
         trust = self.hparams.trust_checkpoint
         init_from_checkpoint(self.net, path, trust_checkpoint=trust, log_summary=self.trainer.is_global_zero)

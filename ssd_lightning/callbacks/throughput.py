@@ -271,41 +271,47 @@ class ThroughputBenchmark(pl.Callback):
         memory, memory_kind = peak_memory(device)
         memory = int(gather_rows(trainer, [memory], torch.int64, device).max())  # the largest rank's
         self.statistics = {**throughput_statistics(times, batches), "peak_memory_mib": memory / 2**20}
-        net, summary = getattr(pl_module, "net", None), self.config_summary
+        self.results = self._describe(trainer, pl_module, batches, (memory, memory_kind))
+        if trainer.is_global_zero:
+            out_dir = self.output_dir or Path(trainer.default_root_dir)
+            path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
+            if self.print_table:
+                print(format_table(self.results) + f"\nwritten to {path}", flush=True)
+
+    def _describe(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: Tensor, memory: tuple[int, str]
+    ) -> dict[str, Any]:
+        net, statistics = getattr(pl_module, "net", None), self.statistics
+        summary, device = self.config_summary, pl_module.device
         # what ran, not the config: compiled in place (module.compile()) or wrapped (torch.compile(module))
         modules = [m for m in (pl_module, net) if m is not None]
         compiled = any(
             compat.is_compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in modules
         )
-        self.results = {
+        return {
             "mode": self.mode,
             "model": type(pl_module).__name__,
             "net": type(net).__name__ if net is not None else None,
             "backbone": summary.get("backbone", getattr(net, "backbone_name", None)),
             "batch_size_per_device": int(Counter(batches.flatten().tolist()).most_common(1)[0][0]),
-            "global_batch_size": self.statistics["global_batch_size"],
+            "global_batch_size": statistics["global_batch_size"],
             "world_size": int(trainer.world_size),
             "precision": str(trainer.precision),
             "channels_last": bool(summary.get("channels_last", getattr(pl_module, "channels_last", False))),
             "compile": compiled,
             "include_data_loading": self.include_data_loading,
             "warmup": self.warmup,
-            "iterations": int(self.statistics["iterations"]),
+            "iterations": int(statistics["iterations"]),
             "device": device.type,
             "device_name": device_name(device),
             "torch_version": torch.__version__,
             "dali_version": dali_version(),
-            "peak_memory_bytes": memory,
-            "peak_memory_kind": memory_kind,
-            "statistics": self.statistics,
+            "peak_memory_bytes": memory[0],
+            "peak_memory_kind": memory[1],
+            "statistics": statistics,
             "config": {k: v for k, v in summary.items() if _is_jsonable(v)},
             "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
-        if trainer.is_global_zero:
-            out_dir = self.output_dir or Path(trainer.default_root_dir)
-            path = atomic_write_json(out_dir / RESULTS_FILENAME, self.results, indent=2)
-            if self.print_table:
-                print(format_table(self.results) + f"\nwritten to {path}", flush=True)
 
     # Lightning hooks: the train loop measures training; the validation and predict loops, inference
     on_train_start = _measuring("training", _reset)
